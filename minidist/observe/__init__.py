@@ -1,0 +1,1 @@
+"""Observability: the flight recorder, traces, metrics and throughput."""

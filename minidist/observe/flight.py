@@ -1,0 +1,73 @@
+"""Flight recorder: each rank's last few collective calls, kept in shared memory.
+
+When a distributed job hangs, the question is always "what was every rank
+doing?". The answer must be readable even for a rank that cannot answer: one
+that is stopped (SIGSTOP), spinning in a loop, or dead. So every rank writes
+a record of each collective call (op, group, sequence number, bytes, state,
+start and end time; see runtime/call.py) into its own ring of R slots in the
+job's shared memory, and any rank can read every ring.
+
+One rank's view:
+    1. on entering a call: write the record into slot pos % R with state
+       "started", then advance pos;
+    2. on leaving it: set the same slot's state to "done" (or "failed") and
+       its end time;
+    3. on a timeout: read all rings and print them (`render`).
+
+Cost: two small writes into shared memory per call; no communication.
+
+Reference: the idea (and the name) follow PyTorch's NCCL flight recorder.
+Read next: observe/trace.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from minidist.runtime import call
+
+DEPTH = 16                      # calls remembered per rank
+
+
+class FlightRecorder:
+    """The rings of every rank, `rings` (W, DEPTH, NFIELDS) int64 and `pos` (W,),
+    both in shared memory; this rank writes only its own row."""
+
+    def __init__(self, rings: np.ndarray, pos: np.ndarray, rank: int):
+        self.rings, self.pos, self.rank = rings, pos, rank
+        self._slot = -1
+
+    def start(self, rec: np.ndarray) -> None:
+        p = int(self.pos[self.rank])
+        self._slot = p % DEPTH
+        row = self.rings[self.rank, self._slot]
+        row[:] = rec
+        row[call.STATE], row[call.T_START], row[call.T_END] = call.STARTED, time.time_ns(), 0
+        self.pos[self.rank] = p + 1
+
+    def finish(self, state: int = call.DONE) -> None:
+        row = self.rings[self.rank, self._slot]
+        row[call.T_END], row[call.STATE] = time.time_ns(), state
+
+    def last(self, rank: int, k: int = 4) -> list[np.ndarray]:
+        """The k most recent records of `rank`, oldest first."""
+        p = int(self.pos[rank])
+        return [self.rings[rank, i % DEPTH].copy() for i in range(max(0, p - k), p)]
+
+    def render(self, ranks, names: dict[int, str], k: int = 4) -> str:
+        """Text table of the last k calls of each rank in `ranks` (global ranks)."""
+        now = time.time_ns()
+        lines = ["flight recorder (last calls per rank, oldest first):"]
+        for r in ranks:
+            recs = self.last(r, k)
+            if not recs:
+                lines.append(f"  rank {r}: no collective calls yet")
+            for rec in recs:
+                state = call.STATE_NAMES[int(rec[call.STATE])]
+                end = rec[call.T_END] if rec[call.T_END] else now
+                ms = (end - rec[call.T_START]) / 1e6
+                lines.append(f"  rank {r}: {call.describe(rec, names):<60} {int(rec[call.NBYTES]):>10} B"
+                             f"  {state:<7} {ms:9.1f} ms")
+        return "\n".join(lines)

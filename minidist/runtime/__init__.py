@@ -1,0 +1,13 @@
+"""The rank runtime: launching ranks, the shared-memory wire, groups and meshes.
+
+Read in this order: launch.py, shm.py, wait.py, p2p.py, call.py, group.py, world.py, mesh.py.
+"""
+
+from minidist.runtime.errors import CollectiveMismatch, CollectiveTimeout, RankFailure
+from minidist.runtime.group import ProcessGroup, SharedBuffer, Work
+from minidist.runtime.launch import RankContext, init, run_script, spawn
+from minidist.runtime.world import get_rank, get_world_size, is_initialized, new_group, world
+
+__all__ = ["CollectiveMismatch", "CollectiveTimeout", "RankFailure", "ProcessGroup",
+           "SharedBuffer", "Work", "RankContext", "init", "run_script", "spawn", "get_rank",
+           "get_world_size", "is_initialized", "new_group", "world"]

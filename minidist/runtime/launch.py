@@ -1,0 +1,274 @@
+"""Launching ranks: one OS process per rank, and what happens when one fails.
+
+`spawn(W, fn, *args)` maps the job's shared arena (runtime/shm.py), forks W
+processes and runs `fn(ctx, *args)` in each, where `ctx` carries the rank,
+the world size and the world group. It returns the W results in rank order.
+`python -m minidist run -n W script.py` does the same for a script that
+calls `minidist.init()` (the torchrun of minidist).
+
+Failure semantics (the heart of the runtime):
+    a rank raises        it marks itself FAILED on the job board, which raises
+                         the job's abort flag; every rank waiting in a
+                         collective sees the flag within ~1 ms and raises
+                         RankFailure; ranks not waiting are SIGKILLed after
+                         GRACE seconds. spawn raises RankFailure naming the
+                         first failed rank, with its traceback.
+    a rank is killed     the launcher reaps it (its process sentinel wakes the
+                         launcher at once), marks it DEAD with the signal, and
+                         the same happens.
+    a rank hangs         the others reach their deadline and raise
+                         CollectiveTimeout with a flight-recorder report.
+    the launcher dies    each rank asked the kernel (PR_SET_PDEATHSIG) to be
+                         killed with it, and every wait also checks its parent.
+Nothing is left behind: the arena has no name, so the kernel frees it with
+the last process; spawn joins (or kills) every child before it returns.
+
+One rank's view, after fn returns: wait for its async work, meet the other
+ranks at a final barrier ("exit" call; a rank still inside a collective sees
+a mismatch instead of a hang), then check that no message is left unread
+in any of its mailboxes (a message nobody received is a mismatch).
+
+Read next: runtime/group.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import multiprocess as mp
+import multiprocess.connection
+
+from minidist.runtime import call
+from minidist.runtime.errors import CollectiveMismatch, RankFailure
+from minidist.runtime.group import ProcessGroup
+from minidist.runtime.job import DEAD, DONE, EXITING, FAILED, RUNNING, JobBoard
+from minidist.runtime.p2p import CHUNK_OFF
+from minidist.runtime.shm import Arena, strong_ordering
+from minidist.runtime.threads import pin_blas_threads
+from minidist.runtime.world import Job, RuntimeConfig, current_job, is_initialized, set_job
+
+GRACE = 1.0           # seconds between the first failure and SIGKILL of ranks still running
+
+
+@dataclass
+class RankContext:
+    """What `fn(ctx, ...)` receives on each rank."""
+    rank: int
+    world_size: int
+    world: ProcessGroup
+    job: Job
+
+    def new_group(self, ranks, name: str | None = None) -> ProcessGroup | None:
+        return self.job.new_group(ranks, name)
+
+
+def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
+          collective_timeout: float | None = None, join_timeout: float | None = None,
+          **kwargs: Any) -> list[Any]:
+    """Run fn(ctx, *args, **kwargs) on `world_size` forked ranks; return results in rank order.
+
+    collective_timeout: seconds any single wait may take (default MINIDIST_TIMEOUT or 60).
+    join_timeout: seconds the whole run may take (default: no limit).
+    Raises RankFailure if any rank fails (see the module docstring).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"spawn: world_size must be a positive int, got {world_size!r}")
+    if not callable(fn):
+        raise ValueError(f"spawn: fn must be callable, got {type(fn).__name__}")
+    cfg = (RuntimeConfig(world_size) if collective_timeout is None
+           else RuntimeConfig(world_size, timeout=collective_timeout))
+    ctx = mp.get_context("fork")            # ranks inherit the arena mapping
+    lock = None if strong_ordering() else ctx.Lock()
+    arena = Arena(cfg.arena_bytes())
+    board = JobBoard(Arena(cfg.board_bytes(), arena.buf, 0), world_size, cfg.max_groups,
+                     os.getpid())
+    procs, readers = [], []
+    for r in range(world_size):
+        rd, wr = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank_main, name=f"minidist-rank{r}",
+                        args=(r, cfg, arena, lock, os.getpid(), wr, fn, args, kwargs))
+        procs.append(p)
+        readers.append((rd, wr))
+    try:
+        for p in procs:
+            p.start()
+        for _, wr in readers:
+            wr.close()
+        return _supervise(procs, [rd for rd, _ in readers], board, join_timeout)
+    finally:
+        _kill(procs)
+
+
+def _rank_main(rank, cfg, arena, lock, launcher_pid, conn, fn, args, kwargs) -> None:
+    _die_with_parent(launcher_pid)
+    pin_blas_threads(1)
+    job = Job(cfg, arena, rank, launcher_pid, lock)
+    set_job(job)
+    job.board.status[rank] = RUNNING
+    try:
+        result = fn(RankContext(rank, cfg.world_size, job.world, job), *args, **kwargs)
+        _finish(job)
+        job.board.mark(rank, DONE)
+        msg = ("ok", result)
+    except BaseException as e:                       # noqa: BLE001 -- reported, not swallowed
+        job.board.mark(rank, FAILED)
+        msg = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+    try:
+        conn.send(msg)
+    except Exception as e:                           # e.g. an unpicklable result
+        job.board.mark(rank, FAILED)
+        conn.send(("error", f"could not send rank {rank}'s result to the launcher: "
+                   f"{type(e).__name__}: {e}", traceback.format_exc()))
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass                                         # not Linux: waits still check the parent
+    if os.getppid() != launcher_pid:
+        os._exit(1)
+
+
+def _finish(job: Job) -> None:
+    """After fn returns: drain async work, meet at an exit barrier, check mailboxes."""
+    for g in job.groups:
+        if g is not None:
+            g.drain()
+    job.board.status[job.rank] = EXITING
+    with job.world.collective("exit", None):
+        job.world.barrier()
+    for g in job.groups:
+        if g is None:
+            continue
+        for src, ch in g.mail.inc.items():
+            if int(ch.ctr[0]) > ch.done:
+                h = ch.hdr[ch.done % ch.nslots]
+                raise CollectiveMismatch(
+                    f"{g.prefix} finished with an unread message from rank {src} of group "
+                    f"'{g.name}', sent in [{call.describe(h[:call.NFIELDS], g.group_names)}] "
+                    f"(chunk at byte {int(h[CHUNK_OFF])}). This rank never received it: the "
+                    "ranks made different calls.")
+
+
+def _supervise(procs, readers, board: JobBoard, join_timeout: float | None) -> list[Any]:
+    W = len(procs)
+    results: list[Any] = [None] * W
+    failures: dict[int, str] = {}
+    tracebacks: dict[int, str] = {}
+    reported: set[int] = set()
+    live = {p.sentinel: r for r, p in enumerate(procs)}
+    pending = {rd: r for r, rd in enumerate(readers)}
+    start, kill_at = time.monotonic(), None
+    while live or pending:
+        for obj in multiprocess.connection.wait(list(pending) + list(live), timeout=0.05):
+            if obj in pending:
+                r = pending.pop(obj)
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):
+                    continue
+                reported.add(r)
+                if msg[0] == "ok":
+                    results[r] = msg[1]
+                else:
+                    failures[r], tracebacks[r] = msg[1], msg[2]
+            else:
+                r = live.pop(obj)
+                procs[r].join()
+                reader = readers[r]
+                if reader in pending and reader.poll():
+                    live[obj] = r                   # read its last message first, next round
+                    continue
+                pending.pop(reader, None)
+                if r not in reported:
+                    failures[r] = _death_text(procs[r].exitcode)
+                    board.mark(r, DEAD, procs[r].exitcode or 1)
+        now = time.monotonic()
+        if failures and kill_at is None:
+            kill_at = now + GRACE
+        if kill_at is not None and now >= kill_at:
+            _kill(procs)
+        if join_timeout is not None and now - start > join_timeout and (live or pending):
+            _kill(procs)
+            raise RankFailure(f"spawn: the job did not finish within join_timeout="
+                              f"{join_timeout:g} s; all ranks were killed.", rank=-1)
+    if failures:
+        raise _failure(board, failures, tracebacks, W)
+    return results
+
+
+def _death_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code} without reporting a result"
+
+
+def _failure(board, failures, tracebacks, W) -> RankFailure:
+    first = board.first_failed()
+    if first is None or first not in failures:
+        first = min(failures)
+    others = sorted(set(failures) - {first})
+    msg = (f"rank {first} of {W} failed; the other ranks were stopped.\n  {failures[first]}")
+    if others:
+        msg += f"\n  (ranks {others} stopped as a consequence)"
+    if first in tracebacks:
+        msg += f"\n  (traceback from rank {first} follows)\n{tracebacks[first]}"
+    return RankFailure(msg, rank=first, failures=failures)
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        if p.pid is not None:
+            p.join()
+
+
+def init() -> RankContext:
+    """In a script run by `python -m minidist run`, return this rank's context;
+    in a plain Python process, start a one-rank job and return its context."""
+    if not is_initialized():
+        cfg = RuntimeConfig(1)
+        set_job(Job(cfg, Arena(cfg.arena_bytes()), 0, os.getppid()))
+    job = current_job()
+    return RankContext(job.rank, job.cfg.world_size, job.world, job)
+
+
+def _script_on_rank(ctx: RankContext, path: str, argv: list[str]) -> int:
+    sys.argv = [path, *argv]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    return 0
+
+
+def run_script(world_size: int, path: str, argv: list[str],
+               collective_timeout: float | None = None) -> int:
+    """`python -m minidist run -n W script.py args`: returns the process exit code."""
+    if not os.path.isfile(path):
+        raise ValueError(f"run: no such script {path!r}")
+    try:
+        spawn(world_size, _script_on_rank, os.path.abspath(path), list(argv),
+              collective_timeout=collective_timeout)
+    except RankFailure as e:
+        print(f"minidist run: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,185 @@
+"""Point-to-point messages over shared memory: send, recv and sendrecv.
+
+Every ordered pair of ranks (src -> dst) in a group owns a mailbox: a ring of
+`nslots` fixed-size slots and two counters, `head` (chunks the sender has
+published, written only by src) and `tail` (chunks the receiver has consumed,
+written only by dst). One writer per counter, so no locks:
+
+    sender, chunk i:   wait until i - tail < nslots      (a slot is free)
+                       write header + payload into slot i % nslots
+                       head = i + 1                      (publish)
+    receiver, chunk i: wait until head > i               (a chunk is there)
+                       check the header, copy (or reduce) the payload out
+                       tail = i + 1                      (free the slot)
+
+A message larger than a slot is cut into chunks that flow through the ring,
+so the sender fills slot k+1 while the receiver drains slot k (pipelining).
+`sendrecv` advances its send and its receive together, chunk by chunk, so a
+ring of ranks that all send right and receive left cannot deadlock even when
+messages are many slots long.
+
+Every slot carries a header: the sender's call record (runtime/call.py) and
+the message's byte count and dtype. The receiver compares them with its own
+call and its `out` buffer before it touches the payload; any difference is a
+CollectiveMismatch that names both calls, never silent garbage.
+
+Cost per message of N bytes: one copy in (sender) and one copy out (receiver),
+about N/slot_bytes counter handshakes. Zero-copy reads of a peer's buffer are
+in runtime/group.py (`shared`).
+
+Read next: runtime/group.py
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from minidist.runtime import call
+from minidist.runtime.errors import CollectiveMismatch
+from minidist.runtime.shm import Arena, Ordering
+from minidist.runtime.wait import wait_until
+
+HDR = 32                                  # int64 header fields per slot
+MSG_NBYTES, MSG_DTYPE, CHUNK_OFF, CHUNK_NBYTES = 16, 17, 18, 19
+
+
+class Channel:
+    """One direction of one pair: counters, headers and slots in shared memory."""
+
+    def __init__(self, arena: Arena, nslots: int, slot_bytes: int):
+        self.nslots, self.slot_bytes = nslots, slot_bytes
+        self.ctr = arena.view(arena.alloc(128, "counters"), np.int64, 16)   # [0] head, [8] tail
+        self.hdr = arena.view(arena.alloc(8 * HDR * nslots, "headers"), np.int64, HDR * nslots)
+        self.hdr = self.hdr.reshape(nslots, HDR)
+        data = arena.view(arena.alloc(nslots * slot_bytes, "slots"), np.uint8,
+                          nslots * slot_bytes)
+        self.data = data.reshape(nslots, slot_bytes)
+        self.done = 0                      # chunks this rank sent (or received) so far
+
+
+def byte_view(x: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, flat, without a copy."""
+    return x.reshape(-1).view(np.uint8)
+
+
+class Mailboxes:
+    """This rank's outgoing and incoming channels in one group, and the
+    operations on them. `link` is the owning group: it supplies the current
+    call record, the timeout, and the watcher for stalled waits."""
+
+    def __init__(self, link, arena: Arena, rank: int, size: int, nslots: int,
+                 slot_bytes: int, ordering: Ordering):
+        self.link, self.ordering = link, ordering
+        self.out: dict[int, Channel] = {}
+        self.inc: dict[int, Channel] = {}
+        for src in range(size):            # identical allocation order on every rank
+            for dst in range(size):
+                if src != dst:
+                    ch = Channel(arena, nslots, slot_bytes)
+                    if src == rank:
+                        self.out[dst] = ch
+                    if dst == rank:
+                        self.inc[src] = ch
+        self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0}
+
+    # --- one chunk at a time ---
+    def _can_push(self, ch: Channel) -> bool:
+        return ch.done - self.ordering.load(ch.ctr, 8) < ch.nslots
+
+    def _push(self, ch: Channel, payload: np.ndarray, off: int, total: int, dtc: int) -> None:
+        k = ch.done % ch.nslots
+        h = ch.hdr[k]
+        h[:call.NFIELDS] = self.link.record
+        h[MSG_NBYTES], h[MSG_DTYPE], h[CHUNK_OFF], h[CHUNK_NBYTES] = total, dtc, off, len(payload)
+        ch.data[k, :len(payload)] = payload
+        ch.done += 1
+        self.ordering.store(ch.ctr, 0, ch.done)
+
+    def _can_pop(self, ch: Channel) -> bool:
+        return self.ordering.load(ch.ctr, 0) > ch.done
+
+    def _pop(self, ch: Channel, src: int, out: np.ndarray, flat: np.ndarray,
+             combine: Callable | None) -> None:
+        k = ch.done % ch.nslots
+        h = ch.hdr[k]
+        if h[CHUNK_OFF] == 0:
+            self._check_header(h, src, out)
+        off, n = int(h[CHUNK_OFF]), int(h[CHUNK_NBYTES])
+        if combine is None:
+            flat[off:off + n] = ch.data[k, :n]
+        else:                                  # reduce straight out of the slot, no temporary
+            isz = out.itemsize
+            dst = out.reshape(-1)[off // isz:(off + n) // isz]
+            combine(dst, ch.data[k, :n].view(out.dtype), out=dst)
+        ch.done += 1
+        self.ordering.store(ch.ctr, 8, ch.done)
+
+    def _check_header(self, h: np.ndarray, src: int, out: np.ndarray) -> None:
+        mine = self.link.record
+        theirs = h[:call.NFIELDS]
+        p2p = mine[call.OP] == call.encode("p2p") and theirs[call.OP] == mine[call.OP]
+        same = p2p or call.same_call(theirs, mine)
+        if same and h[MSG_NBYTES] == out.nbytes and h[MSG_DTYPE] == call.dtype_code(out.dtype):
+            return
+        names = self.link.group_names
+        raise CollectiveMismatch(
+            f"{self.link.prefix} rank {src} of group '{self.link.name}' sent a message of "
+            f"{int(h[MSG_NBYTES])} B {call.dtype_name(int(h[MSG_DTYPE]))} from call "
+            f"[{call.describe(theirs, names)}] while this rank expected {out.nbytes} B "
+            f"{out.dtype} in call [{call.describe(mine, names)}]. The ranks called different "
+            "collectives (or the same one with different arguments) at this point.")
+
+    # --- whole messages ---
+    def send(self, x: np.ndarray, dst: int) -> None:
+        ch, data = self.out[dst], byte_view(x)
+        total, dtc, step = len(data), call.dtype_code(x.dtype), ch.slot_bytes
+        for off in range(0, max(total, 1), step):
+            if not self._can_push(ch):
+                self._wait(lambda: self._can_push(ch), dst, "send to")
+            self._push(ch, data[off:off + step], off, total, dtc)
+        self._count(total)
+
+    def recv(self, src: int, out: np.ndarray, combine: Callable | None = None) -> np.ndarray:
+        ch, flat = self.inc[src], byte_view(out)
+        for _ in range(max(1, -(-out.nbytes // ch.slot_bytes))):
+            if not self._can_pop(ch):
+                self._wait(lambda: self._can_pop(ch), src, "receive from")
+            self._pop(ch, src, out, flat, combine)
+        self.stats["bytes_recv"] += out.nbytes
+        return out
+
+    def sendrecv(self, x: np.ndarray, dst: int, src: int, out: np.ndarray,
+                 combine: Callable | None = None) -> np.ndarray:
+        och, ich = self.out[dst], self.inc[src]
+        data, flat = byte_view(x), byte_view(out)
+        total, dtc, step = len(data), call.dtype_code(x.dtype), och.slot_bytes
+        offs = list(range(0, max(total, 1), step))
+        n_in = max(1, -(-out.nbytes // ich.slot_bytes))
+        s = r = 0
+        while s < len(offs) or r < n_in:
+            moved = False
+            if s < len(offs) and self._can_push(och):
+                self._push(och, data[offs[s]:offs[s] + step], offs[s], total, dtc)
+                s, moved = s + 1, True
+            if r < n_in and self._can_pop(ich):
+                self._pop(ich, src, out, flat, combine)
+                r, moved = r + 1, True
+            if not moved:
+                def ready():
+                    return ((s < len(offs) and self._can_push(och))
+                            or (r < n_in and self._can_pop(ich)))
+                peer = src if r < n_in else dst
+                self._wait(ready, peer, "exchange with")
+        self._count(total)
+        self.stats["bytes_recv"] += out.nbytes
+        return out
+
+    def _count(self, nbytes: int) -> None:
+        self.stats["bytes_sent"] += nbytes
+        self.stats["messages_sent"] += 1
+
+    def _wait(self, ready: Callable[[], bool], peer: int, what: str) -> None:
+        link = self.link
+        wait_until(ready, link.watch(peer, ready, what), link.timeout, link.spin)

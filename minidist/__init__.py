@@ -8,3 +8,9 @@ Reading order (each module's docstring says what to read next):
     5. autograd/, nn/, optim/  the tiny autograd and the GPT model
     6. baseline.py             single-process training: the ground truth
 """
+
+from minidist.runtime import (CollectiveMismatch, CollectiveTimeout, RankFailure, get_rank,
+                              get_world_size, init, new_group, spawn)
+
+__all__ = ["CollectiveMismatch", "CollectiveTimeout", "RankFailure", "get_rank",
+           "get_world_size", "init", "new_group", "spawn"]

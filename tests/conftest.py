@@ -1,0 +1,33 @@
+"""Every test is checked for leaks: no child process and no new /dev/shm entry after it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from tests.helpers import child_pids, shm_entries
+
+# One BLAS thread in the test process too (ranks pin theirs in runtime/launch.py).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before_shm = shm_entries()
+    before_kids = set(child_pids())
+    yield
+    deadline = time.monotonic() + 2.0
+    while True:
+        new_kids = set(child_pids()) - before_kids
+        if not new_kids or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    new_shm = shm_entries() - before_shm
+    assert not new_kids, f"test left child processes behind: {sorted(new_kids)}"
+    assert not new_shm, f"test left shared-memory segments behind: {sorted(new_shm)}"

@@ -1,0 +1,60 @@
+"""The command line: `python -m minidist run -n N script.py` runs a script on N ranks."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import minidist
+    ctx = minidist.init()
+    g = ctx.world
+    x = np.array([float(ctx.rank)])
+    other = g.sendrecv(x, (g.rank + 1) % g.size, (g.rank - 1) % g.size) if g.size > 1 else x
+    print(f"rank {ctx.rank}/{ctx.world_size} got {other[0]:.0f} args {sys.argv[1:]}", flush=True)
+    if "--fail" in sys.argv and ctx.rank == 1:
+        raise SystemExit(3)
+""")
+
+
+def _run(tmp_path, *args):
+    script = tmp_path / "hello.py"
+    script.write_text(SCRIPT)
+    return subprocess.run([sys.executable, "-m", "minidist", "run", *args, str(script), "--x"],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.multiproc
+def test_run_starts_one_process_per_rank(tmp_path):
+    res = _run(tmp_path, "-n", "3")
+    assert res.returncode == 0, res.stderr
+    lines = sorted(res.stdout.splitlines())
+    assert lines == [f"rank {r}/3 got {(r - 1) % 3} args ['--x']" for r in range(3)]
+
+
+@pytest.mark.multiproc
+def test_run_reports_a_failing_rank(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text(SCRIPT)
+    res = subprocess.run([sys.executable, "-m", "minidist", "run", "-n", "2", str(script),
+                          "--fail"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert "rank 1 of 2 failed" in res.stderr and "SystemExit: 3" in res.stderr
+
+
+def test_plain_python_script_gets_a_one_rank_job(tmp_path):
+    script = tmp_path / "solo.py"
+    script.write_text(SCRIPT)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "rank 0/1 got 0 args []"
+
+
+def test_unknown_command_prints_usage():
+    res = subprocess.run([sys.executable, "-m", "minidist", "frobnicate"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and "python -m minidist run" in res.stderr

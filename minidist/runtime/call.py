@@ -60,6 +60,9 @@ def decode(code: int) -> str:
 
 
 def dtype_code(dtype) -> int:
+    code = _DTYPE_CODE.get(dtype)             # fast path: already an np.dtype we know
+    if code is not None:
+        return code
     d = np.dtype(dtype)
     return _DTYPE_CODE.get(d, 100 + zlib.crc32(d.str.encode()) % 1_000_000)
 

@@ -28,7 +28,6 @@ Read next: runtime/world.py (how groups are created), runtime/mesh.py.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from typing import Any, Callable
@@ -103,6 +102,10 @@ class ProcessGroup:
         self.seq = 0
         self._p2p_record = call.pack(gid, 0, "p2p", None)
         self.record = self._p2p_record
+        self.ident = self._p2p_ident = self.record[call.IDENTITY].tobytes()
+        self._templates: dict[tuple, np.ndarray] = {}
+        self._mine = board.calls[global_rank, gid]          # my published call record
+        self._peers_calls = [board.calls[r, gid] for r in self.ranks]
         self._verified = True
         self._buffers: dict[str, SharedBuffer] = {}
         self._recorder = board.recorder(global_rank)
@@ -150,20 +153,15 @@ class ProcessGroup:
         making the same call (algorithms that talk only through shared memory and
         barriers have no message header to compare)."""
         self._verified = True
-        rec = self.record
-        if rec[call.OP] == call.encode("p2p"):
-            return
-        theirs = self.board.calls[list(self.ranks), self.gid]
-        same_seq = theirs[:, call.SEQ] == rec[call.SEQ]
-        differs = (theirs[:, call.IDENTITY] != rec[call.IDENTITY]).any(axis=1) & same_seq
-        if differs.any():
-            r = int(np.argmax(differs))
-            names = self.group_names
-            raise CollectiveMismatch(
-                f"{self.prefix} this rank is in [{call.describe(rec, names)}] but rank "
-                f"{self.ranks[r]} is in [{call.describe(theirs[r], names)}]. Every rank of a "
-                "group must make the same collective calls, with the same dtype, shape, root "
-                "and op, in the same order.")
+        rec, seq, ident = self.record, self.record[call.SEQ], self.ident
+        for r, theirs in enumerate(self._peers_calls):
+            if theirs[call.SEQ] == seq and theirs[call.IDENTITY].tobytes() != ident:
+                names = self.group_names
+                raise CollectiveMismatch(
+                    f"{self.prefix} this rank is in [{call.describe(rec, names)}] but rank "
+                    f"{self.ranks[r]} is in [{call.describe(theirs, names)}]. Every rank of a "
+                    "group must make the same collective calls, with the same dtype, shape, "
+                    "root and op, in the same order.")
 
     def shared(self, tag: str, nbytes: int) -> SharedBuffer:
         """COLLECTIVE: a region of `nbytes` per member (see module docstring)."""
@@ -186,28 +184,18 @@ class ProcessGroup:
         return buf
 
     # --- the header scope of one collective call ---
-    @contextlib.contextmanager
     def collective(self, op: str, x: np.ndarray | None, *, root: int | None = None,
-                   reduce_op: str | None = None, algo: str = ""):
-        self.seq += 1
-        rec = call.pack(self.gid, self.seq, op, x, root, reduce_op, algo)
-        rec[call.STATE] = call.STARTED
-        mine = self.board.calls[self.global_rank, self.gid]
-        mine[:] = rec
-        self._recorder.start(rec)
-        self.record = rec
-        self._verified = False
-        try:
-            yield self
-        except BaseException:
-            mine[call.STATE] = call.FAILED
-            self._recorder.finish(call.FAILED)
-            raise
-        else:
-            mine[call.STATE] = call.DONE
-            self._recorder.finish(call.DONE)
-        finally:
-            self.record = self._p2p_record
+                   reduce_op: str | None = None, algo: str = "") -> "CallScope":
+        """`with group.collective(...)`: the scope of one call (see the module docstring)."""
+        key = (op, None if x is None else (x.dtype, x.shape), root, reduce_op, algo)
+        template = self._templates.get(key)
+        if template is None:                     # pack once per distinct call, reuse after
+            if len(self._templates) > 4096:
+                self._templates.clear()
+            template = call.pack(self.gid, 0, op, x, root, reduce_op, algo)
+            template[call.STATE] = call.STARTED
+            self._templates[key] = template
+        return CallScope(self, template)
 
     # --- async: one FIFO worker thread per group ---
     def submit(self, fn: Callable[[], Any]) -> Work:
@@ -241,6 +229,30 @@ class ProcessGroup:
     # --- what a stalled wait checks (runtime/wait.py) ---
     def watch(self, peer: int, ready: Callable[[], bool], what: str) -> "PeerWatch":
         return PeerWatch(self, peer, ready, what)
+
+
+class CallScope:
+    """Entering: next sequence number, publish the record; leaving: mark it done/failed."""
+
+    def __init__(self, group: ProcessGroup, template: np.ndarray):
+        self.g, self.template = group, template
+
+    def __enter__(self) -> ProcessGroup:
+        g = self.g
+        g.seq += 1
+        rec = self.template.copy()
+        rec[call.SEQ] = g.seq
+        g._mine[:] = rec
+        g._recorder.start(rec)
+        g.record, g.ident, g._verified = rec, rec[call.IDENTITY].tobytes(), False
+        return g
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        g = self.g
+        state = call.DONE if exc_type is None else call.FAILED
+        g._mine[call.STATE] = state
+        g._recorder.finish(state)
+        g.record, g.ident, g._verified = g._p2p_record, g._p2p_ident, True
 
 
 class PeerWatch:

@@ -153,8 +153,8 @@ def _finish(job: Job) -> None:
         if g is None:
             continue
         for src, ch in g.mail.inc.items():
-            if int(ch.ctr[0]) > ch.done:
-                h = ch.hdr[ch.done % ch.nslots]
+            if ch.head() > ch.done:
+                h = ch.hdrs[ch.done % ch.nslots]
                 raise CollectiveMismatch(
                     f"{g.prefix} finished with an unread message from rank {src} of group "
                     f"'{g.name}', sent in [{call.describe(h[:call.NFIELDS], g.group_names)}] "

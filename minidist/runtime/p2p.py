@@ -48,15 +48,35 @@ MSG_NBYTES, MSG_DTYPE, CHUNK_OFF, CHUNK_NBYTES = 16, 17, 18, 19
 class Channel:
     """One direction of one pair: counters, headers and slots in shared memory."""
 
-    def __init__(self, arena: Arena, nslots: int, slot_bytes: int):
+    def __init__(self, arena: Arena, nslots: int, slot_bytes: int, ordering: Ordering):
         self.nslots, self.slot_bytes = nslots, slot_bytes
         self.ctr = arena.view(arena.alloc(128, "counters"), np.int64, 16)   # [0] head, [8] tail
-        self.hdr = arena.view(arena.alloc(8 * HDR * nslots, "headers"), np.int64, HDR * nslots)
-        self.hdr = self.hdr.reshape(nslots, HDR)
+        hdr = arena.view(arena.alloc(8 * HDR * nslots, "headers"), np.int64, HDR * nslots)
         data = arena.view(arena.alloc(nslots * slot_bytes, "slots"), np.uint8,
                           nslots * slot_bytes)
-        self.data = data.reshape(nslots, slot_bytes)
+        self.hdrs = list(hdr.reshape(nslots, HDR))                       # per-slot views
+        self.slots = list(data.reshape(nslots, slot_bytes))
         self.done = 0                      # chunks this rank sent (or received) so far
+        self.lock = ordering.lock          # None on x86: plain loads/stores are ordered
+
+    def head(self) -> int:
+        if self.lock is None:
+            return self.ctr[0]
+        with self.lock:
+            return int(self.ctr[0])
+
+    def tail(self) -> int:
+        if self.lock is None:
+            return self.ctr[8]
+        with self.lock:
+            return int(self.ctr[8])
+
+    def publish(self, i: int, value: int) -> None:
+        if self.lock is None:
+            self.ctr[i] = value
+        else:
+            with self.lock:
+                self.ctr[i] = value
 
 
 def byte_view(x: np.ndarray) -> np.ndarray:
@@ -67,17 +87,18 @@ def byte_view(x: np.ndarray) -> np.ndarray:
 class Mailboxes:
     """This rank's outgoing and incoming channels in one group, and the
     operations on them. `link` is the owning group: it supplies the current
-    call record, the timeout, and the watcher for stalled waits."""
+    call record (`record`, and its identity bytes `ident`), the timeout, and
+    the watcher for stalled waits."""
 
     def __init__(self, link, arena: Arena, rank: int, size: int, nslots: int,
                  slot_bytes: int, ordering: Ordering):
-        self.link, self.ordering = link, ordering
+        self.link = link
         self.out: dict[int, Channel] = {}
         self.inc: dict[int, Channel] = {}
         for src in range(size):            # identical allocation order on every rank
             for dst in range(size):
                 if src != dst:
-                    ch = Channel(arena, nslots, slot_bytes)
+                    ch = Channel(arena, nslots, slot_bytes, ordering)
                     if src == rank:
                         self.out[dst] = ch
                     if dst == rank:
@@ -85,44 +106,42 @@ class Mailboxes:
         self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0}
 
     # --- one chunk at a time ---
-    def _can_push(self, ch: Channel) -> bool:
-        return ch.done - self.ordering.load(ch.ctr, 8) < ch.nslots
+    @staticmethod
+    def _can_push(ch: Channel) -> bool:
+        return ch.done - ch.tail() < ch.nslots
 
     def _push(self, ch: Channel, payload: np.ndarray, off: int, total: int, dtc: int) -> None:
         k = ch.done % ch.nslots
-        h = ch.hdr[k]
+        h = ch.hdrs[k]
         h[:call.NFIELDS] = self.link.record
         h[MSG_NBYTES], h[MSG_DTYPE], h[CHUNK_OFF], h[CHUNK_NBYTES] = total, dtc, off, len(payload)
-        ch.data[k, :len(payload)] = payload
+        ch.slots[k][:len(payload)] = payload
         ch.done += 1
-        self.ordering.store(ch.ctr, 0, ch.done)
+        ch.publish(0, ch.done)
 
-    def _can_pop(self, ch: Channel) -> bool:
-        return self.ordering.load(ch.ctr, 0) > ch.done
+    @staticmethod
+    def _can_pop(ch: Channel) -> bool:
+        return ch.head() > ch.done
 
     def _pop(self, ch: Channel, src: int, out: np.ndarray, flat: np.ndarray,
              combine: Callable | None) -> None:
         k = ch.done % ch.nslots
-        h = ch.hdr[k]
-        if h[CHUNK_OFF] == 0:
-            self._check_header(h, src, out)
+        h = ch.hdrs[k]
         off, n = int(h[CHUNK_OFF]), int(h[CHUNK_NBYTES])
+        if off == 0 and (h[1:13].tobytes() != self.link.ident or h[MSG_NBYTES] != out.nbytes
+                         or h[MSG_DTYPE] != call.dtype_code(out.dtype)):
+            self._mismatch(h, src, out)
         if combine is None:
-            flat[off:off + n] = ch.data[k, :n]
+            flat[off:off + n] = ch.slots[k][:n]
         else:                                  # reduce straight out of the slot, no temporary
             isz = out.itemsize
             dst = out.reshape(-1)[off // isz:(off + n) // isz]
-            combine(dst, ch.data[k, :n].view(out.dtype), out=dst)
+            combine(dst, ch.slots[k][:n].view(out.dtype), out=dst)
         ch.done += 1
-        self.ordering.store(ch.ctr, 8, ch.done)
+        ch.publish(8, ch.done)
 
-    def _check_header(self, h: np.ndarray, src: int, out: np.ndarray) -> None:
-        mine = self.link.record
-        theirs = h[:call.NFIELDS]
-        p2p = mine[call.OP] == call.encode("p2p") and theirs[call.OP] == mine[call.OP]
-        same = p2p or call.same_call(theirs, mine)
-        if same and h[MSG_NBYTES] == out.nbytes and h[MSG_DTYPE] == call.dtype_code(out.dtype):
-            return
+    def _mismatch(self, h: np.ndarray, src: int, out: np.ndarray) -> None:
+        mine, theirs = self.link.record, h[:call.NFIELDS]
         names = self.link.group_names
         raise CollectiveMismatch(
             f"{self.link.prefix} rank {src} of group '{self.link.name}' sent a message of "

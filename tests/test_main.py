@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent("""
     g = ctx.world
     x = np.array([float(ctx.rank)])
     other = g.sendrecv(x, (g.rank + 1) % g.size, (g.rank - 1) % g.size) if g.size > 1 else x
-    line = f"rank {ctx.rank}/{ctx.world_size} got {other[0]:.0f} args {sys.argv[1:]}\n"
+    line = f"rank {ctx.rank}/{ctx.world_size} got {other[0]:.0f} args {sys.argv[1:]}\\n"
     sys.stdout.write(line)        # one write per line: ranks share the terminal
     sys.stdout.flush()
     if "--fail" in sys.argv and ctx.rank == 1:

@@ -240,9 +240,13 @@ def _kill(procs) -> None:
             p.join()
 
 
-def init() -> RankContext:
+def init():
     """In a script run by `python -m minidist run`, return this rank's context;
-    in a plain Python process, start a one-rank job and return its context."""
+    under mpiexec, join the MPI job (runtime/mpi.py); in a plain Python process,
+    start a one-rank job and return its context."""
+    from minidist.runtime.mpi import init_mpi, under_mpiexec
+    if not is_initialized() and under_mpiexec():
+        return init_mpi()
     if not is_initialized():
         cfg = RuntimeConfig(1)
         set_job(Job(cfg, Arena(cfg.arena_bytes()), 0, os.getppid()))

@@ -1,0 +1,62 @@
+"""The MPI transport runs the same messages (and catches the same mismatches) under mpiexec."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+try:
+    import mpi4py  # noqa: F401
+except ImportError:
+    mpi4py = None
+if mpi4py is None or MPIEXEC is None:
+    pytest.skip("needs mpi4py and mpiexec (pip install -e '.[mpi]')", allow_module_level=True)
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import minidist
+    ctx = minidist.init()
+    g = ctx.world
+    x = np.arange(100_000.0) * (g.rank + 1)
+    with g.collective("shift", x):
+        y = g.sendrecv(x, (g.rank + 1) % g.size, (g.rank - 1) % g.size)
+    left = (g.rank - 1) % g.size
+    assert np.array_equal(y, np.arange(100_000.0) * (left + 1)), "wrong payload"
+    pair = ctx.new_group([0, 1], name="pair")
+    if pair is not None:
+        acc = np.ones(3)
+        pair.recv(1 - pair.rank, acc, combine=np.add) if pair.rank else pair.send(acc * 5, 1)
+        if pair.rank == 1:
+            assert np.all(acc == 6), acc
+    if "--mismatch" in sys.argv:
+        with g.collective("all_reduce" if g.rank else "broadcast", x):
+            g.sendrecv(x, (g.rank + 1) % g.size, (g.rank - 1) % g.size)
+    sys.stdout.write(f"rank {ctx.rank} ok\\n")
+""")
+
+
+def _mpirun(tmp_path, n, *args):
+    script = tmp_path / "mpi_script.py"
+    script.write_text(SCRIPT)
+    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(script), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_messages_and_subgroups_over_mpi(tmp_path, n):
+    res = _mpirun(tmp_path, n)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(res.stdout.split("\n")[:-1]) == [f"rank {r} ok" for r in range(n)]
+
+
+def test_mismatched_calls_over_mpi_raise(tmp_path):
+    res = _mpirun(tmp_path, 2, "--mismatch")
+    assert res.returncode != 0
+    assert "CollectiveMismatch" in res.stderr and "broadcast #2" in res.stderr

@@ -1,0 +1,280 @@
+"""The functional interface (import as F): every differentiable operation by name.
+
+    from minidist.autograd import functional as F
+    h = F.gelu(x @ w1 + b1)                  # (B, T, F)
+    loss = F.cross_entropy(logits, targets)  # logits (B, T, V), targets (B, T) int
+
+This module defines matmul, concatenate/split, relu, embedding, dropout,
+where/masked_fill, and re-exports the elementwise ops (ops.py) and the fused
+ops with hand-written backward (fused.py). Every function accepts Tensors and
+constants (Python numbers, xp arrays) and returns a Tensor.
+
+Read next: autograd/fused.py, then nn/
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from minidist import backend
+from minidist.autograd import fused, ops
+from minidist.autograd.function import Context, Function
+from minidist.autograd.ops import unbroadcast
+from minidist.autograd.tensor import Tensor
+
+
+def _mm(x: Any, y: Any) -> Any:
+    """x @ y; a stack (..., K) times a matrix (K, N) runs as ONE (prod(...), K) @ (K, N) GEMM."""
+    if x.ndim > 2 and y.ndim == 2:
+        return (x.reshape(-1, x.shape[-1]) @ y).reshape(x.shape[:-1] + (y.shape[1],))
+    return x @ y
+
+
+class MatMul(Function):
+    """y = a @ b, batched over leading axes with broadcasting (NumPy matmul rules).
+
+    For a (..., M, K), b (..., K, N), y (..., M, N):
+        da = unbroadcast(g @ b^T),   db = unbroadcast(a^T @ g)   (^T swaps the last two axes)
+    A 1-D a is a row (1, K) and a 1-D b a column (K, 1), as in NumPy. The usual
+    Linear case, a (B, T, C) @ w (C, F), computes dw = a(BT, C)^T @ g(BT, F) as one GEMM.
+    Cost: each of forward, da and db is 2*M*K*N flops per batch element.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        ctx.save_for_backward(a, b)
+        return _mm(a, b)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad
+        a2 = a.reshape(1, -1) if a.ndim == 1 else a                  # (..., M, K)
+        b2 = b.reshape(-1, 1) if b.ndim == 1 else b                  # (..., K, N)
+        if a.ndim == 1 and b.ndim == 1:                              # put back M=1 / N=1
+            g = g.reshape(1, 1)
+        elif a.ndim == 1:
+            g = g[..., None, :]                                      # (..., N) -> (..., 1, N)
+        elif b.ndim == 1:
+            g = g[..., None]                                         # (..., M) -> (..., M, 1)
+        da = db = None
+        if need_a:
+            da = unbroadcast(_mm(g, b2.swapaxes(-1, -2)), a2.shape)
+            da = da.reshape(a.shape) if a.ndim == 1 else da
+        if need_b:
+            if b2.ndim == 2 and a2.ndim > 2:                         # sum over the stack in GEMM
+                db = a2.reshape(-1, a2.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+            else:
+                db = unbroadcast(a2.swapaxes(-1, -2) @ g, b2.shape)
+            db = db.reshape(b.shape) if b.ndim == 1 else db
+        return da, db
+
+
+def matmul(a: Any, b: Any) -> Tensor:
+    """a @ b with NumPy's matmul semantics (see MatMul)."""
+    return MatMul.apply(a, b)
+
+
+class Concatenate(Function):
+    """y = the inputs joined along `axis`.  d(input_i) = the matching slice of g."""
+
+    @staticmethod
+    def forward(ctx: Context, *xs: Any, axis: int = 0) -> Any:
+        ctx.axis = axis
+        ctx.bounds = [0]
+        for x in xs:
+            ctx.bounds.append(ctx.bounds[-1] + x.shape[axis])
+        return backend.xp.concatenate(xs, axis=axis)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        lead = (slice(None),) * (ctx.axis % g.ndim)
+        b = ctx.bounds
+        return tuple(g[lead + (slice(b[i], b[i + 1]),)] if need else None
+                     for i, need in enumerate(ctx.needs_input_grad))
+
+
+def concatenate(tensors: Sequence[Any], axis: int = 0) -> Tensor:
+    """Join tensors along an existing axis (like xp.concatenate)."""
+    return Concatenate.apply(*tensors, axis=axis)
+
+
+def split(x: Tensor, sections_or_indices: Any, axis: int = 0) -> list:
+    """Cut x along `axis` like xp.split: into N equal parts, or at the given indices.
+
+    Each piece is a slice of x (ops.GetItem), so its gradient lands in the
+    right place of dx and the pieces' gradients add up there.
+    """
+    n = x.shape[axis]
+    if isinstance(sections_or_indices, int):
+        parts = sections_or_indices
+        if parts <= 0 or n % parts:
+            raise ValueError(
+                f"split: axis {axis} has length {n}, which does not divide into {parts} equal "
+                f"parts. Pass a divisor of {n}, or a list of cut indices instead."
+            )
+        cuts = [n // parts * i for i in range(1, parts)]
+    else:
+        cuts = list(sections_or_indices)
+    lead = (slice(None),) * (axis % x.ndim)
+    edges = [0] + cuts + [n]
+    return [ops.getitem(x, lead + (slice(lo, hi),)) for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+class ReLU(Function):
+    """y = max(x, 0).  dx = g where x > 0, else 0."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any) -> Any:
+        y = backend.xp.maximum(x, 0)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return (g * (ctx.saved_tensors[0] > 0),)
+
+
+def relu(x: Any) -> Tensor:
+    """max(x, 0), elementwise."""
+    return ReLU.apply(x)
+
+
+class Embedding(Function):
+    """y[..., :] = w[ids[...], :]: rows of the table w (V, C) picked by integer ids (...).
+
+    Backward: the same row may be picked many times, so the rows of g are
+    summed into dw with add.at:  dw[v] = sum of g[n] over all n with ids[n] = v.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, w: Any, ids: Any) -> Any:
+        ctx.save_for_backward(ids)
+        ctx.shape = w.shape
+        return w[ids]
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        xp = backend.xp
+        (ids,) = ctx.saved_tensors
+        dw = xp.zeros(ctx.shape, dtype=g.dtype)
+        xp.add.at(dw, ids.reshape(-1), g.reshape(-1, ctx.shape[1]))
+        return dw, None
+
+
+def embedding(weight: Tensor, ids: Any) -> Tensor:
+    """Look up rows of `weight` (V, C) for integer `ids` (...) -> (..., C)."""
+    ids = ids.data if isinstance(ids, Tensor) else backend.xp.asarray(ids)
+    V = weight.shape[0]
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"embedding: ids must be integers, got dtype {ids.dtype}.")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= V):
+        raise ValueError(
+            f"embedding: ids range over [{int(ids.min())}, {int(ids.max())}] but the table "
+            f"has {V} rows; every id must lie in [0, {V - 1}]. Check the vocabulary size."
+        )
+    return Embedding.apply(weight, ids)
+
+
+def dropout(x: Any, p: float, rng: Any, training: bool = True) -> Tensor:
+    """Inverted dropout: zero each element with probability p, scale the rest by 1/(1-p).
+
+    y = x * m / (1 - p), m_i ~ Bernoulli(1 - p), so E[y] = x and evaluation
+    needs no rescaling. dx = g * m / (1 - p). The mask comes from the NumPy
+    Generator `rng` (always float64 draws), so the same rng state gives the
+    same mask in float32 and float64 and on every backend. Identity (the same
+    Tensor back) when p == 0 or not training.
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout: p={p} is not in [0, 1); p is the probability of zeroing.")
+    if not training or p == 0.0:
+        return x
+    xp = backend.xp
+    data = x.data if isinstance(x, Tensor) else xp.asarray(x)
+    scale = xp.asarray(rng.random(data.shape) >= p).astype(data.dtype)   # m, 1 = kept
+    scale *= 1.0 / (1.0 - p)
+    return ops.Mul.apply(x, scale)
+
+
+class Where(Function):
+    """y = a where cond else b (broadcast).  da = g where cond else 0; db = g where not cond."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any, *, cond: Any) -> Any:
+        ctx.cond, ctx.shapes = cond, (ops._shape(a), ops._shape(b))
+        return backend.xp.where(cond, a, b)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        xp = backend.xp
+        need_a, need_b = ctx.needs_input_grad
+        zero = xp.zeros((), dtype=g.dtype)
+        da = unbroadcast(xp.where(ctx.cond, g, zero), ctx.shapes[0]) if need_a else None
+        db = unbroadcast(xp.where(ctx.cond, zero, g), ctx.shapes[1]) if need_b else None
+        return da, db
+
+
+def where(cond: Any, a: Any, b: Any) -> Tensor:
+    """Elementwise choice: a where cond is true, b elsewhere (cond: bool array or Tensor)."""
+    cond = cond.data if isinstance(cond, Tensor) else cond
+    return Where.apply(a, b, cond=cond)
+
+
+def masked_fill(x: Any, mask: Any, value: float) -> Tensor:
+    """x with `value` wherever mask is true (e.g. -inf above the diagonal in attention)."""
+    mask = mask.data if isinstance(mask, Tensor) else mask
+    return Where.apply(value, x, cond=mask)
+
+
+def softmax(x: Any, axis: int = -1) -> Tensor:
+    """exp(x) / sum exp(x) over `axis` (fused.Softmax)."""
+    return fused.Softmax.apply(x, axis=axis)
+
+
+def log_softmax(x: Any, axis: int = -1) -> Tensor:
+    """x - log sum exp(x) over `axis` (fused.LogSoftmax)."""
+    return fused.LogSoftmax.apply(x, axis=axis)
+
+
+def layer_norm(x: Any, weight: Any, bias: Any, eps: float = 1e-5) -> Tensor:
+    """Normalise over the last axis, then scale by weight and shift by bias (fused.LayerNorm)."""
+    return fused.LayerNorm.apply(x, weight, bias, eps=eps)
+
+
+def gelu(x: Any, approximate: str = "tanh") -> Tensor:
+    """x * Phi(x); approximate="tanh" (GPT-2's form) or "none" (exact, via erf)."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"gelu: approximate={approximate!r}; use 'tanh' or 'none'.")
+    return fused.Gelu.apply(x, approximate=approximate)
+
+
+def cross_entropy(logits: Tensor, targets: Any, ignore_index: int = -100,
+                  reduction: str = "mean") -> Tensor:
+    """Softmax cross-entropy of logits (..., V) against integer targets (...).
+
+    reduction: "mean" over targets != ignore_index (0 if there are none), "sum",
+    or "none" (a loss per position, shape of targets, 0 where ignored).
+    """
+    xp = backend.xp
+    t = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
+    V = logits.shape[-1]
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'.")
+    if t.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: targets have shape {t.shape}, expected "
+                         f"{logits.shape[:-1]} (the logits' shape without the last axis).")
+    counted = t[t != ignore_index]
+    if counted.size and (int(counted.min()) < 0 or int(counted.max()) >= V):
+        raise ValueError(
+            f"cross_entropy: targets range over [{int(counted.min())}, {int(counted.max())}] "
+            f"but there are {V} classes; use 0..{V - 1}, or ignore_index={ignore_index} to skip."
+        )
+    z = logits if logits.ndim == 2 else ops.reshape(logits, -1, V)
+    loss = fused.CrossEntropy.apply(z, t=t.reshape(-1), ignore_index=ignore_index,
+                                    reduction=reduction)
+    return ops.reshape(loss, t.shape) if reduction == "none" else loss
+
+
+exp = ops.Exp.apply
+log = ops.Log.apply
+tanh = ops.Tanh.apply

@@ -1,0 +1,16 @@
+"""Optimizers and their helpers: SGD, AdamW, global-norm clipping, the lr schedule.
+
+Each optimizer updates parameters in place and has a pure array function
+(`sgd_step`, `adamw_step`) that ZeRO applies to flat shards and the GPU
+kernel is checked against. Reading order: optimizer.py, sgd.py, adamw.py,
+clip.py, schedule.py.
+"""
+
+from minidist.optim.adamw import AdamW, adamw_step
+from minidist.optim.clip import clip_grad_norm, global_grad_norm
+from minidist.optim.optimizer import Optimizer
+from minidist.optim.schedule import lr_at
+from minidist.optim.sgd import SGD, sgd_step
+
+__all__ = ["SGD", "AdamW", "sgd_step", "adamw_step", "global_grad_norm", "clip_grad_norm",
+           "lr_at", "Optimizer"]

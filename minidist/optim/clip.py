@@ -1,0 +1,55 @@
+"""Gradient clipping by global norm.
+
+The global norm is the 2-norm of all gradients taken as one long vector:
+
+    ||g|| = sqrt( sum over arrays k of sum_i g_k,i^2 )
+
+If it exceeds max_norm, every gradient is scaled by max_norm / (||g|| + 1e-6),
+so the direction of the update is kept and only its length shrinks. The
+1e-6 keeps the division safe and matches torch.nn.utils.clip_grad_norm_.
+
+Under sharding (ZeRO, tensor parallel) each rank sums the squares of its own
+shards and the partial sums are all-reduced before the sqrt; this module is
+the single-process version those are tested against.
+
+Reference: Pascanu, Mikolov & Bengio 2013, arXiv:1211.5063, Sec. 3.2 (Alg. 1).
+Read next: optim/schedule.py
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+from minidist import backend
+
+
+def global_grad_norm(grads: Sequence[Any]) -> float:
+    """sqrt(sum of squares of every element of every array in grads); None entries skipped.
+
+    Arrays are visited in list order, so the result is the same on every run.
+    """
+    xp = backend.xp
+    total = 0.0
+    for g in grads:
+        if g is not None:
+            flat = g.reshape(-1)
+            total += float(xp.dot(flat, flat))
+    return math.sqrt(total)
+
+
+def clip_grad_norm(params: Iterable[Any], max_norm: float) -> float:
+    """Scale the .grad of params in place so their global norm is at most max_norm.
+
+    Returns the norm before clipping. Gradients are left untouched when the
+    norm is already <= max_norm.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"clip_grad_norm: max_norm={max_norm}; it must be > 0.")
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = global_grad_norm(grads)
+    if norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g *= scale
+    return norm

@@ -70,7 +70,7 @@ class Tensor:
     otherwise.
     """
 
-    __slots__ = ("data", "grad", "requires_grad", "_node", "__weakref__")
+    __slots__ = ("data", "grad", "requires_grad", "_node", "_grad_hooks", "__weakref__")
     __array_priority__ = 1000        # make `ndarray + Tensor` call Tensor.__radd__
 
     def __init__(self, data: Any, requires_grad: bool = False) -> None:
@@ -89,6 +89,7 @@ class Tensor:
         self.grad = None
         self.requires_grad = bool(requires_grad)
         self._node = None          # (backward_fn, ctx, parents) for non-leaves
+        self._grad_hooks = None    # called with the leaf once its .grad is final
 
     # --- array-like attributes ---
     shape = property(lambda self: self.data.shape)
@@ -115,6 +116,18 @@ class Tensor:
     def detach(self) -> "Tensor":
         """A leaf sharing this tensor's data, cut from the graph (no gradient flows back)."""
         return Tensor(self.data)
+
+    def register_grad_hook(self, hook) -> None:
+        """Call hook(self) during backward as soon as this leaf's .grad is final.
+
+        Reverse topological order visits a leaf only after every use of it has
+        sent its gradient, so at that moment `.grad` holds this backward's
+        whole contribution. Data parallelism uses this to start a bucket's
+        all-reduce while the rest of the backward is still running.
+        """
+        if self._node is not None:
+            raise ValueError("register_grad_hook: only leaves (parameters) have a final .grad")
+        self._grad_hooks = (self._grad_hooks or ()) + (hook,)
 
     def zero_grad(self) -> None:
         """Forget the accumulated gradient (`.grad = None`)."""
@@ -252,6 +265,8 @@ def _run_backward(root: Tensor, grad: Any) -> None:
         node = t._node
         if node is None:                   # a leaf: accumulate into .grad
             _accumulate_leaf(t, g, given)
+            for hook in getattr(t, "_grad_hooks", None) or ():
+                hook(t)
             continue
         backward_fn, ctx, parents = node
         in_grads = backward_fn(ctx, g)

@@ -188,3 +188,22 @@ def test_wrong_gradient_shape_is_reported():
     x = Tensor(_rand(3), requires_grad=True)
     with pytest.raises(RuntimeError, match="shape"):
         _WrongShape.apply(x).backward()
+
+
+def test_grad_hook_fires_once_per_backward_after_every_use():
+    from minidist.autograd import Tensor
+    w = Tensor(np.array([1.0, 2.0]), requires_grad=True)
+    seen = []
+    w.register_grad_hook(lambda t: seen.append(t.grad.copy()))
+    x = Tensor(np.array([3.0, 4.0]))
+    ((w * x).sum() + (w * w).sum()).backward()        # two uses of w: one final gradient
+    assert len(seen) == 1 and np.array_equal(seen[0], x.data + 2 * w.data)
+    (w * x).sum().backward()                          # accumulates, fires again
+    assert len(seen) == 2 and np.array_equal(seen[1], 2 * x.data + 2 * w.data)
+
+
+def test_grad_hook_only_on_leaves():
+    from minidist.autograd import Tensor
+    w = Tensor(np.array([1.0]), requires_grad=True)
+    with pytest.raises(ValueError, match="only leaves"):
+        (w * 2).register_grad_hook(lambda t: None)

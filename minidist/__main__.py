@@ -76,6 +76,8 @@ def _train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from minidist.runtime.threads import pin_blas_threads
+    pin_blas_threads(1)               # one BLAS thread per process, as every rank runs
     commands = {"run": _run, "demo": _demo, "bench": _bench, "train": _train}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)

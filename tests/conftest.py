@@ -6,13 +6,14 @@ import os
 import sys
 import time
 
-import pytest
-
-from tests.helpers import child_pids, shm_entries
-
-# One BLAS thread in the test process too (ranks pin theirs in runtime/launch.py).
+# One BLAS thread in the test process too (ranks pin theirs in runtime/launch.py); set
+# before anything imports NumPy, which reads these once when it loads its BLAS.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
+
+from tests.helpers import child_pids, shm_entries  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

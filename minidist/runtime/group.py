@@ -105,7 +105,6 @@ class ProcessGroup:
         self.ident = self._p2p_ident = self.record[call.IDENTITY].tobytes()
         self._templates: dict[tuple, np.ndarray] = {}
         self._mine = board.calls[global_rank, gid]          # my published call record
-        self._peers_calls = [board.calls[r, gid] for r in self.ranks]
         self._verified = True
         self._buffers: dict[str, SharedBuffer] = {}
         self._recorder = board.recorder(global_rank)
@@ -154,8 +153,10 @@ class ProcessGroup:
         barriers have no message header to compare)."""
         self._verified = True
         rec, seq, ident = self.record, self.record[call.SEQ], self.ident
-        for r, theirs in enumerate(self._peers_calls):
-            if theirs[call.SEQ] == seq and theirs[call.IDENTITY].tobytes() != ident:
+        for r, peer in enumerate(self.ranks):
+            theirs = self.board.read_call(peer, self.gid)
+            if theirs is not None and theirs[call.SEQ] == seq and \
+                    theirs[call.IDENTITY].tobytes() != ident:
                 names = self.group_names
                 raise CollectiveMismatch(
                     f"{self.prefix} this rank is in [{call.describe(rec, names)}] but rank "
@@ -242,7 +243,7 @@ class CallScope:
         g.seq += 1
         rec = self.template.copy()
         rec[call.SEQ] = g.seq
-        g._mine[:] = rec
+        g.board.publish_call(g.global_rank, g.gid, rec)
         g._recorder.start(rec)
         g.record, g.ident, g._verified = rec, rec[call.IDENTITY].tobytes(), False
         return g
@@ -285,7 +286,9 @@ class PeerWatch:
                 f"{g.prefix} rank {peer_global} returned from its function without making "
                 f"{self._doing()}, which this rank is in (waiting to {self.what} it).")
         if g.record[call.OP] != call.encode("p2p"):
-            self._probe_mismatch(board.calls[peer_global, g.gid].copy(), peer_global)
+            theirs = board.read_call(peer_global, g.gid)
+            if theirs is not None:
+                self._probe_mismatch(theirs, peer_global)
         if late:
             raise CollectiveTimeout(self._timeout_text(), missing=self._missing())
 

@@ -8,7 +8,9 @@ It lives at the start of the shared arena (runtime/shm.py) and holds:
     exit_info (W,)     exit code, or -signal for a rank killed by a signal
     abort (1,)         0, or 1 + the first rank that failed: every wait sees it
     calls (W, G, 16)   the call each rank is in (or last made) on each group gid,
-                       so a waiting rank can compare its call with a peer's
+                       so a waiting rank can compare its call with a peer's;
+                       guarded by a seqlock, versions (W, G): odd while the owner
+                       rewrites the record, so a reader never trusts a torn copy
     flight rings       the flight recorder (observe/flight.py)
 
 One rank's view: write only your own rows; read anyone's. All of these are
@@ -45,9 +47,27 @@ class JobBoard:
         self.abort = arena.view(arena.alloc(8, "abort flag"), i64, 1)
         self.calls = arena.view(arena.alloc(8 * W * G * F, "calls"), i64, W * G * F)
         self.calls = self.calls.reshape(W, G, F)
+        self.versions = arena.view(arena.alloc(8 * W * G, "call versions"), i64, W * G)
+        self.versions = self.versions.reshape(W, G)
         rings = arena.view(arena.alloc(8 * W * DEPTH * F, "flight"), i64, W * DEPTH * F)
         self.rings = rings.reshape(W, DEPTH, F)
         self.flight_pos = arena.view(arena.alloc(8 * W, "flight pos"), i64, W)
+
+    def publish_call(self, rank: int, gid: int, rec: np.ndarray) -> None:
+        """Owner side of the seqlock: version odd, write the record, version even."""
+        v = self.versions[rank]
+        v[gid] += 1
+        self.calls[rank, gid] = rec
+        v[gid] += 1
+
+    def read_call(self, rank: int, gid: int) -> np.ndarray | None:
+        """Reader side: a consistent copy of rank's record on gid, or None if it was
+        being rewritten (the caller simply looks again on its next check)."""
+        before = int(self.versions[rank, gid])
+        rec = self.calls[rank, gid].copy()
+        if before % 2 or int(self.versions[rank, gid]) != before:
+            return None
+        return rec
 
     def recorder(self, rank: int) -> FlightRecorder:
         return FlightRecorder(self.rings, self.flight_pos, rank)

@@ -143,6 +143,9 @@ class MpiGroup:
     def barrier(self) -> None:
         self._wait(self.comm.Ibarrier(), -1, "meet at a barrier with")
 
+    def drain(self) -> None:
+        """No queue to drain: `submit` runs MPI work inline (one thread talks to MPI)."""
+
     def shared(self, tag: str, nbytes: int):
         raise NotImplementedError(
             f"{self.prefix} group '{self.name}' runs over MPI: there is no memory shared "

@@ -114,12 +114,12 @@ class Job:
         key = zlib.crc32(repr((ranks, name)).encode()) & 0x7FFFFFFF
         with self.world.collective("new_group", np.asarray(ranks), root=key):
             self.world.barrier()
-            calls = self.board.calls[:, 0]
             for r in range(W):
-                if not call.same_call(calls[r], self.world.record):
+                theirs = self.board.read_call(r, 0)       # stable: everyone is in this call
+                if theirs is not None and not call.same_call(theirs, self.world.record):
                     raise CollectiveMismatch(
                         f"{rank_prefix(self.rank, W)} new_group({list(ranks)}, {name!r}) here, "
-                        f"but rank {r} made [{call.describe(calls[r], self.group_names)}]. "
+                        f"but rank {r} made [{call.describe(theirs, self.group_names)}]. "
                         "Every rank must create the same groups in the same order.")
             self.world.barrier()
         return self._create(ranks, name)

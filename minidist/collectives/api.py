@@ -1,0 +1,270 @@
+"""The public collectives: torch.distributed-shaped calls that validate, pick and run an algorithm.
+
+Every function here is called by every rank of a group, SPMD, with matching
+arguments. Each one
+    1. resolves group=None to the world group of the running job;
+    2. validates its input and raises ValueError saying what is wrong and how to
+       fix it (nothing is sent before validation passes);
+    3. picks the algorithm: algo="auto" asks cost.choose(op, nbytes, W), any other
+       name must be one of the algorithms listed for that collective;
+    4. opens exactly one header scope, `group.collective(op, x, ...)`, so the call
+       is numbered, recorded in the flight recorder and stamped on every message;
+    5. runs the algorithm, or with async_op=True hands it to the group's FIFO
+       worker and returns its Work (wait() gives the result).
+
+Contract shared by all calls:
+    x            a NumPy array (a NumPy scalar is taken as 0-d). A non-C-contiguous x
+                 is copied into a contiguous one first (the algorithms slice flat views
+                 of it); object dtypes are refused (pointers mean nothing elsewhere).
+    results      always new arrays; the input is never modified. With async_op=True
+                 do not modify x until wait() has returned (as in torch.distributed).
+    root         a GROUP rank in 0..W-1 (for a subgroup, not the global rank).
+    op           "sum", "avg", "max", "min", "prod" (reduce_ops.py); avg on integers
+                 is refused: use "sum" and divide.
+    ordering     a synchronous call first waits for this group's queued async calls,
+                 so calls run in program order on every rank.
+
+    broadcast(x, root)        -> x of the root, on every rank
+    reduce(x, root, op)       -> reduction on the root; None elsewhere
+    all_reduce(x, op)         -> reduction on every rank
+    reduce_scatter(x, op)     -> chunk `rank` of np.array_split(reduction.ravel(), W)
+    all_gather(x)             -> np.stack of every rank's x: (W, *x.shape)
+    gather(x, root)           -> np.stack on the root; None elsewhere
+    scatter(xs, root)         -> xs[rank] of the root's (W, ...) array
+    all_to_all(x, split_sizes)-> rows addressed to this rank, in source-rank order
+    barrier()                 -> None, once every rank has arrived
+
+Algorithms (cost.ALGOS): ring.py, tree.py, halving_doubling.py ("halving"),
+direct.py (canonical rank order, bitwise reproducible), all_to_all.py ("pairwise").
+Read next: the algorithm modules, starting with ring.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from minidist.collectives import all_to_all as a2a
+from minidist.collectives import cost, direct, halving_doubling, ring, tree
+from minidist.collectives.reduce_ops import check_op
+
+_ALGOS: dict[str, dict[str, Callable]] = {
+    "all_reduce": {"ring": ring.all_reduce, "tree": tree.all_reduce,
+                   "halving": halving_doubling.all_reduce, "direct": direct.all_reduce},
+    "reduce_scatter": {"ring": ring.reduce_scatter, "halving": halving_doubling.reduce_scatter,
+                       "direct": direct.reduce_scatter},
+    "all_gather": {"ring": ring.all_gather, "halving": halving_doubling.all_gather},
+    "broadcast": {"tree": tree.broadcast, "ring": ring.broadcast},
+    "reduce": {"tree": tree.reduce, "ring": ring.reduce},
+    "gather": {"tree": tree.gather},
+    "scatter": {"tree": tree.scatter},
+    "all_to_all": {"pairwise": a2a.all_to_all},
+}
+
+
+# --- validation -------------------------------------------------------------------------
+
+def _group(group):
+    """The group to use: the given one, or the world group of the running job."""
+    if group is not None:
+        return group
+    from minidist.runtime.world import world     # import here: the runtime is optional to read
+    return world()
+
+
+def _array(x: Any, what: str) -> np.ndarray:
+    """x as a C-contiguous ndarray (copied only if it is not contiguous), or ValueError."""
+    if isinstance(x, np.generic):                 # a NumPy scalar, e.g. loss.sum(): 0-d array
+        x = np.asarray(x)
+    if not isinstance(x, np.ndarray):
+        hint = " (a CuPy array? use cupy.asnumpy(x))" if hasattr(x, "__cuda_array_interface__") \
+            else ""
+        raise ValueError(f"{what}: x must be a NumPy array, got {type(x).__name__}{hint}. "
+                         "Wrap it with np.asarray(x).")
+    if x.dtype.hasobject:
+        raise ValueError(f"{what}: x has dtype {x.dtype}, which holds Python object pointers "
+                         "that mean nothing in another process. Use a numeric dtype.")
+    # (np.ascontiguousarray would turn a 0-d array into shape (1,); 0-d is always contiguous)
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+
+def _root(root: Any, group, what: str) -> int:
+    W = group.size
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < W:
+        raise ValueError(
+            f"{what}: root={root!r} is not a rank of group '{getattr(group, 'name', '?')}', "
+            f"which has ranks 0..{W - 1}. Pass a group rank in that range (for a subgroup, "
+            "its rank inside the group, not its global rank).")
+    return int(root)
+
+
+def _algo(op: str, algo: Any, nbytes: int, W: int) -> str:
+    if algo == "auto":
+        return cost.choose(op, nbytes, W)
+    if not isinstance(algo, str) or algo not in _ALGOS[op]:
+        raise ValueError(f"{op}: unknown algo {algo!r}. Use 'auto' or one of "
+                         f"{', '.join(map(repr, _ALGOS[op]))}.")
+    return algo
+
+
+def _sizes(sizes: Any, W: int, what: str, total: int | None = None) -> list[int]:
+    """A list of W non-negative ints (summing to `total` when given), or ValueError."""
+    try:
+        out = [int(s) for s in sizes]
+        ok = len(out) == W and all(s >= 0 and s == v for s, v in zip(out, sizes))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or (total is not None and sum(out) != total):
+        need = f" summing to x.shape[0] = {total}" if total is not None else ""
+        raise ValueError(f"all_to_all: {what}={sizes!r} must be {W} non-negative integers"
+                         f"{need}, one per rank of the group.")
+    return out
+
+
+def _run(group, op: str, header_x, body: Callable[[], Any], async_op: bool, *,
+         root: int | None = None, reduce_op: str | None = None, algo: str = ""):
+    """Run body() inside the one header scope of this call, now or on the async worker."""
+    if not isinstance(async_op, bool):
+        raise ValueError(f"{op}: async_op must be True or False, got {async_op!r}.")
+
+    def call():
+        with group.collective(op, header_x, root=root, reduce_op=reduce_op, algo=algo):
+            return body()
+
+    if async_op:
+        return group.submit(call)
+    drain = getattr(group, "drain", None)       # queued async calls on this group go first
+    if drain is not None:                       # (a transport that runs submit() inline,
+        drain()                                 # like runtime/mpi.py, has nothing queued)
+    return call()
+
+
+# --- the collectives --------------------------------------------------------------------
+
+def broadcast(x: np.ndarray, root: int = 0, group=None, algo: str = "auto",
+              async_op: bool = False):
+    """Return a copy of the root's x on every rank (x: same shape and dtype everywhere)."""
+    g = _group(group)
+    x, root = _array(x, "broadcast"), _root(root, g, "broadcast")
+    name = _algo("broadcast", algo, x.nbytes, g.size)
+    fn = _ALGOS["broadcast"][name]
+    return _run(g, "broadcast", x, lambda: fn(x, g, root), async_op, root=root, algo=name)
+
+
+def reduce(x: np.ndarray, root: int = 0, op: str = "sum", group=None, algo: str = "auto",
+           async_op: bool = False):
+    """Return x_0 (op) ... (op) x_{W-1} on the root and None on every other rank."""
+    g = _group(group)
+    x, root = _array(x, "reduce"), _root(root, g, "reduce")
+    check_op(op, x.dtype, "reduce")
+    name = _algo("reduce", algo, x.nbytes, g.size)
+    fn = _ALGOS["reduce"][name]
+    return _run(g, "reduce", x, lambda: fn(x, g, root, op), async_op, root=root,
+                reduce_op=op, algo=name)
+
+
+def all_reduce(x: np.ndarray, op: str = "sum", group=None, algo: str = "auto",
+               async_op: bool = False):
+    """Return x_0 (op) ... (op) x_{W-1} on every rank, same shape as x.
+
+    algo="direct" folds in rank order 0..W-1: bitwise reproducible and equal to
+    the single-process sum; the others are equal up to rounding.
+    """
+    g = _group(group)
+    x = _array(x, "all_reduce")
+    check_op(op, x.dtype, "all_reduce")
+    name = _algo("all_reduce", algo, x.nbytes, g.size)
+    fn = _ALGOS["all_reduce"][name]
+    return _run(g, "all_reduce", x, lambda: fn(x, g, op), async_op, reduce_op=op, algo=name)
+
+
+def reduce_scatter(x: np.ndarray, op: str = "sum", group=None, algo: str = "auto",
+                   async_op: bool = False):
+    """Return chunk `rank` of np.array_split((x_0 (op) ... (op) x_{W-1}).ravel(), W).
+
+    Any number of elements N works: chunks have N // W or N // W + 1 elements,
+    the longer ones first (np.array_split's rule).
+    """
+    g = _group(group)
+    x = _array(x, "reduce_scatter")
+    check_op(op, x.dtype, "reduce_scatter")
+    name = _algo("reduce_scatter", algo, x.nbytes, g.size)
+    fn = _ALGOS["reduce_scatter"][name]
+    return _run(g, "reduce_scatter", x, lambda: fn(x, g, op), async_op, reduce_op=op,
+                algo=name)
+
+
+def all_gather(x: np.ndarray, group=None, algo: str = "auto", async_op: bool = False):
+    """Return np.stack of every rank's x, shape (W, *x.shape), on every rank."""
+    g = _group(group)
+    x = _array(x, "all_gather")
+    name = _algo("all_gather", algo, x.nbytes, g.size)
+    fn = _ALGOS["all_gather"][name]
+    return _run(g, "all_gather", x, lambda: fn(x, g), async_op, algo=name)
+
+
+def gather(x: np.ndarray, root: int = 0, group=None, algo: str = "auto",
+           async_op: bool = False):
+    """Return np.stack of every rank's x, shape (W, *x.shape), on the root; None elsewhere."""
+    g = _group(group)
+    x, root = _array(x, "gather"), _root(root, g, "gather")
+    name = _algo("gather", algo, x.nbytes, g.size)
+    fn = _ALGOS["gather"][name]
+    return _run(g, "gather", x, lambda: fn(x, g, root), async_op, root=root, algo=name)
+
+
+def scatter(xs: np.ndarray | None, root: int = 0, group=None, algo: str = "auto",
+            async_op: bool = False):
+    """Return row `rank` of the root's xs (shape (W, ...)); other ranks may pass xs=None.
+
+    The row shape and dtype travel from the root first, so only the root needs xs.
+    """
+    g = _group(group)
+    root = _root(root, g, "scatter")
+    if g.rank == root:
+        xs = _array(xs, "scatter")
+        if xs.ndim == 0 or xs.shape[0] != g.size:
+            raise ValueError(f"scatter: the root's xs has shape {xs.shape}; it needs one row "
+                             f"per rank, shape ({g.size}, ...). Stack the {g.size} pieces "
+                             "with np.stack.")
+    row_bytes = xs.nbytes // g.size if g.rank == root else 0     # only one algorithm anyway
+    name = _algo("scatter", algo, row_bytes, g.size)
+    fn = _ALGOS["scatter"][name]
+    return _run(g, "scatter", None, lambda: fn(xs if g.rank == root else None, g, root),
+                async_op, root=root, algo=name)
+
+
+def all_to_all(x: np.ndarray, split_sizes: Sequence[int] | None = None, group=None,
+               algo: str = "auto", async_op: bool = False,
+               recv_sizes: Sequence[int] | None = None):
+    """Return the rows every rank addressed to this rank, stacked in source-rank order.
+
+    x (N, *rest): rows [sum(split_sizes[:r]), sum(split_sizes[:r+1])) go to rank r.
+    split_sizes=None splits evenly (N must divide by W, same N on every rank).
+    recv_sizes, when known, saves the exchange of counts; otherwise it is
+    all_to_all(np.array(split_sizes)). rest and dtype must agree on every rank.
+    """
+    g = _group(group)
+    x = _array(x, "all_to_all")
+    W = g.size
+    if x.ndim == 0:
+        raise ValueError("all_to_all: x is 0-d; it needs a leading axis of rows to split. "
+                         "Use x.reshape(1) or x[None].")
+    if split_sizes is None and x.shape[0] % W:
+        raise ValueError(f"all_to_all: x has {x.shape[0]} rows, which do not split evenly "
+                         f"over the {W} ranks of group '{getattr(g, 'name', '?')}'. Pass "
+                         "split_sizes (one row count per rank), e.g. "
+                         f"{[len(c) for c in np.array_split(np.empty(x.shape[0]), W)]}.")
+    sizes = None if split_sizes is None else _sizes(split_sizes, W, "split_sizes", x.shape[0])
+    recv = None if recv_sizes is None else _sizes(recv_sizes, W, "recv_sizes")
+    name = _algo("all_to_all", algo, x.nbytes, W)
+    fn = _ALGOS["all_to_all"][name]
+    # header: rows differ per rank, so stamp a 0-row view (checks dtype and trailing dims)
+    return _run(g, "all_to_all", x[:0], lambda: fn(x, g, sizes, recv), async_op, algo=name)
+
+
+def barrier(group=None, async_op: bool = False):
+    """Return None once every rank of the group has called barrier."""
+    g = _group(group)
+    return _run(g, "barrier", None, g.barrier, async_op)

@@ -1,0 +1,161 @@
+"""Canonical-order reductions: every element summed in rank order 0..W-1, bitwise reproducible.
+
+Floating-point addition is not associative, so a ring or a tree that adds the
+same W numbers in a different grouping may round differently, and the order
+can even depend on which message arrived first. This module removes every such
+choice: element j of the result is always
+
+    ((x_0[j] (op) x_1[j]) (op) x_2[j]) ... (op) x_{W-1}[j]
+
+exactly as NumPy computes `acc = x0; acc = acc + x1; ...` in one process. The
+result is the same bits on every rank, on every run, for every arrival order,
+and equal to the single-process fold; this is what the determinism goal builds on.
+
+It runs over shared memory without messages. Every rank writes its input into
+its own region of a shared buffer, the group synchronises, and then each rank
+reads its peers' regions in place (zero-copy) to reduce its own 1/W of the
+elements, in rank order. The work is split W ways, like a ring's, but with
+two barriers per round instead of 2(W-1) dependent messages.
+
+One rank's view (all_reduce, rank r of W, per round of at most `window` elements):
+    1. copy my window of x into the input area of my shared region.
+    2. barrier: every input is in place.
+    3. for my share of the window (chunk r of np.array_split(window, W)): read the
+       share from rank 0's region, then combine ranks 1, ..., W-1 into it in order;
+       apply the op's last step; write the finished share to my output area.
+    4. barrier: every share is finished (and nobody reads inputs any more).
+    5. copy every rank's finished share into my result.
+Per rank region of S bytes: input area [0, S_in), output area [S_in, S) with
+S_in ~ S W/(W+1). A message larger than the input area is done in rounds.
+
+Why steps are safe without more barriers: a rank writes its input area only
+before barrier 2 of a round, when every peer has passed barrier 4 of the
+previous round (so stopped reading inputs); it writes its output area only
+after barrier 2, when every peer has finished step 5 of the previous round.
+
+Shapes: x identical shape and dtype on every rank.
+Communication: group.shared (one buffer per size, reused) and group.barrier.
+Reference: the canonical order is principle 4 of DESIGN.md; the split of the
+    reduction work (each rank finishes 1/W of the elements) is a reduce-scatter
+    followed by an all-gather, as in Thakur, Rabenseifner & Gropp 2005,
+    IJHPCA 19(1), 49-66, here through shared memory instead of messages.
+Read next: all_to_all.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.collectives.reduce_ops import combine, finish
+
+# Bytes of shared memory per rank. Large enough that typical gradients need few rounds,
+# small enough that W regions fit in /dev/shm comfortably.
+BUFFER_BYTES = 4 << 20
+_ALIGN = 64
+
+
+def _split(buffer_bytes: int, W: int) -> tuple[int, int]:
+    """Return (input area bytes, output area bytes) of one rank's region."""
+    s_in = (buffer_bytes * W // (W + 1)) // _ALIGN * _ALIGN
+    return s_in, buffer_bytes - s_in
+
+
+def window(itemsize: int, W: int, buffer_bytes: int = BUFFER_BYTES) -> int:
+    """Elements of x that one all_reduce round handles: limited by both areas."""
+    s_in, s_out = _split(buffer_bytes, W)
+    m = min(s_in // itemsize, (s_out // itemsize) * W)
+    if m < 1:
+        raise ValueError(
+            f"direct: a shared region of {buffer_bytes} bytes per rank cannot hold one "
+            f"element of {itemsize} bytes for {W} ranks. Use buffer_bytes >= "
+            f"{_ALIGN * (W + 2)} (the default is {BUFFER_BYTES}).")
+    return m
+
+
+def _shares(n: int, W: int) -> np.ndarray:
+    """offsets[k] = first element of chunk k of np.array_split(range(n), W); offsets[W] = n."""
+    base, extra = divmod(n, W)
+    return np.array([k * base + min(k, extra) for k in range(W + 1)])
+
+
+def _fold_peers(buf, dtype: np.dtype, count: int, offset: int, op: str, W: int) -> np.ndarray:
+    """Return peer_0 (op) peer_1 (op) ... (op) peer_{W-1} of `count` elements at `offset`."""
+    acc = np.array(buf.peer(0, dtype, count, offset), copy=True)
+    for p in range(1, W):
+        combine(op, acc, buf.peer(p, dtype, count, offset), out=acc)
+    return finish(op, acc, W)
+
+
+def all_reduce(x: np.ndarray, group, op: str = "sum",
+               buffer_bytes: int = BUFFER_BYTES) -> np.ndarray:
+    """Return x_0 (op) x_1 (op) ... (op) x_{W-1}, folded in rank order, on every rank.
+
+    Algorithm: steps 1-5 of the module docstring, once per round of
+    window(itemsize, W, buffer_bytes) elements.
+
+    Shapes: x any shape, identical on every rank; returns a new array, same shape.
+    Cost (n = x.nbytes, R = ceil(n / window bytes) rounds): 2R barriers, modelled
+        as 2R ceil(log2 W) alpha, + 2(W-1)/W n beta (read peers' inputs, then
+        their finished shares) + (W-1)/W n gamma + n beta for the local copy-in.
+    Numerics: bitwise equal to the sequential rank-order fold on one process,
+        on every rank, regardless of timing.
+    """
+    rank, W = group.rank, group.size
+    dtype, isz = x.dtype, x.dtype.itemsize
+    buf = group.shared(f"direct/{buffer_bytes}", buffer_bytes)
+    s_in, _ = _split(buffer_bytes, W)
+    flat, out = x.reshape(-1), np.empty(x.size, x.dtype)
+    m = window(isz, W, buffer_bytes)
+    for start in range(0, x.size, m):
+        win = flat[start:start + m]
+        buf.local(dtype, win.size)[...] = win                              # step 1
+        group.barrier()                                                    # step 2
+        offs = _shares(win.size, W)
+        lo, hi = offs[rank], offs[rank + 1]
+        buf.local(dtype, hi - lo, s_in)[...] = _fold_peers(                # step 3
+            buf, dtype, hi - lo, lo * isz, op, W)
+        group.barrier()                                                    # step 4
+        for p in range(W):                                                 # step 5
+            count = offs[p + 1] - offs[p]
+            out[start + offs[p]:start + offs[p + 1]] = buf.peer(p, dtype, count, s_in)
+    return out.reshape(x.shape)
+
+
+def reduce_scatter(x: np.ndarray, group, op: str = "sum",
+                   buffer_bytes: int = BUFFER_BYTES) -> np.ndarray:
+    """Return chunk `rank` of np.array_split(x_0 (op) ... (op) x_{W-1}, W), rank-order fold.
+
+    Algorithm (this rank's view): chunk k of x goes to rank k. Per round j, every
+    rank writes sub-window j (at most w elements) of each of its W chunks into
+    its input area, chunk k at element offset k*w; barrier; this rank folds
+    sub-window j of chunk `rank` from ranks 0, 1, ..., W-1 in order, straight
+    from their regions; barrier (inputs free again).
+
+    Shapes: x any shape with N elements; returns a new 1-D array of N//W or
+        N//W + 1 elements: exactly all_reduce(x).ravel()[offs[rank]:offs[rank+1]].
+    Cost (n = x.nbytes, R rounds): 2R ceil(log2 W) alpha + (W-1)/W n (beta + gamma)
+        + n beta for the copy-in.
+    Numerics: bitwise equal to the rank-order fold, hence to the corresponding
+        chunk of direct.all_reduce: ZeRO-2's sharded gradients match DDP's bits.
+    """
+    rank, W = group.rank, group.size
+    dtype, isz = x.dtype, x.dtype.itemsize
+    buf = group.shared(f"direct/{buffer_bytes}", buffer_bytes)
+    s_in, _ = _split(buffer_bytes, W)
+    w = s_in // isz // W                    # per-chunk sub-window; writes stay in [0, s_in)
+    if w < 1:
+        raise ValueError(
+            f"direct.reduce_scatter: a shared region of {buffer_bytes} bytes per rank "
+            f"cannot hold one {isz}-byte element per rank for {W} ranks. Use "
+            f"buffer_bytes >= {_ALIGN * (W + 2) * isz}.")
+    flat, offs = x.reshape(-1), _shares(x.size, W)
+    out = np.empty(offs[rank + 1] - offs[rank], dtype)
+    for j in range(0, int(np.max(np.diff(offs), initial=0)), w):
+        for k in range(W):                                  # sub-window j of every chunk
+            piece = flat[offs[k] + j:min(offs[k] + j + w, offs[k + 1])]
+            buf.local(dtype, piece.size, k * w * isz)[...] = piece
+        group.barrier()
+        count = max(0, min(w, out.size - j))
+        out[j:j + count] = _fold_peers(buf, dtype, count, rank * w * isz, op, W)
+        group.barrier()
+    return out

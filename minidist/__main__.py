@@ -1,6 +1,6 @@
 """Command line: `python -m minidist run|train|demo|bench ...`.
 
-    python -m minidist run -n 4 script.py [args]   run a script on 4 ranks (it calls minidist.init())
+    python -m minidist run -n 4 script.py [args]   run script.py on 4 ranks (minidist.init())
     python -m minidist train [--task sort ...]     train the tiny GPT (the main job)
     python -m minidist demo [name]                 list the demos, or run one by name or number
     python -m minidist bench collectives|autograd  benchmarks (medians, printed as tables)

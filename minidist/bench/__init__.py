@@ -1,0 +1,1 @@
+"""Benchmarks run by `python -m minidist bench collectives|autograd|train`, printed as tables."""

@@ -1,0 +1,60 @@
+"""Causal multi-head self-attention: each position mixes the values of the positions before it.
+
+For every head h, with q, k, v the head's slices of x @ W_qkv:
+    A_h = softmax(q_h k_h^T / sqrt(D) + M),   M[i, j] = -inf for j > i (the future), else 0
+    y_h = A_h v_h
+and the heads are concatenated and projected: y = concat_h(y_h) @ W_proj + b_proj.
+
+The H heads are independent until the output projection. That is what tensor parallelism
+uses: split W_qkv by heads (columns) and W_proj by rows, and each tp rank computes H/W_tp
+whole heads with no communication until the projection's partial sums (see
+parallel/tensor.py). Sequence and context parallelism split T instead, which the causal
+mask makes uneven: position i attends to i + 1 keys.
+
+Shapes (B batch, T positions, C = H * D width):
+    x (B, T, C) -> qkv (B, T, 3C) -> q, k, v (B, H, T, D) -> A (B, H, T, T)
+    -> y (B, H, T, D) -> (B, T, C) -> proj -> (B, T, C)
+Cost: 2*B*T*C*3C (qkv) + 2*2*B*H*T*T*D (scores and A @ v) + 2*B*T*C*C (proj) flops.
+Reference: Vaswani et al. 2017, "Attention is all you need", arXiv:1706.03762, Sec. 3.2.
+Read next: nn/moe.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+from minidist import backend
+from minidist.autograd import Tensor
+from minidist.autograd import functional as F
+from minidist.nn.layers import STD, Dropout, DropoutKey, Linear
+from minidist.nn.module import Module
+
+
+class CausalSelfAttention(Module):
+    """Multi-head attention with a causal mask; heads = n_head, head dim D = C / n_head."""
+
+    def __init__(self, n_embd: int, n_head: int, bias: bool = True, dropout: float = 0.0,
+                 dtype: str = "float64", proj_std: float = STD) -> None:
+        if n_head < 1 or n_embd % n_head != 0:
+            raise ValueError(f"CausalSelfAttention: n_embd={n_embd} is not divisible by "
+                             f"n_head={n_head}; choose n_head among the divisors of n_embd.")
+        self.n_head = n_head
+        self.qkv = Linear(n_embd, 3 * n_embd, bias, dtype)
+        self.proj = Linear(n_embd, n_embd, bias, dtype, std=proj_std)
+        self.attn_drop = Dropout(dropout)
+        self.resid_drop = Dropout(dropout)
+
+    def forward(self, x: Tensor, key: DropoutKey | None = None) -> Tensor:
+        B, T, C = x.shape
+        H, D = self.n_head, C // self.n_head
+        q, k, v = F.split(self.qkv(x), 3, axis=-1)              # (B, T, 3C) -> 3 x (B, T, C)
+        q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)         # (B, H, T, D)
+        k = k.reshape(B, T, H, D).transpose(0, 2, 1, 3)         # (B, H, T, D)
+        v = v.reshape(B, T, H, D).transpose(0, 2, 1, 3)         # (B, H, T, D)
+        scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(D))   # (B, H, T, T)
+        future = backend.xp.triu(backend.xp.ones((T, T), dtype=bool), k=1)   # j > i
+        att = F.softmax(F.masked_fill(scores, future, -math.inf), axis=-1)  # (B, H, T, T)
+        att = self.attn_drop(att, key)
+        y = att @ v                                             # (B, H, T, T) @ (B, H, T, D)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)            # (B, T, H, D) -> (B, T, C)
+        return self.resid_drop(self.proj(y), key)               # (B, T, C)

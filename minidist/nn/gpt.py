@@ -1,0 +1,186 @@
+"""GPT: token and position embeddings, n_layer pre-LN transformer blocks, LM head.
+
+    h_0 = wte[idx] + wpe[0..T-1]                         (B, T, C)
+    h_l = h_{l-1} + Attn(LN(h_{l-1}));  h_l = h_l + MLP(LN(h_l))   for l = 1..n_layer
+    logits = LN_f(h_L) @ W_head                          (B, T, V)
+With `tie_weights` the head is the transposed token embedding, W_head = wte^T (C, V).
+Every `moe_every`-th block (blocks moe_every-1, 2*moe_every-1, ...) swaps its MLP for a
+mixture of experts (nn/moe.py), whose load-balancing loss is added to the LM loss.
+
+Loss (the quantity every parallel layout must reproduce):
+    loss = sum_{(b,t): y != -100} CE(logits[b, t], y[b, t]) / n_tokens
+           + aux_loss_coef * aux_weight * sum_{MoE layers} aux
+n_tokens defaults to this batch's count of non-ignored targets (a plain mean). Gradient
+accumulation and data parallelism pass the GLOBAL count, so that the micro-batch losses
+add up to the global-batch loss, and aux_weight = (rows here) / (rows in the global batch).
+
+Initialisation (GPT-2): weights N(0, 0.02^2); the two projections that write into the
+residual stream (attn.proj, mlp.proj and the experts' proj) N(0, (0.02/sqrt(2 n_layer))^2).
+Each parameter is drawn from (seed, its name) by seed.init_parameters.
+
+Shapes: idx, targets (B, T) int with T <= block_size; logits (B, T, V); loss scalar.
+References: Radford et al. 2019 (GPT-2), Sec. 2.3 (pre-LN, residual init); Vaswani et al.
+    2017, arXiv:1706.03762; Karpathy's nanoGPT (the layout followed here).
+Read next: baseline.py (training it), then parallel/.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from minidist import backend
+from minidist import seed as seeding
+from minidist.autograd import Tensor, no_grad
+from minidist.autograd import functional as F
+from minidist.nn.attention import CausalSelfAttention
+from minidist.nn.layers import STD, MLP, DropoutKey, Dropout, Embedding, LayerNorm, Linear
+from minidist.nn.layers import name_dropouts
+from minidist.nn.module import Module, ModuleList
+from minidist.nn.moe import MoE
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model hyper-parameters; validated on construction."""
+
+    vocab_size: int = 11
+    block_size: int = 12
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 32
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+    moe_every: int = 0
+    n_experts: int = 4
+    top_k: int = 1
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+    dtype: str = "float64"
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"GPTConfig: {field}={getattr(self, field)} must be >= 1.")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head="
+                             f"{self.n_head}; pick n_head among the divisors of n_embd or "
+                             f"set n_embd to a multiple of n_head (e.g. {self.n_head * 16}).")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
+        if self.moe_every < 0:
+            raise ValueError(f"GPTConfig: moe_every={self.moe_every} must be >= 0 (0 = no MoE).")
+        if self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"GPTConfig: top_k={self.top_k} must be between 1 and n_experts="
+                             f"{self.n_experts}; lower top_k or add experts.")
+        if not self.capacity_factor > 0 or self.aux_loss_coef < 0:
+            raise ValueError(f"GPTConfig: capacity_factor={self.capacity_factor} must be > 0 "
+                             f"and aux_loss_coef={self.aux_loss_coef} >= 0.")
+        if self.dtype not in ("float64", "float32"):
+            raise ValueError(f"GPTConfig: dtype={self.dtype!r} must be 'float64' or 'float32'.")
+
+    def is_moe(self, layer: int) -> bool:
+        """True if block `layer` (0-based) uses a mixture of experts instead of an MLP."""
+        return self.moe_every > 0 and layer % self.moe_every == self.moe_every - 1
+
+
+class Block(Module):
+    """x + Attn(LN(x)), then + MLP(LN(x)) (or MoE). forward returns (x, aux or None)."""
+
+    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+        C, dt = cfg.n_embd, cfg.dtype
+        proj_std = STD / math.sqrt(2 * cfg.n_layer)
+        self.ln_1 = LayerNorm(C, cfg.bias, dt)
+        self.attn = CausalSelfAttention(C, cfg.n_head, cfg.bias, cfg.dropout, dt, proj_std)
+        self.ln_2 = LayerNorm(C, cfg.bias, dt)
+        hidden = cfg.mlp_ratio * C
+        if cfg.is_moe(layer):
+            self.moe = MoE(C, hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
+                           cfg.bias, dt, proj_std)
+        else:
+            self.mlp = MLP(C, hidden, cfg.bias, cfg.dropout, dt, proj_std)
+
+    def forward(self, x: Tensor, key: DropoutKey | None = None) -> tuple[Tensor, Tensor | None]:
+        x = x + self.attn(self.ln_1(x), key)                    # (B, T, C)
+        if hasattr(self, "moe"):
+            y, aux = self.moe(self.ln_2(x))
+            return x + y, aux
+        return x + self.mlp(self.ln_2(x), key), None
+
+
+class GPT(Module):
+    """The language model. `GPT(cfg, seed)` builds it and draws every parameter from `seed`."""
+
+    def __init__(self, cfg: GPTConfig, seed: int | None = 0) -> None:
+        self.cfg = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, cfg.dtype)
+        self.wpe = Embedding(cfg.block_size, cfg.n_embd, cfg.dtype)
+        self.drop = Dropout(cfg.dropout)
+        self.blocks = ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
+        self.ln_f = LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
+        if not cfg.tie_weights:
+            self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=cfg.dtype)
+        name_dropouts(self)
+        if seed is not None:
+            seeding.init_parameters(self, seed)
+
+    def forward(self, idx, targets=None, *, n_tokens: int | None = None,
+                aux_weight: float = 1.0, dropout_key: DropoutKey | None = None
+                ) -> tuple[Tensor, Tensor | None]:
+        """Return (logits (B, T, V), loss or None); the loss formula is in the module doc."""
+        idx = np.asarray(idx)
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"GPT: sequence length T={T} exceeds block_size="
+                             f"{self.cfg.block_size}; crop the input or raise block_size.")
+        pos = backend.xp.arange(T)
+        x = self.wte(backend.xp.asarray(idx)) + self.wpe(pos)    # (B, T, C) + (T, C)
+        x = self.drop(x, dropout_key)
+        aux_terms = []
+        for block in self.blocks:
+            x, aux = block(x, dropout_key)                       # (B, T, C)
+            if aux is not None:
+                aux_terms.append(aux)
+        x = self.ln_f(x)
+        head = self.wte.weight.transpose() if self.cfg.tie_weights else self.lm_head.weight
+        logits = x @ head                                        # (B, T, C) @ (C, V)
+        if targets is None:
+            return logits, None
+        return logits, self._loss(logits, np.asarray(targets), aux_terms, n_tokens, aux_weight)
+
+    def _loss(self, logits: Tensor, targets: np.ndarray, aux_terms: list, n_tokens: int | None,
+              aux_weight: float) -> Tensor:
+        count = int((targets != -100).sum()) if n_tokens is None else int(n_tokens)
+        if count < 1:
+            raise ValueError(f"GPT: loss over {count} target tokens; every target is -100 "
+                             "(ignored) or n_tokens < 1. Pass targets with answer tokens.")
+        ce = F.cross_entropy(logits, backend.xp.asarray(targets), reduction="sum")
+        loss = ce * (1.0 / count)
+        for aux in aux_terms:
+            loss = loss + aux * (self.cfg.aux_loss_coef * aux_weight)
+        return loss
+
+    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0,
+                 rng: np.random.Generator | None = None) -> np.ndarray:
+        """Append `max_new_tokens` tokens to idx (B, T0); greedy when temperature == 0."""
+        out = np.array(idx, dtype=np.int64)
+        was_training = self.training
+        self.eval()
+        with no_grad():
+            for _ in range(max_new_tokens):
+                logits, _ = self(out[:, -self.cfg.block_size:])
+                last = backend.to_numpy(logits.data[:, -1, :]).astype(np.float64)   # (B, V)
+                if temperature == 0.0:
+                    nxt = last.argmax(axis=-1)
+                else:
+                    p = np.exp((last - last.max(-1, keepdims=True)) / temperature)
+                    p /= p.sum(-1, keepdims=True)
+                    gen = rng if rng is not None else np.random.default_rng(0)
+                    nxt = np.array([gen.choice(p.shape[1], p=row) for row in p])
+                out = np.concatenate([out, nxt[:, None]], axis=1)
+        self.train(was_training)
+        return out

@@ -1,0 +1,126 @@
+"""The dense layers of a GPT: Linear, Embedding, LayerNorm, Dropout and the MLP built on them.
+
+Linear stores its weight as (in, out) so the code reads like the math, y = x @ W + b, and
+a tensor-parallel split of the output features is a split of W's last axis (columns).
+
+Dropout never uses a hidden RNG state. Its mask element j of batch row b is element
+(sample_id[b] * n + j) of the counter-based stream (seed, "dropout", step, layer name),
+n = elements per row, from a `DropoutKey`; so a data-parallel rank holding rows 4..7 of
+a global batch draws exactly the masks the single process draws for those rows.
+
+Shapes: x (..., C) -> (..., F) for Linear(C, F); ids (...) -> (..., C) for Embedding.
+Initialisation: weights N(0, 0.02^2) (GPT-2), biases 0, LayerNorm gain 1 and shift 0.
+References: LayerNorm -- Ba et al. 2016, arXiv:1607.06450; GELU -- Hendrycks & Gimpel 2016,
+    arXiv:1606.08415; dropout -- Srivastava et al. 2014, JMLR 15.
+Read next: nn/attention.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minidist import backend
+from minidist import seed as seeding
+from minidist.autograd import Tensor
+from minidist.autograd import functional as F
+from minidist.nn.module import Module, Parameter
+
+STD = 0.02                                            # GPT-2's initialiser
+
+
+@dataclass(frozen=True)
+class DropoutKey:
+    """Which masks to draw: global seed, training step and the global index of every row."""
+
+    seed: int
+    step: int
+    sample_ids: tuple[int, ...]
+
+
+class Linear(Module):
+    """y = x @ W + b with W (in_features, out_features)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 dtype: str = "float64", std: float = STD) -> None:
+        self.weight = Parameter((in_features, out_features), seeding.normal(std), dtype)
+        self.bias = Parameter((out_features,), seeding.zeros(), dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x @ self.weight                            # (..., C) @ (C, F) -> (..., F)
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding(Module):
+    """Row lookup: out[..., :] = W[ids[...], :] with W (num_embeddings, C)."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: str = "float64",
+                 std: float = STD) -> None:
+        self.weight = Parameter((num_embeddings, dim), seeding.normal(std), dtype)
+
+    def forward(self, ids) -> Tensor:
+        return F.embedding(self.weight, ids)           # (...) -> (..., C)
+
+
+class LayerNorm(Module):
+    """(x - mean) / sqrt(var + eps) * g + b over the last axis (biased variance)."""
+
+    def __init__(self, dim: int, bias: bool = True, dtype: str = "float64",
+                 eps: float = 1e-5) -> None:
+        self.weight = Parameter((dim,), seeding.ones(), dtype)
+        self.bias = Parameter((dim,), seeding.zeros(), dtype) if bias else None
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.weight, self.bias, eps=self.eps)
+
+
+class Dropout(Module):
+    """Inverted dropout with masks addressed by (seed, step, layer name, global row index).
+
+    `name` keys the mask stream; `nn.name_dropouts(model)` sets it to the layer's full
+    dotted name. Identity when p == 0 or in eval mode; training with p > 0 needs a key.
+    """
+
+    def __init__(self, p: float, name: str = "dropout") -> None:
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"Dropout: p={p} must be in [0, 1).")
+        self.p, self.name = float(p), name
+
+    def forward(self, x: Tensor, key: DropoutKey | None) -> Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        if key is None or len(key.sample_ids) != x.shape[0]:
+            got = None if key is None else len(key.sample_ids)
+            raise ValueError(f"Dropout {self.name}: training with p={self.p} needs a DropoutKey "
+                             f"with one sample id per row ({x.shape[0]} rows, got {got}). Pass "
+                             "dropout_key=DropoutKey(seed, step, ids) or call model.eval().")
+        per_row = int(np.prod(x.shape[1:]))
+        ids = np.asarray(key.sample_ids, dtype=np.int64).reshape((-1,) + (1,) * (x.ndim - 1))
+        counters = ids * per_row + np.arange(per_row).reshape(x.shape[1:])       # (B, ...)
+        keep = seeding.counter_uniform(key.seed, ("dropout", key.step, self.name),
+                                       counters) >= self.p
+        scale = keep.astype(x.dtype) / (1.0 - self.p)
+        return x * backend.xp.asarray(scale)
+
+
+class MLP(Module):
+    """fc: (C, F) -> GELU(tanh) -> proj: (F, C) -> dropout. `proj_std` scales the residual write."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = True, dropout: float = 0.0,
+                 dtype: str = "float64", proj_std: float = STD) -> None:
+        self.fc = Linear(dim, hidden, bias, dtype)
+        self.proj = Linear(hidden, dim, bias, dtype, std=proj_std)
+        self.drop = Dropout(dropout)
+
+    def forward(self, x: Tensor, key: DropoutKey | None = None) -> Tensor:
+        h = F.gelu(self.fc(x), approximate="tanh")     # (..., C) -> (..., F)
+        return self.drop(self.proj(h), key)            # (..., F) -> (..., C)
+
+
+def name_dropouts(model: Module) -> None:
+    """Give every Dropout inside `model` its full dotted name, the key of its mask stream."""
+    for name, m in model.named_modules():
+        if isinstance(m, Dropout):
+            m.name = name

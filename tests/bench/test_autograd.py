@@ -1,0 +1,44 @@
+"""bench/autograd.py: the profiler counts what ran and leaves no trace; the PyTorch twin
+computes the same loss and gradients as nn/gpt.py (an independent implementation)."""
+
+import numpy as np
+import pytest
+
+from minidist.autograd import Function
+from minidist.bench import autograd as bench
+from minidist.nn import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=7, block_size=6, n_layer=2, n_head=2, n_embd=8)     # float64
+
+
+def test_profiler_counts_ops_and_restores_function_apply():
+    apply_before = Function.__dict__["apply"]
+    x, y = bench.make_batch(CFG)
+    ops = bench.op_breakdown(GPT(CFG, seed=0), x, y, steps=2)
+    assert Function.__dict__["apply"] is apply_before
+    # per layer: qkv, q @ k^T, att @ v, proj, fc, mlp proj; plus the tied LM head
+    assert ops[("MatMul", "fwd")][1] == ops[("MatMul", "bwd")][1] == 6 * CFG.n_layer + 1
+    assert ops[("CrossEntropy", "fwd")][1] == 1 and all(ms >= 0 for ms, _ in ops.values())
+
+
+def test_torch_twin_matches_loss_and_gradients():
+    torch = pytest.importorskip("torch")
+    model = GPT(CFG, seed=3)
+    x, y = bench.make_batch(CFG, seed=1)
+    y[:, :2] = -100                                       # ignored targets, as in the tasks
+    _, loss = model(x, y)
+    loss.backward()
+    P = {n: torch.tensor(v, requires_grad=True) for n, v in model.state_dict().items()}
+    ref = bench._torch_loss(P, torch.tensor(x), torch.tensor(y), CFG)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-13)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(p.grad, P[name].grad.numpy(), rtol=0, atol=1e-13,
+                                   err_msg=name)
+
+
+def test_main_prints_a_table(capsys):
+    assert bench.main(["--sizes", "tiny", "--repeats", "1", "--no-torch"]) == 0
+    out = capsys.readouterr().out
+    for word in ("== tiny", "forward", "backward", "optimizer", "MatMul"):
+        assert word in out

@@ -1,16 +1,35 @@
 """minidist: distributed training from scratch in NumPy.
 
 Reading order (each module's docstring says what to read next):
-    1. runtime/launch.py       one OS process per rank; failure semantics
-    2. runtime/shm.py, p2p.py  the wire: shared-memory mailboxes, send/recv
-    3. runtime/group.py        process groups; mesh.py: named axes
-    4. collectives/            ring, tree, direct, all_to_all; simulated.py is the oracle
-    5. autograd/, nn/, optim/  the tiny autograd and the GPT model
-    6. baseline.py             single-process training: the ground truth
+    1. runtime/launch.py       one OS process per rank; what happens when one fails
+    2. runtime/shm.py, wait.py, p2p.py   the wire: a shared arena, polling, mailboxes
+    3. runtime/call.py, group.py, world.py, mesh.py   calls, process groups, the mesh
+    4. collectives/            simulated.py (the oracle), ring, tree, halving, direct, all_to_all
+    5. autograd/               Tensor, Function, ops, fused ops, gradcheck
+    6. nn/, optim/             the GPT (and its MoE), AdamW and SGD
+    7. seed.py, data.py        layout-independent parameters and batches
+    8. baseline.py             single-process training: the ground truth
+    9. parallel/               data parallelism and ZeRO, checked against the baseline
+
+The names below are the torch.distributed-shaped API; they are loaded on first use, so
+`import minidist.baseline` does not pull in the runtime.
 """
 
-from minidist.runtime import (CollectiveMismatch, CollectiveTimeout, RankFailure, get_rank,
-                              get_world_size, init, new_group, spawn)
+from __future__ import annotations
 
-__all__ = ["CollectiveMismatch", "CollectiveTimeout", "RankFailure", "get_rank",
-           "get_world_size", "init", "new_group", "spawn"]
+import importlib
+
+_EXPORTS = {
+    "minidist.runtime": ("spawn", "init", "get_rank", "get_world_size", "new_group",
+                         "RankFailure", "CollectiveTimeout", "CollectiveMismatch"),
+    "minidist.collectives": ("broadcast", "reduce", "all_reduce", "reduce_scatter",
+                             "all_gather", "gather", "scatter", "all_to_all", "barrier"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'minidist' has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)

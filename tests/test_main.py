@@ -60,3 +60,20 @@ def test_unknown_command_prints_usage():
     res = subprocess.run([sys.executable, "-m", "minidist", "frobnicate"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 2 and "python -m minidist run" in res.stderr
+
+
+def test_top_level_api_is_torch_shaped():
+    import minidist
+    for name in ("spawn", "init", "get_rank", "get_world_size", "new_group", "all_reduce",
+                 "broadcast", "reduce_scatter", "all_gather", "barrier", "RankFailure"):
+        assert callable(getattr(minidist, name)), name
+    with pytest.raises(AttributeError):
+        minidist.no_such_thing
+
+
+def test_baseline_does_not_load_the_runtime():
+    code = ("import sys, minidist.baseline; "
+            "print(any(m.startswith('minidist.runtime') for m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert res.stdout.strip() == "False", res.stderr

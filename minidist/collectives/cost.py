@@ -135,6 +135,12 @@ def choose(op: str, nbytes: float, W: int, c: Constants | None = None) -> str:
     """The algorithm "auto" runs: the cheapest predicted one (direct excluded), ties -> first."""
     if op not in ALGOS:
         raise ValueError(f"cost.choose: unknown collective {op!r}; use one of {list(ALGOS)}.")
+    return _choose(op, int(nbytes), int(W), constants() if c is None else c)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(op: str, nbytes: int, W: int, c: Constants) -> str:
+    """choose() memoised: it sits on the path of every small collective."""
     candidates = [a for a in ALGOS[op] if a not in _NOT_AUTO]
     return min(candidates, key=lambda a: predict(op, a, W, nbytes, c))
 
@@ -180,8 +186,15 @@ def calibrate(p2p_nbytes, p2p_seconds, reduce_nbytes, reduce_seconds) -> Constan
 
 def cost_file() -> Path:
     """Where calibrated constants live: $MINIDIST_COST_FILE or ~/.cache/minidist/cost.json."""
-    env = os.environ.get("MINIDIST_COST_FILE")
-    return Path(env) if env else Path.home() / ".cache" / "minidist" / "cost.json"
+    return _cost_path(os.environ.get("MINIDIST_COST_FILE"), os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=8)
+def _cost_path(env: str | None, home: str | None) -> Path:
+    """Path objects are slow to build (~20 us); this runs on every "auto" call."""
+    if env:
+        return Path(env)
+    return (Path(home) if home else Path.home()) / ".cache" / "minidist" / "cost.json"
 
 
 def load(path: str | Path | None = None) -> Constants:
@@ -217,7 +230,7 @@ def constants() -> Constants:
     """The constants in force: the calibration file's (re-read when it changes) or DEFAULT."""
     path = cost_file()
     try:
-        stamp = path.stat().st_mtime_ns
+        stamp = os.stat(path).st_mtime_ns
     except OSError:
         stamp = -1
     return _cached_load(str(path), stamp)

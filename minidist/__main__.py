@@ -76,8 +76,8 @@ def _train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from minidist.runtime.threads import pin_blas_threads
-    pin_blas_threads(1)               # one BLAS thread per process, as every rank runs
+    from minidist.runtime.rank_env import setup_rank_process
+    setup_rank_process()              # one BLAS thread, reuse of freed memory: as every rank
     commands = {"run": _run, "demo": _demo, "bench": _bench, "train": _train}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)

@@ -68,6 +68,13 @@ def combine(op: str, acc: np.ndarray, x: np.ndarray, out: np.ndarray | None = No
     return _UFUNCS[op](acc, x, out=out)
 
 
+def ufunc(op: str) -> np.ufunc:
+    """The NumPy ufunc behind `op`, for transports that reduce straight out of a mailbox
+    (`group.recv(..., combine=ufunc(op))` computes mine (op) incoming; commutative ops
+    give the same bits as incoming (op) mine)."""
+    return _UFUNCS[op]
+
+
 def finish(op: str, acc: np.ndarray, W: int) -> np.ndarray:
     """Return the final value of a completed reduction of W operands held in `acc`.
 

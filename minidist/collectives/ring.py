@@ -44,7 +44,7 @@ import math
 
 import numpy as np
 
-from minidist.collectives.reduce_ops import combine, finish
+from minidist.collectives.reduce_ops import combine, finish, ufunc
 
 # A chain (broadcast / reduce) forwards the message in pieces of about this many bytes,
 # so the next rank can start forwarding before the whole message has arrived. A fixed
@@ -66,12 +66,13 @@ def _reduce_scatter_steps(chunks: list[np.ndarray], group, op: str) -> None:
     """
     rank, W = group.rank, group.size
     right, left = (rank + 1) % W, (rank - 1) % W
-    scratch = np.empty(max(c.size for c in chunks), chunks[0].dtype)
     for step in range(W - 1):
         send_i, recv_i = (rank - step - 1) % W, (rank - step - 2) % W
-        partial = group.sendrecv(chunks[send_i], dst=right, src=left,
-                                 out=scratch[:chunks[recv_i].size])
-        combine(op, partial, chunks[recv_i], out=chunks[recv_i])   # earlier ranks first
+        # the incoming partial is combined straight out of the mailbox into chunks[recv_i]
+        # (no temporary); the ops are commutative, so mine (op) partial has the same bits
+        # as partial (op) mine
+        group.sendrecv(chunks[send_i], dst=right, src=left, out=chunks[recv_i],
+                       combine=ufunc(op))
 
 
 def _all_gather_steps(chunks: list[np.ndarray], group) -> None:

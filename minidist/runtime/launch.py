@@ -52,7 +52,7 @@ from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import DEAD, DONE, EXITING, FAILED, RUNNING, JobBoard
 from minidist.runtime.p2p import CHUNK_OFF
 from minidist.runtime.shm import Arena, strong_ordering
-from minidist.runtime.threads import pin_blas_threads
+from minidist.runtime.rank_env import setup_rank_process
 from minidist.runtime.world import Job, RuntimeConfig, current_job, is_initialized, set_job
 
 GRACE = 1.0           # seconds between the first failure and SIGKILL of ranks still running
@@ -109,7 +109,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
 
 def _rank_main(rank, cfg, arena, lock, launcher_pid, conn, fn, args, kwargs) -> None:
     _die_with_parent(launcher_pid)
-    pin_blas_threads(1)
+    setup_rank_process()
     job = Job(cfg, arena, rank, launcher_pid, lock)
     set_job(job)
     job.board.status[rank] = RUNNING

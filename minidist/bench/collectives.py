@@ -1,0 +1,377 @@
+"""Benchmark: the hand-written collectives, timed and reported the way nccl-tests reports NCCL.
+
+For every collective, algorithm (and algo="auto"), world size W and size: the time of one
+call through the public API (minidist.collectives), copying the caller's array in and the
+result out included. Each repeat is timed on every rank between barriers and counts as the
+slowest rank's time; the table shows the median over repeats. As in nccl-tests:
+
+    algbw = size / time;   busbw = algbw * factor (what each link must sustain), factor =
+        2(W-1)/W  all_reduce        (W-1)/W  reduce_scatter, all_gather, all_to_all,
+        1         broadcast, reduce          gather, scatter
+    size  = bytes one rank passes in (all_reduce, reduce_scatter, all_to_all, broadcast,
+            reduce), or of the whole gathered/scattered array (all_gather, gather, scatter).
+"model" is cost.predict(op, algo, W, n), n = bytes of one rank's input; "#wrong" counts
+result elements unequal to the closed form (inputs x_r = r + 1: sums are exact in float32).
+
+--shared   inputs live in a group.shared(...) region, as DDP's buckets do. The API calls
+           run on that shared-resident array (they still copy it), plus "direct-shm":
+           direct.all_reduce_shared, the zero-copy path (peers' inputs are read where they
+           lie and the sum is written back into the region; not exposed by api.py).
+--mpi      also time MPI's own collectives (bench/mpi_collectives.py under mpiexec) on the
+           same sizes: columns mpi(us), mpi_busbw, ratio = minidist time / MPI time.
+--calibrate  time ping-pong and sendrecv between 2 ranks and np.add, fit alpha, beta,
+           gamma with cost.fit / cost.fit_gamma, write the JSON that algo="auto" reads.
+
+Run:  python -m minidist bench collectives [--world-sizes 2,4] [--ops all_reduce,...] [--algos
+      ring,...] [--min-bytes 8] [--max-bytes 64M] [--factor 8] [--iters N] [--dtype float32]
+      [--shared] [--mpi] [--calibrate [--cost-file PATH]]   (default: under a minute)
+Reference: NVIDIA nccl-tests, doc/PERFORMANCE.md (algbw, busbw and their factors);
+    Thakur, Rabenseifner & Gropp 2005, IJHPCA 19(1) (the alpha-beta model in cost.py).
+Read next: bench/mpi_collectives.py
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")          # effective only if NumPy is not imported yet
+
+import argparse                                # noqa: E402
+import shlex                                   # noqa: E402
+import statistics                              # noqa: E402
+import sys                                     # noqa: E402
+import time                                    # noqa: E402
+import timeit                                  # noqa: E402
+from dataclasses import dataclass              # noqa: E402
+
+import numpy as np                             # noqa: E402
+
+from minidist.bench.mpi_collectives import mpi_times     # noqa: E402
+from minidist.collectives import api, cost, direct      # noqa: E402
+from minidist.runtime.launch import spawn      # noqa: E402
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather",
+       "scatter", "all_to_all")
+SHM_ALGO = "direct-shm"
+MAX_RANKS = 8
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def bus_factor(op: str, W: int) -> float:
+    """busbw / algbw for `op` on W ranks (see the module docstring)."""
+    return {"all_reduce": 2 * (W - 1) / W, "broadcast": 1.0, "reduce": 1.0}.get(op, (W - 1) / W)
+
+
+def parse_bytes(text: str) -> int:
+    """'8' -> 8, '4K' -> 4096, '64M' -> 64 MiB (binary units; a trailing B or iB is allowed)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    try:
+        value = int(float(t[:len(t) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"cannot read {text!r} as a byte count >= 1; write e.g. 8, 4K, 64M")
+    return value
+
+
+def sweep_sizes(lo: int, hi: int, factor: int) -> list[int]:
+    """lo, lo*factor, lo*factor^2, ... below hi, then hi itself."""
+    if factor < 2 or lo > hi:
+        raise ValueError(f"sizes: need factor >= 2 and min <= max, got {factor}, {lo}, {hi}")
+    k = next(k for k in range(64) if lo * factor ** (k + 1) >= hi)
+    return [lo * factor ** i for i in range(k + 1)] + ([hi] if lo * factor ** k != hi else [])
+
+
+def counts(op: str, size: int, W: int, itemsize: int) -> tuple[int, int]:
+    """(elements of one rank's input -- scatter: of one row --, bytes in the size column)."""
+    if op in ("all_gather", "gather", "scatter"):
+        per_rank = max(1, size // (W * itemsize))
+        return per_rank, per_rank * W * itemsize
+    n = max(1, size // itemsize)
+    if op in ("reduce_scatter", "all_to_all"):
+        n = max(W, n // W * W)                  # even splits: every rank gets n / W
+    return n, n * itemsize
+
+
+def default_iters(nbytes: int) -> tuple[int, int]:
+    """(warm-up calls, timed repeats) for a message of nbytes: fewer for big messages."""
+    return (3, 20) if nbytes <= 1 << 20 else (1, 7) if nbytes <= 16 << 20 else (1, 3)
+
+
+def make_input(op: str, count: int, W: int, rank: int, dtype):
+    """Rank r passes x_r = r + 1 everywhere; scatter's root (rank 0) passes row r = r + 1."""
+    if op != "scatter":
+        return np.full(count, rank + 1, dtype)
+    rows = np.repeat(np.arange(1, W + 1, dtype=dtype), count).reshape(W, count)
+    return rows if rank == 0 else None
+
+
+def count_wrong(op: str, out, count: int, W: int, rank: int, dtype) -> int:
+    """Elements of `out` that differ from the exact answer for make_input's inputs (root 0)."""
+    total, ranks = W * (W + 1) // 2, np.arange(1, W + 1, dtype=dtype)
+    exp = {"all_reduce": lambda: np.full(count, total, dtype),
+           "reduce": lambda: np.full(count, total, dtype) if rank == 0 else None,
+           "broadcast": lambda: np.full(count, 1, dtype),
+           "reduce_scatter": lambda: np.full(count // W, total, dtype),
+           "all_gather": lambda: np.repeat(ranks, count),
+           "gather": lambda: np.repeat(ranks, count) if rank == 0 else None,
+           "scatter": lambda: np.full(count, rank + 1, dtype),
+           "all_to_all": lambda: np.repeat(ranks, count // W)}[op]()
+    if exp is None or out is None:
+        return 0 if exp is None and out is None else count
+    got = np.asarray(out).reshape(-1)
+    return int(np.count_nonzero(got != exp)) if got.size == exp.size else max(got.size, exp.size)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to measure: every (op, algo) pair over every size, on one world size."""
+    ops: tuple[str, ...]
+    algos: dict
+    sizes: tuple[int, ...]
+    dtype: str
+    iters: int
+    shared: bool
+
+
+@dataclass(frozen=True)
+class Point:
+    """One row of a table: the median time of `algo` (which ran `ran`) for `op` at `size`."""
+    op: str
+    W: int
+    algo: str
+    ran: str
+    size: int
+    count: int
+    seconds: float
+    wrong: int
+    model_bytes: int
+
+    @property
+    def algbw(self) -> float:                 # GB/s
+        return self.size / self.seconds / 1e9
+
+    busbw = property(lambda self: self.algbw * bus_factor(self.op, self.W), doc="GB/s")
+
+
+def _api_call(op: str, algo: str, x, g):
+    """A zero-argument callable running one `op` through the public API (root 0)."""
+    kw = {"root": 0} if op in ("broadcast", "reduce", "gather", "scatter") else {}
+    return lambda: getattr(api, op)(x, group=g, algo=algo, **kw)
+
+
+def _repeat(g, fns: dict, warmup: int, iters: int, refill=None) -> tuple[dict, dict]:
+    """Round robin over fns (drift on a busy machine hits each alike): refill, barrier, time
+    fn() on this rank. Returns the times after the warm-up and each fn's last result."""
+    times, outs = {k: [] for k in fns}, {}
+    for _ in range(warmup + iters):
+        for k, fn in fns.items():
+            if refill is not None:
+                refill()
+            g.barrier()
+            t0 = time.perf_counter()
+            outs[k] = fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: t[warmup:] for k, t in times.items()}, outs
+
+
+def _warm_up(g) -> None:
+    """Touch every mailbox and settle the ranks before anything is timed."""
+    for algo in cost.ALGOS["all_reduce"] * 10:
+        api.all_reduce(np.zeros(256, np.float32), group=g, algo=algo)
+
+
+def _rank_sweep(ctx, plan: Plan) -> list[tuple]:
+    """Runs on every rank: time every (op, size, algo) of the plan; return raw times."""
+    g, W, dt = ctx.world, ctx.world_size, np.dtype(plan.dtype)
+    if plan.shared:                        # one region, big enough for the largest input
+        buf = g.shared("bench/shared", max(counts(op, s, W, dt.itemsize)[1]
+                                            for op in plan.ops for s in plan.sizes))
+    _warm_up(g)
+    rows = []
+    for op in plan.ops:
+        for size in sorted({counts(op, s, W, dt.itemsize)[1] for s in plan.sizes}):
+            count = counts(op, size, W, dt.itemsize)[0]
+            x0 = x = make_input(op, count, W, g.rank, dt)
+            refill = None
+            if plan.shared and x0 is not None:        # direct-shm overwrites it: refill
+                x = buf.local(dt, x0.size).reshape(x0.shape)
+                refill = lambda: np.copyto(x, x0)          # noqa: E731
+            fns = {a: (lambda: direct.all_reduce_shared(buf, dt, count, g)) if a == SHM_ALGO
+                   else _api_call(op, a, x, g) for a in plan.algos[op]}
+            warmup, iters = default_iters(size)
+            times, outs = _repeat(g, fns, warmup, plan.iters or iters, refill)
+            for a in fns:                  # direct-shm runs last: its result is still there
+                ran = cost.choose(op, count * dt.itemsize, W) if a == "auto" else a
+                rows.append((op, a, ran, size, count, times[a],
+                             count_wrong(op, outs[a], count, W, g.rank, dt)))
+    return rows
+
+
+def run(W: int, plan: Plan) -> list[Point]:
+    """Spawn W ranks, run the plan, and reduce the raw times: max over ranks, median."""
+    per_rank = spawn(W, _rank_sweep, plan)
+    points = []
+    for rows in zip(*per_rank):
+        op, algo, ran, size, count = rows[0][:5]
+        slowest = [max(ts) for ts in zip(*(r[5] for r in rows))]       # per repeat
+        points.append(Point(op, W, algo, ran, size, count, statistics.median(slowest),
+                            sum(r[6] for r in rows), count * np.dtype(plan.dtype).itemsize))
+    return points
+
+
+def format_table(points: list[Point], mpi: dict | str | None, note: str) -> str:
+    """nccl-tests-style table of one (op, W), with MPI side by side when given."""
+    head = (f"\n# {points[0].op} · W={points[0].W} · {note}\n# {'size(B)':>10} {'count':>9}  "
+            f"{'algo':<16}{'time(us)':>11}{'algbw':>9}{'busbw':>9}{'model(us)':>11}{'#wrong':>7}")
+    if isinstance(mpi, dict):
+        head += f" |{'mpi(us)':>10}{'mpi_busbw':>10}{'ratio':>8}"
+    lines = [head + "\n#" + " " * 52 + "(GB/s)   (GB/s)"]
+    for p in points:
+        name = p.algo if p.algo == p.ran else f"{p.algo}:{p.ran}"
+        model = ("-" if p.ran == SHM_ALGO else
+                 f"{cost.predict(p.op, p.ran, p.W, p.model_bytes) * 1e6:.1f}")
+        row = (f"  {p.size:>10} {p.count:>9}  {name:<16}{p.seconds * 1e6:>11.1f}"
+               f"{p.algbw:>9.3f}{p.busbw:>9.3f}{model:>11}{p.wrong:>7}")
+        if isinstance(mpi, dict) and (p.op, p.size) in mpi:
+            t, wrong = mpi[(p.op, p.size)]
+            bus = p.size / t / 1e9 * bus_factor(p.op, p.W)
+            row += f" |{t * 1e6:>10.1f}{bus:>10.3f}{p.seconds / t:>8.2f}"
+            row += f"  (MPI #wrong {wrong})" if wrong else ""
+        lines.append(row)
+    return "\n".join(lines + ([f"# {mpi}"] if isinstance(mpi, str) else []))
+
+
+# --- calibration: fit the cost model's constants on this machine ------------------------
+
+def _p2p_rank(ctx, sizes: list[int], iters: int) -> list[tuple[list, list]]:
+    """On 2 ranks, per size: times of half a ping-pong round trip, and of one sendrecv."""
+    g, other = ctx.world, 1 - ctx.rank
+
+    def ping_pong(x, out):                    # rank 0 sends first, rank 1 answers
+        if ctx.rank == 1:
+            g.recv(0, out)
+        g.send(x, other)
+        if ctx.rank == 0:
+            g.recv(1, out)
+
+    _warm_up(g)
+    res = []
+    for i, n in enumerate(sizes):
+        x, out, (warmup, reps) = np.ones(n, np.uint8), np.empty(n, np.uint8), default_iters(n)
+        fns = {"ping": lambda: ping_pong(x, out), "swap": lambda: g.sendrecv(x, other, other, out)}
+        t, _ = _repeat(g, fns, warmup if i else 100, iters or reps)      # first: warm p2p
+        res.append(([s / 2 for s in t["ping"]], t["swap"]))
+    return res
+
+
+def _reduce_seconds(n: int, iters: int = 7) -> float:
+    """Median time of acc += x for n bytes of float32 (what gamma models)."""
+    acc, x = np.ones(max(1, n // 4), np.float32), np.ones(max(1, n // 4), np.float32)
+    return statistics.median(timeit.repeat(lambda: np.add(acc, x, out=acc), number=1,
+                                           repeat=iters))
+
+
+def calibrate(sizes: list[int], iters: int, path: str) -> cost.Constants:
+    """Measure, fit and save alpha, beta, gamma; print the fit. Two regimes, because one
+    least-squares line over 8 B..MB is all slope: alpha = intercept of cost.fit over the
+    smaller half of the sizes, beta = slope of cost.fit over the larger half."""
+    if len(sizes) < 4:
+        raise ValueError(f"calibrate: needs at least 4 sizes, got {sizes}; widen "
+                         "--min-bytes/--max-bytes or lower --factor.")
+    r0, r1 = spawn(2, _p2p_rank, sizes, iters)
+    ping = [statistics.median(tp) for tp, _ in r0]                # rank 0 times the trip
+    swap = [statistics.median(map(max, zip(a[1], b[1]))) for a, b in zip(r0, r1)]
+    half = max(2, len(sizes) // 2)
+    alpha, _ = cost.fit(sizes[:half], ping[:half])
+    _, beta = cost.fit(sizes[-half:], ping[-half:])
+    big = [s for s in sizes if s >= 4096] or sizes[-2:]
+    gamma = cost.fit_gamma(big, [_reduce_seconds(s) for s in big])
+    sr_alpha, sr_beta = cost.fit(sizes[:half], swap[:half])[0], cost.fit(sizes[-half:],
+                                                                         swap[-half:])[1]
+    if not all(v > 0 for v in (alpha, beta, gamma)):
+        raise ValueError(f"calibrate: fitted alpha={alpha:.3g} s, beta={beta:.3g} s/B, "
+                         f"gamma={gamma:.3g} s/B; all must be > 0. Too noisy: span bytes to "
+                         "many MB (--max-bytes 64M), add --iters, or rerun on a quieter machine.")
+    c = cost.Constants(alpha, beta, gamma)
+    print(f"# calibration on 2 ranks (median of repeats): {'size(B)':>10} {'ping-pong/2':>12}"
+          f" {'model':>9} {'sendrecv':>9}  (us)")
+    for s, tp, tsr in zip(sizes, ping, swap):
+        print(f"# {s:>55} {tp * 1e6:>12.1f} {(alpha + beta * s) * 1e6:>9.1f} {tsr * 1e6:>9.1f}")
+    print(f"# fitted: alpha = {alpha * 1e6:.2f} us/message, beta = {beta * 1e9:.4f} ns/B "
+          f"({1 / beta / 1e9:.2f} GB/s), gamma = {gamma * 1e9:.4f} ns/B ({1 / gamma / 1e9:.2f}"
+          f" GB/s); sendrecv step: {sr_alpha * 1e6:.2f} us + {sr_beta * 1e9:.4f} ns/B")
+    print(f"# wrote {cost.save(c, path)} (read by algo='auto' via cost.constants())")
+    return c
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minidist bench collectives",
+                                description="Time the collectives (see the module docstring).")
+    p.add_argument("--world-sizes", default="2,4", help="comma list, each 1..8 (default 2,4)")
+    p.add_argument("--ops", default="all_reduce", help=f"comma list of {','.join(OPS)}")
+    p.add_argument("--algos", default="", help="comma list (default: auto and every algorithm)")
+    p.add_argument("--min-bytes", default="8")
+    p.add_argument("--max-bytes", default="64M")
+    p.add_argument("--factor", type=int, default=8, help="size step (default x8)")
+    p.add_argument("--iters", type=int, default=0, help="timed repeats (default: by size)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--shared", action="store_true", help="inputs live in group.shared()")
+    p.add_argument("--mpi", action="store_true", help="also time MPI (mpi4py + mpiexec)")
+    p.add_argument("--calibrate", action="store_true", help="fit and save cost constants first")
+    p.add_argument("--cost-file", default=None, help="calibration JSON (default: cost.py's)")
+    return p
+
+
+def _plan(a, p: argparse.ArgumentParser) -> tuple[list[int], Plan]:
+    try:
+        Ws = [int(w) for w in a.world_sizes.split(",")]
+        sizes = sweep_sizes(parse_bytes(a.min_bytes), parse_bytes(a.max_bytes), a.factor)
+        dtype = np.dtype(a.dtype)
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+    ops = a.ops.split(",")
+    if not all(1 <= w <= MAX_RANKS for w in Ws) or dtype.kind not in "iuf" or a.iters < 0 \
+            or any(op not in OPS for op in ops):
+        p.error(f"world sizes must be 1..{MAX_RANKS} (got {Ws}), dtype an int or float type "
+                f"(got {dtype}), --iters >= 0 (got {a.iters}), --ops among {', '.join(OPS)}")
+    shm = (SHM_ALGO,) if a.shared else ()                 # direct-shm: all_reduce only
+    known = {op: ("auto", *cost.ALGOS[op], *(shm if op == "all_reduce" else ())) for op in ops}
+    wanted = a.algos.split(",") if a.algos else None
+    if wanted and any(w not in sum(known.values(), ()) for w in wanted):
+        p.error(f"--algos {a.algos!r}: known for these ops: {known}")
+    algos = {op: tuple(x for x in known[op] if wanted is None or x in wanted) for op in ops}
+    return Ws, Plan(tuple(ops), algos, tuple(sizes), dtype.name, a.iters, a.shared)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = _parser()
+    Ws, plan = _plan(a := p.parse_args(argv), p)
+    if a.cost_file:
+        os.environ["MINIDIST_COST_FILE"] = os.path.abspath(a.cost_file)   # ranks inherit it
+    print(f"# command: python -m minidist bench collectives {shlex.join(argv)}".rstrip())
+    print(f"# machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (other "
+          "jobs may share it: every time is a median); numpy", np.__version__, flush=True)
+    if a.calibrate:
+        try:
+            calibrate(list(plan.sizes), a.iters, a.cost_file or str(cost.cost_file()))
+        except ValueError as e:
+            print(f"# {e}")
+            return 1
+    c = cost.constants()
+    print(f"# cost model in force: alpha {c.alpha * 1e6:.2f} us, beta {c.beta * 1e9:.4f} ns/B,"
+          f" gamma {c.gamma * 1e9:.4f} ns/B ({cost.cost_file()})", flush=True)
+    note = (f"{plan.dtype} · inputs in " + ("group.shared() regions" if plan.shared else
+            "private arrays (the normal API: copy in, copy out)") + " · median of repeats")
+    for W in Ws:
+        points, mpi = run(W, plan), (mpi_times(W, plan) if a.mpi else None)
+        for op in plan.ops:
+            print(format_table([q for q in points if q.op == op], mpi, note), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""The collectives benchmark: its conventions (sizes, busbw factors) against the formulas of
+nccl-tests, its tables on a tiny sweep, its shared-memory mode, its calibration file, and the
+MPI side when mpi4py is installed."""
+
+import json
+
+import numpy as np
+import pytest
+
+from minidist.bench import collectives as bench
+from minidist.bench.mpi_collectives import find_mpiexec, mpi_times
+from minidist.collectives import cost
+
+COLUMNS = ["size(B)", "count", "algo", "time(us)", "algbw", "busbw", "model(us)", "#wrong"]
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 5, 8])
+def test_bus_factors_are_the_nccl_tests_formulas(W):
+    expected = {"all_reduce": 2 * (W - 1) / W, "reduce_scatter": (W - 1) / W,
+                "all_gather": (W - 1) / W, "all_to_all": (W - 1) / W, "gather": (W - 1) / W,
+                "scatter": (W - 1) / W, "broadcast": 1.0, "reduce": 1.0}
+    assert {op: bench.bus_factor(op, W) for op in bench.OPS} == expected
+
+
+def test_sizes_and_counts_follow_the_size_convention():
+    assert bench.sweep_sizes(8, 64 << 20, 8) == [8 * 8 ** k for k in range(8)] + [64 << 20]
+    assert bench.sweep_sizes(8, 8, 4) == [8] and bench.sweep_sizes(8, 40, 4) == [8, 32, 40]
+    assert [bench.parse_bytes(t) for t in ("8", "4K", "64M", "1G", "2MiB")] == \
+        [8, 4096, 64 << 20, 1 << 30, 2 << 20]
+    with pytest.raises(ValueError, match="byte count"):
+        bench.parse_bytes("lots")
+    # (elements of one rank's input, bytes in the size column)
+    assert bench.counts("all_reduce", 64, 4, 4) == (16, 64)
+    assert bench.counts("all_gather", 64, 4, 4) == (4, 64)          # size = W * input
+    assert bench.counts("scatter", 8, 4, 4) == (1, 16)              # at least one element
+    assert bench.counts("reduce_scatter", 40, 3, 4) == (9, 36)      # divisible by W
+    assert bench.counts("all_to_all", 8, 4, 4) == (4, 16)
+
+
+@pytest.mark.multiproc
+def test_tiny_sweep_prints_a_table_per_op_with_the_expected_columns(capsys):
+    argv = ["--world-sizes", "2", "--ops", "all_reduce,all_gather", "--max-bytes", "64",
+            "--iters", "2"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "# command: python -m minidist bench collectives " + " ".join(argv)
+    headers = [i for i, line in enumerate(out) if line.startswith("#    size(B)")]
+    assert len(headers) == 2                                        # one table per op
+    assert [c for c in out[headers[0]].split() if c != "#"] == COLUMNS
+    rows = [line.split() for line in out if line[:1] == " " and line.split()[0].isdigit()]
+    algos = {r[2].split(":")[0] for r in rows}
+    assert algos == {"auto", *cost.ALGOS["all_reduce"], *cost.ALGOS["all_gather"]}
+    assert len(rows) == 2 * (1 + len(cost.ALGOS["all_reduce"])) + 2 * (1 + 2)  # sizes 8, 64
+    for r in rows:
+        size, t, algbw, busbw, wrong = int(r[0]), float(r[3]), float(r[4]), float(r[5]), r[7]
+        assert wrong == "0" and t > 0
+        assert algbw == pytest.approx(size / t / 1e3, abs=6e-4)         # GB/s from B and us
+        assert busbw == pytest.approx(algbw * bench.bus_factor("all_reduce", 2), abs=1e-3)
+
+
+@pytest.mark.multiproc
+def test_points_carry_busbw_from_the_formula_and_no_wrong_elements():
+    ops = tuple(bench.OPS)
+    plan = bench.Plan(ops, {op: ("auto", *cost.ALGOS[op]) for op in ops}, (8, 100), "float32",
+                      2, False)
+    points = bench.run(3, plan)
+    assert {(p.op, p.algo) for p in points} == {(op, a) for op in ops for a in plan.algos[op]}
+    for p in points:
+        assert p.wrong == 0, p
+        assert p.busbw == pytest.approx(p.size / p.seconds / 1e9 * bench.bus_factor(p.op, 3))
+        assert p.ran in cost.ALGOS[p.op]
+
+
+@pytest.mark.multiproc
+def test_shared_mode_adds_the_zero_copy_direct_path_and_stays_correct():
+    plan = bench.Plan(("all_reduce",), {"all_reduce": ("direct", bench.SHM_ALGO)}, (4, 1000),
+                      "float64", 2, True)
+    points = bench.run(3, plan)
+    assert [(p.algo, p.size, p.wrong) for p in points] == [
+        ("direct", 8, 0), (bench.SHM_ALGO, 8, 0), ("direct", 1000, 0), (bench.SHM_ALGO, 1000, 0)]
+
+
+@pytest.mark.multiproc
+def test_calibrate_writes_the_file_auto_reads(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "cost.json"
+    monkeypatch.setenv("MINIDIST_COST_FILE", str(path))
+    c = bench.calibrate(bench.sweep_sizes(8, 4 << 20, 8), 5, str(path))
+    raw = json.loads(path.read_text())
+    assert raw == {"alpha": c.alpha, "beta": c.beta, "gamma": c.gamma}
+    assert cost.load(path) == c == cost.constants()              # what algo="auto" now uses
+    assert c.alpha > 0 and c.beta > 0 and c.gamma > 0
+    assert "fitted: alpha" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="at least 4 sizes"):
+        bench.calibrate([8, 64], 2, str(path))
+
+
+def test_bad_arguments_are_refused(capsys):
+    for argv in (["--world-sizes", "9"], ["--ops", "all_reduce,shuffle"],
+                 ["--algos", "quantum"], ["--max-bytes", "big"], ["--dtype", "bool"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+    assert "world sizes must be 1..8" in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(find_mpiexec() is None, reason="needs mpiexec")
+def test_mpi_side_runs_every_op_correctly():
+    pytest.importorskip("mpi4py")
+    plan = bench.Plan(bench.OPS, {}, (8, 256), "float32", 2, False)
+    got = mpi_times(2, plan, timeout=60)
+    assert isinstance(got, dict), got
+    assert {op for op, _ in got} == set(bench.OPS)
+    for (op, size), (seconds, wrong) in got.items():
+        assert wrong == 0 and seconds > 0, (op, size)
+
+
+def test_without_mpi_the_table_says_why(monkeypatch):
+    from minidist.bench import mpi_collectives
+    monkeypatch.setattr(mpi_collectives, "find_mpiexec", lambda: None)
+    plan = bench.Plan(("all_reduce",), {"all_reduce": ("ring",)}, (8,), "float32", 1, False)
+    note = mpi_collectives.mpi_times(2, plan)
+    assert note.startswith("MPI skipped: mpi4py or mpiexec is not installed")
+    point = bench.Point("all_reduce", 2, "ring", "ring", 8, 2, 1e-5, 0, 8)
+    table = bench.format_table([point], note, "float32")
+    assert "mpi(us)" not in table and table.endswith("# " + note)

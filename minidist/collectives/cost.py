@@ -57,6 +57,7 @@ import functools
 import json
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,17 +224,27 @@ def save(c: Constants, path: str | Path | None = None) -> Path:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"alpha": c.alpha, "beta": c.beta, "gamma": c.gamma}, indent=1))
     os.replace(tmp, path)
+    _last["when"] = -1e9                        # the next constants() reads it
     return path
 
 
+RECHECK_SECONDS = 1.0          # how often constants() looks at the calibration file
+_last: dict = {"path": None, "when": -1e9, "constants": None}
+
+
 def constants() -> Constants:
-    """The constants in force: the calibration file's (re-read when it changes) or DEFAULT."""
-    path = cost_file()
+    """The constants in force: the calibration file's or DEFAULT. The file is looked at
+    (one os.stat) at most every RECHECK_SECONDS and re-read when it changed; `save`
+    takes effect at once. ("auto" calls this on every collective.)"""
+    path, now = cost_file(), time.monotonic()
+    if _last["path"] == path and now - _last["when"] < RECHECK_SECONDS:
+        return _last["constants"]
     try:
         stamp = os.stat(path).st_mtime_ns
     except OSError:
         stamp = -1
-    return _cached_load(str(path), stamp)
+    _last.update(path=path, when=now, constants=_cached_load(str(path), stamp))
+    return _last["constants"]
 
 
 @functools.lru_cache(maxsize=8)

@@ -84,6 +84,7 @@ def test_fit_recovers_alpha_and_beta():
 def test_calibration_file(tmp_path, monkeypatch):
     path = tmp_path / "cost.json"
     monkeypatch.setenv("MINIDIST_COST_FILE", str(path))
+    monkeypatch.setattr(cost, "RECHECK_SECONDS", 0.0)    # look at the file on every call
     assert cost.cost_file() == path and cost.constants() == cost.DEFAULT   # no file yet
     mine = cost.Constants(alpha=1.0, beta=2e-9, gamma=3e-9)
     assert cost.save(mine) == path and cost.constants() == mine

@@ -48,6 +48,7 @@ import numpy as np
 from minidist.collectives import all_to_all as a2a
 from minidist.collectives import cost, direct, halving_doubling, ring, tree
 from minidist.collectives.reduce_ops import check_op
+from minidist.runtime.world import world
 
 _ALGOS: dict[str, dict[str, Callable]] = {
     "all_reduce": {"ring": ring.all_reduce, "tree": tree.all_reduce,
@@ -67,10 +68,7 @@ _ALGOS: dict[str, dict[str, Callable]] = {
 
 def _group(group):
     """The group to use: the given one, or the world group of the running job."""
-    if group is not None:
-        return group
-    from minidist.runtime.world import world     # import here: the runtime is optional to read
-    return world()
+    return group if group is not None else world()
 
 
 def _array(x: Any, what: str) -> np.ndarray:

@@ -212,6 +212,8 @@ class ProcessGroup:
 
     def drain(self) -> None:
         """Wait until every submitted call has run (keeps program order for sync calls)."""
+        if self._pending == 0:                  # the common case: nothing queued, no lock
+            return
         with self._cv:
             self._cv.wait_for(lambda: self._pending == 0)
 

@@ -39,6 +39,17 @@ Reference: the canonical order is principle 4 of DESIGN.md; the split of the
     reduction work (each rank finishes 1/W of the elements) is a reduce-scatter
     followed by an all-gather, as in Thakur, Rabenseifner & Gropp 2005,
     IJHPCA 19(1), 49-66, here through shared memory instead of messages.
+In place (all_reduce_shared): when x already lives in a group.shared() region,
+as data parallelism's gradient buckets do, the copy-in and copy-out are
+skipped: every rank folds its share straight from its peers' regions and the
+result lands back in its own region, with two barriers per call.
+
+Bytes on the wire. Over shared memory nothing is "sent"; a rank reads. So a
+byte of rank q's region that rank p reads counts as sent by q and received by
+p, the traffic a network would carry. all_reduce_shared counts exactly that in
+group.stats (each rank can compute what its peers read from it); all_reduce
+and reduce_scatter above count nothing.
+
 Read next: all_to_all.py.
 """
 
@@ -159,3 +170,66 @@ def reduce_scatter(x: np.ndarray, group, op: str = "sum",
         out[j:j + count] = _fold_peers(buf, dtype, count, rank * w * isz, op, W)
         group.barrier()
     return out
+
+
+def _out_area(group, share_bytes: int):
+    """The scratch region where each rank publishes its finished share (grows, never shrinks).
+
+    Rounded up to a power of two so that a run with a few bucket sizes allocates it once or
+    twice; every rank asks for the same size because shares are computed the same way."""
+    nbytes = max(_ALIGN, 1 << max(0, share_bytes - 1).bit_length())
+    return group.shared("direct/in-place-out", nbytes)
+
+
+def all_reduce_shared(buf, dtype, count: int, group, op: str = "sum",
+                      offset: int = 0) -> np.ndarray:
+    """In place: set every rank's `count` elements at `offset` of its region of `buf` to
+    x_0 (op) x_1 (op) ... (op) x_{W-1}, folded in rank order; return this rank's view.
+
+    `buf` is a group.shared() region (DDP's gradient buckets live in one), and x_r
+    is what rank r holds there when it calls. No copy-in, no copy-out.
+
+    Algorithm (this rank's view; share k = chunk k of np.array_split(range(count), W)):
+        1. barrier: every rank's x is in place.
+        2. fold share `rank` from the regions of ranks 0, 1, ..., W-1, in order, into a
+           temporary; write it to my slot of a scratch "out" region AND over share
+           `rank` of my own region.
+        3. barrier: every share is finished.
+        4. copy share p (p != rank) from rank p's out slot into my region.
+    Why two barriers are enough (the brief sketch had four):
+        - writing share `rank` of my region in step 2 races with nobody: a peer p
+          reads only share p of my region, and only in step 2.
+        - after barrier 3 nobody reads any data region again in this call (step 4 reads
+          out slots), so the caller may overwrite its region as soon as this returns.
+        - my out slot is rewritten only in step 2 of the NEXT call, after its barrier 1,
+          which every peer reaches only once it has finished step 4 of this call.
+    The caller must not write its region while the call runs; x must have the same
+    count, dtype and offset on every rank (checked through the call header, if any).
+
+    Shapes: the region holds `count` elements of `dtype` from byte `offset`.
+    Bytes (group.stats): a byte of rank q's memory read by rank p is counted as
+        sent by q and received by p. Rank r sends (count - n_r) + (W-1) n_r elements
+        and receives the same, n_r = size of share r: on average over the ranks
+        exactly 2(W-1)/W * count, the ring's figure (with an even split, on every rank).
+    Cost (n = count * itemsize): 2 barriers (modelled 2 ceil(log2 W) alpha)
+        + 2(W-1)/W n beta + (W-1)/W n gamma: the copy-in and copy-out of all_reduce
+        are gone.
+    Numerics: bitwise equal to all_reduce above and to the rank-order fold, on every rank.
+    """
+    rank, W, dtype = group.rank, group.size, np.dtype(dtype)
+    isz, offs = dtype.itemsize, _shares(count, W)
+    lo, n = int(offs[rank]), int(offs[rank + 1] - offs[rank])
+    out = _out_area(group, int(offs[1] - offs[0]) * isz)      # share 0 is the largest
+    mine = buf.local(dtype, count, offset)
+    group.barrier()                                                        # step 1
+    share = _fold_peers(buf, dtype, n, offset + lo * isz, op, W)           # step 2
+    out.local(dtype, n)[...] = share
+    mine[lo:lo + n] = share
+    group.barrier()                                                        # step 3
+    for p in range(W):                                                     # step 4
+        if p != rank:
+            mine[offs[p]:offs[p + 1]] = out.peer(p, dtype, int(offs[p + 1] - offs[p]))
+    moved = (count - n + (W - 1) * n) * isz
+    group.stats["bytes_sent"] += moved
+    group.stats["bytes_recv"] += moved
+    return mine

@@ -102,3 +102,70 @@ def test_window_respects_both_areas():
             assert -(-m // W) * isz <= SMALL_BUFFER - s_in          # one share fits the output
     with pytest.raises(ValueError, match="buffer_bytes"):
         direct.window(8, 8, 64)
+
+
+# --- all_reduce_shared: in place on a region that already lives in group.shared() ---
+
+SHARED_WORLD_SIZES = [1, 2, 3, 4, 5]
+OFFSET = 128                     # bytes: the buffer sits at an offset inside the region
+
+
+def _shared_cases(W):
+    return [(n, dtype) for n in sorted({0, 1, W + 1, 3001}) for dtype in ("float64", "float32")]
+
+
+def _shared_on_rank(ctx, rounds):
+    """Every case `rounds` times back to back; new inputs are written into the region
+    the moment a call returns (the race the two-barrier argument must rule out)."""
+    import time
+    g, W = ctx.world, ctx.world_size
+    buf = g.shared("test/in-place", OFFSET + 3001 * 8)
+    out, sent, recv = [], [], []
+    for i, (n, dtype) in enumerate(_shared_cases(W)):
+        for k in range(rounds):
+            x = _inputs(W, n, dtype, seed=100 * i + k)[g.rank]
+            buf.local(dtype, n, OFFSET)[...] = x
+            time.sleep(0.001 * ((g.rank + k) % W))          # a different arrival order each round
+            s0, r0 = g.stats["bytes_sent"], g.stats["bytes_recv"]
+            with g.collective("all_reduce", x, reduce_op="sum", algo="direct"):
+                view = direct.all_reduce_shared(buf, dtype, n, g, "sum", offset=OFFSET)
+            out.append(view.copy())
+            sent.append(g.stats["bytes_sent"] - s0)
+            recv.append(g.stats["bytes_recv"] - r0)
+    return out, sent, recv
+
+
+@pytest.mark.parametrize("W", SHARED_WORLD_SIZES)
+def test_all_reduce_shared_is_bitwise_the_rank_order_sum_in_place(W):
+    rounds = 3
+    per_rank = spawn(W, _shared_on_rank, rounds)
+    j = 0
+    for i, (n, dtype) in enumerate(_shared_cases(W)):
+        shares = [len(c) for c in np.array_split(np.empty(n), W)]
+        for k in range(rounds):
+            ref = _rank_order_sum(_inputs(W, n, dtype, seed=100 * i + k))
+            for r in range(W):
+                out, sent, recv = per_rank[r]
+                what = f"W={W} N={n} {dtype} round {k}, rank {r}"
+                assert out[j].dtype == ref.dtype and np.array_equal(out[j], ref), what
+                # peers read N - n_r of my inputs and W-1 copies of my finished share
+                expect = (n - shares[r] + (W - 1) * shares[r]) * np.dtype(dtype).itemsize
+                assert sent[j] == recv[j] == expect, f"bytes counted: {what}"
+            total = sum(per_rank[r][1][j] for r in range(W))
+            assert total == 2 * (W - 1) * n * np.dtype(dtype).itemsize    # 2(W-1)/W N per rank
+            j += 1
+
+
+def _shared_vs_direct_on_rank(ctx):
+    g, W = ctx.world, ctx.world_size
+    x = _inputs(W, 2000, "float64", seed=3)[g.rank]
+    buf = g.shared("test/vs-direct", x.nbytes)
+    buf.local(x.dtype, x.size)[...] = x
+    with g.collective("all_reduce", x, reduce_op="avg", algo="direct"):
+        mine = direct.all_reduce_shared(buf, x.dtype, x.size, g, "avg").copy()
+    return mine, C.all_reduce(x, op="avg", group=g, algo="direct")
+
+
+def test_all_reduce_shared_equals_direct_all_reduce_bitwise():
+    for mine, theirs in spawn(3, _shared_vs_direct_on_rank):
+        assert np.array_equal(mine, theirs)

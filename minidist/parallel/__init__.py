@@ -1,0 +1,1 @@
+"""Parallel layouts (data parallelism, ZeRO, ...), each checked against baseline.py."""

@@ -1,0 +1,176 @@
+"""Data parallelism must be invisible in the numbers: W ranks, each taking 1/W of every
+global batch, train exactly like one process taking all of it, and stay bitwise identical."""
+
+import numpy as np
+import pytest
+
+from minidist.baseline import model_config_for, train_single_process
+from minidist.data import DataConfig, SyntheticData
+from minidist.nn import GPT
+from minidist.parallel.data import DataParallel, ReplicaDivergence, plan_buckets
+from minidist.runtime.errors import RankFailure
+from minidist.runtime.launch import spawn
+from minidist.train import Plan, train_on_rank
+from tests.helpers import assert_close
+
+DATA = DataConfig(task="sort", length=4)
+TINY = model_config_for(DATA, n_layer=2, n_embd=16, n_head=2, dtype="float64")
+STEPS, GLOBAL_BATCH, LR, WD = 3, 24, 1e-2, 0.01      # 24 splits over W x M in every case
+SMALL_BUCKET = 2048                                    # several buckets for the tiny GPT
+
+CASES = [  # (W, micro_batches, extra Plan fields)
+    (1, 1, {}), (1, 2, {}), (2, 1, {}), (2, 2, {"overlap": False}),
+    (3, 1, {"algo": "ring"}), (3, 2, {"replica_check_every": 1}),
+    (4, 1, {"bucket_bytes": 1 << 20}), (4, 2, {}),
+]
+
+
+def _check_against_reference(runs, ref, what):
+    # float64 throughout: the only difference is the order of additions (~1e-16).
+    for rank, run in enumerate(runs):
+        tag = f"{what}, rank {rank}"
+        assert_close(run.losses, ref.losses, atol=1e-12, what=f"{tag}: loss per step")
+        assert_close(run.grad_norms, ref.grad_norms, atol=1e-12, what=f"{tag}: grad norm")
+        assert run.lrs == ref.lrs
+        assert run.params.keys() == ref.params.keys()
+        for name, p in ref.params.items():
+            assert_close(run.params[name], p, atol=1e-12, what=f"{tag}: param {name}")
+        assert run.optimizer_state.keys() == ref.optimizer_state.keys()
+        for key, s in ref.optimizer_state.items():
+            assert_close(run.optimizer_state[key], s, atol=1e-12, what=f"{tag}: state {key}")
+    # Replicas must be identical to each other, not merely close to the reference:
+    # any drift between them would grow silently over a long run.
+    for rank, run in enumerate(runs[1:], start=1):
+        for name, p in runs[0].params.items():
+            assert np.array_equal(run.params[name], p), f"{what}: rank {rank} drifted in {name}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("W, M, extra", CASES)
+def test_dp_training_matches_single_process(W, M, extra):
+    ref = train_single_process(TINY, DATA, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,
+                               weight_decay=WD, grad_accum=M)           # the ground truth
+    plan = Plan(**{"dp": W, "micro_batches": M, "bucket_bytes": SMALL_BUCKET, **extra})
+    runs = spawn(W, train_on_rank, TINY, DATA, plan, steps=STEPS, global_batch=GLOBAL_BATCH,
+                 lr=LR, weight_decay=WD)
+    _check_against_reference(runs, ref, f"W={W} M={M} {extra}")
+
+
+@pytest.mark.multiproc
+def test_dp_on_8_ranks_with_clipping_and_a_schedule():
+    kw = dict(steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, clip_grad=0.5, warmup_steps=1,
+              lr_schedule="cosine", min_lr=1e-3)
+    ref = train_single_process(TINY, DATA, **kw)
+    runs = spawn(8, train_on_rank, TINY, DATA, Plan(dp=8, bucket_bytes=SMALL_BUCKET), **kw)
+    assert max(ref.grad_norms) > 0.5                     # clipping really happened
+    _check_against_reference(runs, ref, "W=8 clip 0.5, cosine")
+
+
+def _shares(n, W):
+    return [len(c) for c in np.array_split(np.empty(n), W)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("algo", ["direct", "ring"])
+def test_bytes_per_step_equal_the_formula(algo):
+    W = 3                                                 # Ψ and buckets not divisible by 3
+    runs = spawn(W, train_on_rank, TINY, DATA, Plan(dp=W, bucket_bytes=SMALL_BUCKET,
+                                                    algo=algo),
+                 steps=2, global_batch=GLOBAL_BATCH, lr=LR)
+    params = GPT(TINY).parameters()
+    psi = sum(p.size for p in params)
+    sizes = [sum(params[i].size for i in b) for b in plan_buckets(params, SMALL_BUCKET)]
+    assert len(sizes) > 2 and psi % W
+    for step in range(2):
+        sent = [run.bytes_per_step[step]["sent"] for run in runs]
+        recv = [run.bytes_per_step[step]["recv"] for run in runs]
+        # DP moves 2(W-1)/W Ψ elements per rank per step: exactly, summed over the ranks.
+        assert sum(sent) == sum(recv) == 2 * (W - 1) * psi * 8
+        for r in range(W):
+            if algo == "direct":        # peers read N - n_r of my inputs, W-1 times my share
+                elems = sum(n + (W - 2) * _shares(n, W)[r] for n in sizes)
+            else:                       # ring: every chunk but mine, then all but my right's
+                elems = sum(2 * n - _shares(n, W)[r] - _shares(n, W)[(r + 1) % W]
+                            for n in sizes)
+            assert sent[r] == elems * 8, f"{algo}: rank {r} sent {sent[r]} B"
+            assert abs(sent[r] / 8 - 2 * (W - 1) / W * psi) <= (W - 2) * len(sizes)
+
+
+def _overlap_probe(ctx, overlap):
+    """Return how many buckets were already launched when backward returned."""
+    model = GPT(TINY)
+    dp = DataParallel(model, ctx.world, lr=LR, bucket_bytes=SMALL_BUCKET, overlap=overlap)
+    x, y = SyntheticData(DATA).global_batch(0, 4)                # (4, T) each
+    sent0 = ctx.world.stats["bytes_sent"]
+    with dp.no_sync():
+        dp.forward(x, y, n_tokens=16)[1].backward()
+    quiet = ctx.world.stats["bytes_sent"] == sent0 and dp._next == 0
+    dp.forward(x, y, n_tokens=16)[1].backward()
+    launched = dp._next
+    dp.step(LR)
+    return quiet, launched, len(dp.buckets)
+
+
+@pytest.mark.multiproc
+def test_buckets_start_during_backward_and_no_sync_stays_silent():
+    for overlap, expect_all in ((True, True), (False, False)):
+        for quiet, launched, n in spawn(2, _overlap_probe, overlap):
+            assert quiet, "no_sync() backward communicated or launched a bucket"
+            assert n > 2 and launched == (n if expect_all else 0), (overlap, launched, n)
+
+
+def _diverge_on_rank(ctx):
+    model = GPT(TINY)
+    dp = DataParallel(model, ctx.world, lr=LR, replica_check_every=1)
+    dp.check_replicas()                                  # identical from the seed: passes
+    if ctx.rank == 2:
+        model.blocks[1].mlp.fc.weight.data[0, 0] += 1e-15
+    dp.check_replicas()
+
+
+@pytest.mark.multiproc
+def test_replica_check_names_the_rank_and_tensor_that_drifted():
+    with pytest.raises(RankFailure, match=r"dp ranks \[2\] differ.*blocks\.1\.mlp\.fc\.weight"):
+        spawn(3, _diverge_on_rank)
+    assert issubclass(ReplicaDivergence, RuntimeError)
+
+
+def test_buckets_are_reverse_order_and_bounded():
+    params = GPT(TINY).parameters()
+    buckets = plan_buckets(params, SMALL_BUCKET)
+    flat = [i for b in buckets for i in b]
+    assert flat == list(reversed(range(len(params))))          # every parameter, once
+    for b in buckets:
+        nbytes = sum(params[i].data.nbytes for i in b)
+        assert nbytes <= SMALL_BUCKET or len(b) == 1
+    assert [len(b) for b in plan_buckets(params, 1)] == [1] * len(params)
+    assert len(plan_buckets(params, 1 << 30)) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -8, 1.5, True])
+def test_bucket_size_must_be_positive(bad):
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets(GPT(TINY).parameters(), bad)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        Plan(bucket_bytes=bad)
+
+
+def _backward_twice(ctx):
+    dp = DataParallel(GPT(TINY), ctx.world, lr=LR, bucket_bytes=SMALL_BUCKET)
+    x, y = SyntheticData(DATA).global_batch(0, 2)
+    dp.forward(x, y, n_tokens=8)[1].backward()             # launches every bucket
+    with pytest.raises(RuntimeError, match="after its all-reduce started; call step"):
+        with dp.no_sync():
+            dp.forward(x, y, n_tokens=8)[1].backward()
+    dp.step(LR)
+    dp.forward(x, y, n_tokens=8)[1].backward()             # fine again after step()
+    dp.step(LR)
+    dp.params[0].grad = None
+    with pytest.raises(RuntimeError, match="was replaced"):
+        dp.step(LR)
+    return True
+
+
+@pytest.mark.multiproc
+def test_backward_into_a_bucket_being_reduced_is_refused():
+    assert spawn(2, _backward_twice) == [True, True]

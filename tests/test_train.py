@@ -1,0 +1,98 @@
+"""train.py: a Plan is validated before anything runs, and train_on_rank hands the model to
+the engine the Plan names (DataParallel for zero=0, parallel/zero.py's ZeroEngine else)."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from minidist.baseline import model_config_for, train_single_process
+from minidist.data import DataConfig
+from minidist.parallel.data import DataParallel
+from minidist.runtime.errors import RankFailure
+from minidist.runtime.launch import spawn
+from minidist.train import Plan, train_on_rank
+from tests.helpers import assert_close
+
+DATA = DataConfig(task="reverse", length=3)
+TINY = model_config_for(DATA, n_layer=1, n_embd=8, n_head=2, dtype="float64")
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("dp", 0), ("dp", 2.0), ("zero", 4), ("zero", -1), ("zero", True), ("micro_batches", 0),
+    ("bucket_bytes", 0), ("bucket_bytes", -1), ("algo", "fastest"), ("overlap", 1),
+    ("replica_check_every", -1)])
+def test_plan_rejects_bad_fields(field, bad):
+    with pytest.raises(ValueError, match=field):
+        Plan(**{field: bad})
+
+
+def test_plan_defaults_follow_the_contract():
+    p = Plan()
+    assert (p.dp, p.zero, p.micro_batches, p.bucket_bytes, p.algo, p.overlap,
+            p.replica_check_every) == (1, 0, 1, 1 << 20, "auto", True, 0)
+    with pytest.raises(AttributeError):
+        p.dp = 2                                                    # frozen
+
+
+def test_global_batch_must_split_over_dp_times_micro_batches():
+    assert Plan(dp=3, micro_batches=2).rows_per_micro_batch(24) == 4
+    with pytest.raises(ValueError, match=r"global_batch=20 does not split over dp=3 ranks x "
+                                         r"micro_batches=2 \(= 6 equal parts\).*18 or 24"):
+        Plan(dp=3, micro_batches=2).rows_per_micro_batch(20)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        Plan(dp=4).rows_per_micro_batch(2)
+
+
+@pytest.mark.multiproc
+def test_dp_must_match_the_world_and_the_batch_is_checked_on_the_rank():
+    with pytest.raises(RankFailure, match="dp=2 but the job has 1 ranks"):
+        spawn(1, train_on_rank, TINY, DATA, Plan(dp=2), steps=1, global_batch=4, lr=1e-3)
+    with pytest.raises(RankFailure, match="global_batch=5 does not split"):
+        spawn(2, train_on_rank, TINY, DATA, Plan(dp=2), steps=1, global_batch=5, lr=1e-3)
+
+
+class _RecordingZero(DataParallel):
+    """Stands in for parallel/zero.py's ZeroEngine: DDP numerics, records how it was made."""
+
+    def __init__(self, model, group, stage, *, optimizer, lr, weight_decay, betas, momentum,
+                 algo):
+        super().__init__(model, group, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+                         betas=betas, momentum=momentum, algo=algo)
+        self.made = {"stage": stage, "algo": algo, "optimizer": optimizer}
+
+    def memory(self):
+        return {**super().memory(), "made_as": self.made}
+
+
+@pytest.mark.multiproc
+def test_zero_stages_are_dispatched_to_the_zero_engine(monkeypatch):
+    # The forked ranks inherit this sys.modules entry, so `from minidist.parallel.zero
+    # import ZeroEngine` inside train.py finds the stand-in (whether or not zero.py exists).
+    fake = types.ModuleType("minidist.parallel.zero")
+    fake.ZeroEngine = _RecordingZero
+    monkeypatch.setitem(sys.modules, "minidist.parallel.zero", fake)
+    kw = dict(steps=2, global_batch=4, lr=1e-2, optimizer="sgd", momentum=0.9)
+    ref = train_single_process(TINY, DATA, **kw)
+    runs = spawn(2, train_on_rank, TINY, DATA, Plan(dp=2, zero=2, algo="ring"), **kw)
+    for run in runs:
+        assert run.memory["made_as"] == {"stage": 2, "algo": "ring", "optimizer": "sgd"}
+        assert_close(run.losses, ref.losses, atol=1e-12, what="loss")
+        for key, s in ref.optimizer_state.items():
+            assert_close(run.optimizer_state[key], s, atol=1e-12, what=key)
+    plain = spawn(1, train_on_rank, TINY, DATA, Plan(), **kw)[0]
+    assert "made_as" not in plain.memory                     # zero=0: DataParallel itself
+
+
+@pytest.mark.multiproc
+def test_rank_result_reports_memory_bytes_and_timing():
+    run = spawn(2, train_on_rank, TINY, DATA, Plan(dp=2), steps=2, global_batch=4,
+                lr=1e-3)[0]
+    n = sum(p.size for p in run.params.values())
+    assert run.memory == {"params": 8 * n, "grads": 8 * n, "optimizer": 2 * 8 * n}
+    assert [b["sent"] for b in run.bytes_per_step] == [8 * n] * 2          # 2(W-1)/W Ψ, W=2
+    assert set(run.timing) == {"compute", "comm_wait", "step", "cpu"}
+    for key, values in run.timing.items():
+        assert len(values) == 2 and all(np.isfinite(v) and v >= 0 for v in values), key
+    assert all(w <= s for w, s in zip(run.timing["comm_wait"], run.timing["step"]))

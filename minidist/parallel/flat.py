@@ -1,0 +1,119 @@
+"""Flat sharded buffers: a group of parameters as one padded vector cut into W equal shards.
+
+ZeRO never shards a parameter by its shape. It lays the parameters of a unit (a
+transformer block, or the embeddings with the final LayerNorm and head) end to end in
+one flat vector, in model order, pads the vector with zeros to a multiple of W, and
+gives rank r the contiguous slice [r*S, (r+1)*S), S = ceil(N / W). A shard may start
+in the middle of one parameter and end in the middle of another; that is fine because
+everything ZeRO does to a shard (sum gradients over ranks, sum squares for the norm,
+AdamW or SGD) is elementwise. Padding holds zeros in parameters, gradients and
+optimizer state, and stays zero: AdamW and SGD map (p, g, m, v) = 0 to 0.
+
+Why units rather than one vector for the whole model: ZeRO-3 gathers the parameters of
+one block just before the block runs and frees them right after, so a block must be a
+unit of its own; ZeRO-1 and 2 use the same units so that every stage shards the same
+elements the same way and the ownership map below holds for all of them.
+
+One rank's view (rank r of W, one unit of N elements):
+    flat  = [p_0.ravel(), p_1.ravel(), ..., zeros(W*S - N)]      (W*S,)
+    shard = flat[r*S : (r+1)*S]                                 (S,)    what r updates
+    reduce_scatter(flat_grad) returns exactly the gradient of `shard` (chunk r of
+    np.array_split of a length divisible by W), and all_gather(shard).reshape(-1)
+    rebuilds `flat`.
+
+Shapes: N = sum of the unit's parameter sizes; S = ceil(N / W); padding W*S - N < W.
+Reference: Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054, Sec. 5 (partitioning);
+    Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, Sec. 3.2 (FlatParameter units).
+Read next: parallel/zero.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from minidist.nn.module import Module, Parameter
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter inside a unit: where its elements sit in the unit's flat vector."""
+
+    name: str                    # full dotted name, e.g. "blocks.0.attn.qkv.weight"
+    index: int                   # position in model.parameters() (optimizer state keys)
+    shape: tuple[int, ...]
+    offset: int                  # first element in the flat vector
+    numel: int
+
+
+class FlatUnit:
+    """The flat layout of one unit's parameters over W ranks (see the module docstring)."""
+
+    def __init__(self, name: str, params: list[tuple[str, int, Parameter]], W: int) -> None:
+        self.name, self.W = name, W
+        self.params = [p for _, _, p in params]
+        slots, offset = [], 0
+        for full_name, index, p in params:
+            n = int(p.data.size)
+            slots.append(Slot(full_name, index, tuple(p.data.shape), offset, n))
+            offset += n
+        self.slots = slots
+        self.numel = offset                              # N
+        self.shard = max(1, math.ceil(offset / W))       # S (>= 1: no empty messages)
+        self.padded = self.shard * W                     # W*S
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[lo, hi) of the flat vector that `rank` owns."""
+        return rank * self.shard, (rank + 1) * self.shard
+
+    def pack(self, arrays: list[np.ndarray], dtype) -> np.ndarray:
+        """A new zero-padded flat vector (W*S,) holding `arrays` in slot order."""
+        flat = np.zeros(self.padded, dtype)
+        for view, a in zip(self.views(flat), arrays):
+            view[...] = a
+        return flat
+
+    def views(self, flat: np.ndarray) -> list[np.ndarray]:
+        """One view of `flat` per slot, in the parameter's shape (writes go to `flat`)."""
+        return [flat[s.offset:s.offset + s.numel].reshape(s.shape) for s in self.slots]
+
+    def owners(self, slot: Slot) -> list[tuple[int, int, int]]:
+        """(rank, lo, hi): the ranks that own elements [lo, hi) of this parameter (flat order)."""
+        out = []
+        for r in range(self.W):
+            a, b = self.shard_range(r)
+            lo, hi = max(a, slot.offset), min(b, slot.offset + slot.numel)
+            if lo < hi:
+                out.append((r, lo - slot.offset, hi - slot.offset))
+        return out
+
+
+def split_units(model: Module, W: int) -> list[FlatUnit]:
+    """The units of `model`: unit 0 ("root") holds every parameter outside model.blocks
+    (embeddings, final LayerNorm, head); unit 1 + i holds model.blocks[i].
+
+    A model without `blocks` is one unit. Order inside a unit is model.parameters() order.
+    """
+    named = list(model.named_parameters())
+    n_blocks = len(model.blocks) if hasattr(model, "blocks") else 0
+    groups: dict[str, list] = {"root": []}
+    groups.update({f"blocks.{i}": [] for i in range(n_blocks)})
+    for index, (name, p) in enumerate(named):
+        parts = name.split(".")
+        key = f"blocks.{parts[1]}" if n_blocks and parts[0] == "blocks" else "root"
+        groups[key].append((name, index, p))
+    return [FlatUnit(key, entries, W) for key, entries in groups.items()]
+
+
+def ownership_map(units: list[FlatUnit]) -> list[str]:
+    """Lines "name (shape): r0[lo:hi] r1[lo:hi] ..." saying which rank owns which elements."""
+    lines = []
+    for u in units:
+        lines.append(f"unit {u.name}: N = {u.numel}, shard S = {u.shard} per rank, "
+                     f"padding {u.padded - u.numel}")
+        for s in u.slots:
+            parts = " ".join(f"r{r}[{lo}:{hi}]" for r, lo, hi in u.owners(s))
+            lines.append(f"  {s.name} {s.shape}: {parts}")
+    return lines

@@ -1,0 +1,301 @@
+"""ZeRO: data parallelism without the redundant copies -- shard the optimizer state (stage 1),
+the gradients (stage 2) and the parameters (stage 3) over the W data-parallel ranks.
+
+Plain data parallelism (parallel/data.py) keeps on every rank the full parameters (bΨ
+bytes for Ψ numbers of b bytes), the full gradients (bΨ) and the full optimizer state
+(AdamW: m and v, 2bΨ), and every rank performs the same update on the same numbers.
+ZeRO notices that the update is elementwise: rank r can update only its 1/W of the
+elements, provided it has the summed gradient for those elements, and then share the
+result. Each stage removes one more replicated copy:
+
+    stage 1  optimizer state sharded   bΨ_pad + bΨ_pad + 2b S
+    stage 2  + gradients sharded       bΨ_pad + bS     + 2b S
+    stage 3  + parameters sharded      bS     + bS     + 2b S     (+ the gathered units)
+with S = sum over units of ceil(N_u / W) and Ψ_pad = W S (flat.py: units padded to W).
+
+One rank's view of one step (rank r of W, M micro-batches; flat.py gives every unit u
+a padded flat vector and rank r the slice [r S_u, (r+1) S_u) of it):
+    stage 1: backward writes the full local gradient of every unit into a flat buffer
+        (a grad hook moves each .grad there); step(): reduce_scatter(sum) each buffer,
+        keeping the reduced slice in place -> dw_shard; norm; AdamW on (w_shard, dw_shard,
+        m_shard, v_shard); all_gather(w_shard) into the full flat parameters.
+    stage 2: the same, but as soon as the hooks have seen every parameter of a unit (in the
+        last micro-batch's backward) its buffer is reduce-scattered into a persistent
+        dw_shard (S_u,) and FREED, so only one unit's full gradient lives at a time (plus
+        the root unit, whose tied embedding finishes last).
+    stage 3: the model's parameters are placeholders; each unit keeps w_shard only.
+        zero3.py gathers a unit just before its piece of the forward runs and frees it
+        after, prefetching the next unit asynchronously; the backward gathers it again,
+        recomputes the piece, backpropagates and reduce-scatters the unit's gradient.
+    all stages: ||g|| = sqrt(sum_r ||dw_shard_r||^2): each rank's sum of squares (padding
+        is zero), all_gather of the W partial sums, added in rank order (bitwise equal on
+        every rank); clip by max_norm / (||g|| + 1e-6) as optim.clip_grad_norm does.
+
+Gradient accumulation: backwards inside no_sync() only add the local gradient into the
+full-size unit buffers (no communication, as in FSDP's no_sync); the last micro-batch
+reduces. So every stage adds in the same order as DDP (local sum over micro-batches,
+then the rank-order sum), and with algo "direct" the parameters of stages 0-3 are
+bitwise equal. The price: during accumulation stages 2 and 3 hold full-size gradient
+buffers, as stage 1 does.
+
+Communication per step (ring; elements sent per rank; `zero_memory.comm_elements`):
+    stage 1, 2: reduce_scatter (W-1) S + all_gather (W-1) S   = 2 Ψ_pad (W-1)/W
+    stage 3:    all_gather twice per micro-batch + reduce_scatter = (2M + 1) Ψ_pad (W-1)/W
+    plus (W-1) numbers for the norm. algo "direct" reduces through shared memory, which
+    sends no messages, so group.stats then counts only the all-gathers.
+
+Numerics: AdamW and SGD run elementwise on flat shards with optim.adamw_step / sgd_step,
+so a shard gets the bits the full update would give. Step counters are Python ints and
+are not counted as memory. Limitation: a parameter that gets no gradient (an unused MoE
+expert) is stepped with a zero gradient, where baseline.py skips it.
+
+References: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+    Parameter Models", arXiv:1910.02054, Sec. 5 (P_os, P_g, P_p), Sec. 7 (communication);
+    Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 (units, prefetch, no_sync).
+Read next: parallel/zero3.py (stage 3 forward/backward), parallel/zero_memory.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Iterator
+
+import numpy as np
+
+from minidist import collectives as C
+from minidist.nn import Module
+from minidist.optim import adamw_step, sgd_step
+from minidist.parallel import zero3
+from minidist.parallel.flat import FlatUnit, split_units
+
+_REDUCE_ALGO = {"auto": "direct", "direct": "direct", "ring": "ring", "halving": "halving"}
+
+
+class ZeroEngine:
+    """ZeRO stage 1, 2 or 3 on `group`; the engine interface train.py drives."""
+
+    def __init__(self, model: Module, group, stage: int, *, optimizer: str = "adamw",
+                 lr: float = 1e-3, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.0,
+                 eps: float = 1e-8, algo: str = "auto") -> None:
+        _check_args(stage, optimizer, algo)
+        self.model, self.group, self.stage = model, group, stage
+        self.rank, W = group.rank, group.size
+        self.lr, self.wd, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.optimizer, self.momentum = optimizer, momentum
+        self.rs_algo = _REDUCE_ALGO[algo]
+        self.ag_algo = algo if algo in ("ring", "halving") else "ring"
+        self.units: list[FlatUnit] = split_units(model, W)
+        self.dtype = np.dtype(self.units[0].params[0].dtype)
+        self.t, self._sync, self.comm_wait_s = 0, True, 0.0
+        self._shard_parameters()
+        # gradients: stage 1 keeps full flat buffers (the reduced slice in place);
+        # stages 2-3 keep a shard and build full buffers only while a unit is reduced
+        self.g_acc: list[np.ndarray | None] = [
+            np.zeros(u.padded, self.dtype) if stage == 1 else None for u in self.units]
+        self.g_shard = [a[slice(*u.shard_range(self.rank))] if stage == 1
+                        else np.zeros(u.shard, self.dtype) for a, u in zip(self.g_acc, self.units)]
+        n_state = {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]
+        self.state = [[np.zeros(u.shard, self.dtype) for _ in range(n_state)] for u in self.units]
+        self.peaks = {"unsharded_grads": 0, "gathered_params": 0}
+        self._seen = [0] * len(self.units)
+        self._unit_of = {id(p): (i, k) for i, u in enumerate(self.units)
+                         for k, p in enumerate(u.params)}
+        if stage < 3:
+            for u in self.units:
+                for p in u.params:
+                    p.register_grad_hook(self._on_grad)
+            self.stage3 = None
+        else:
+            self.stage3 = zero3.Gatherer(self)
+
+    def _shard_parameters(self) -> None:
+        """Stages 1-2: the model's Parameters become views of the unit flats, w_shard a view
+        of those; stage 3: keep a copy of w_shard only, the Parameters get placeholders."""
+        self.p_full: list[np.ndarray | None] = []
+        self.p_shard: list[np.ndarray] = []
+        for u in self.units:
+            full = u.pack([p.data for p in u.params], self.dtype)
+            lo, hi = u.shard_range(self.rank)
+            if self.stage < 3:
+                for p, view in zip(u.params, u.views(full)):
+                    p.data = view
+                self.p_full.append(full)
+                self.p_shard.append(full[lo:hi])
+            else:
+                self.p_full.append(None)
+                self.p_shard.append(full[lo:hi].copy())
+
+    # --- the engine interface ---
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside only accumulates local full gradients; nothing is communicated."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def forward(self, idx, targets=None, *, n_tokens: int | None = None,
+                aux_weight: float = 1.0, dropout_key=None):
+        """(logits, loss): the model itself (stages 1-2) or zero3.forward (stage 3)."""
+        if self.stage3 is not None:
+            return self.stage3.forward(idx, targets, n_tokens=n_tokens, aux_weight=aux_weight,
+                                       dropout_key=dropout_key)
+        return self.model(idx, targets, n_tokens=n_tokens, aux_weight=aux_weight,
+                          dropout_key=dropout_key)
+
+    def step(self, lr: float, clip_grad: float | None = None) -> float:
+        """Reduce what is left, clip by the global norm, update the shards, gather (1-2).
+
+        Returns the global gradient norm before clipping. Cost (stage 1-2, ring):
+        (W-1) S reduce-scatter + (W-1) S all-gather + (W-1) norm numbers per rank.
+        """
+        if clip_grad is not None and not clip_grad > 0:
+            raise ValueError(f"ZeroEngine.step: clip_grad={clip_grad}; it must be > 0 or None.")
+        t0 = time.perf_counter()
+        for i, u in enumerate(self.units):
+            if self.stage == 1:
+                lo, hi = u.shard_range(self.rank)
+                self.g_acc[i][lo:hi] = self._reduce_scatter(self.g_acc[i])
+            elif self.g_acc[i] is not None:          # still full: reduced only now
+                self._reduce_unit(i)
+        self._seen = [0] * len(self.units)
+        norm = self.global_norm()
+        if clip_grad is not None and norm > clip_grad:
+            scale = clip_grad / (norm + 1e-6)
+            for g in self.g_shard:
+                g *= scale
+        self.t += 1
+        for i in range(len(self.units)):
+            self._update(i, lr)
+        if self.stage < 3:
+            for i, u in enumerate(self.units):
+                self.p_full[i][...] = self._all_gather(self.p_shard[i]).reshape(-1)
+        for g in self.g_acc if self.stage == 1 else self.g_shard:
+            g[...] = 0
+        self.comm_wait_s = time.perf_counter() - t0
+        return norm
+
+    def global_norm(self) -> float:
+        """COLLECTIVE: sqrt of the sum over ranks (in rank order) of ||dw_shard||^2."""
+        local = 0.0
+        for g in self.g_shard:
+            local += float(np.dot(g, g))
+        total = 0.0
+        for part in self._all_gather(np.array([local])).reshape(-1):
+            total += float(part)
+        return math.sqrt(total)
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        """COLLECTIVE (stage 3): {name: full values} in model.named_parameters() order."""
+        out = {}
+        for i, u in enumerate(self.units):
+            full = self.p_full[i] if self.stage < 3 else self.gather_unit(i)
+            for slot, view in zip(u.slots, u.views(full)):
+                out[slot.name] = view.copy()
+        return {name: out[name] for name, _ in self.model.named_parameters()}
+
+    def full_optimizer_state(self) -> dict:
+        """COLLECTIVE: the state gathered into baseline's layout ("step", "m.i", "v.i" or
+        "momentum_buffer.i", i = index in model.parameters())."""
+        keys = {"adamw": ("m", "v"), "sgd": ("momentum_buffer",)}[self.optimizer]
+        state: dict = {"step": self.t} if self.optimizer == "adamw" else {}
+        for i, u in enumerate(self.units):
+            for key, shard in zip(keys, self.state[i]):
+                full = self._all_gather(shard).reshape(-1)
+                for slot, view in zip(u.slots, u.views(full)):
+                    state[f"{key}.{slot.index}"] = view.copy()
+        return state
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds now, from the arrays themselves (zero_memory.py predicts
+        them): params, grads, optimizer; peak_unsharded_grads (stage 2-3) and
+        peak_gathered_params (stage 3) are high-water marks since construction."""
+        out = {"params": sum(p.nbytes for p in (self.p_full if self.stage < 3
+                                                 else self.p_shard)),
+               "grads": sum(g.nbytes for g in self.g_acc if g is not None)
+               + (0 if self.stage == 1 else sum(g.nbytes for g in self.g_shard)),
+               "optimizer": sum(a.nbytes for s in self.state for a in s)}
+        if self.stage >= 2:
+            out["peak_unsharded_grads"] = self.peaks["unsharded_grads"]
+        if self.stage == 3:
+            out["peak_gathered_params"] = self.peaks["gathered_params"]
+        return out
+
+    # --- gradients (called by the hooks, and by zero3 for stage 3) ---
+    def _on_grad(self, p) -> None:
+        """Grad hook (stages 1-2): move p.grad into its unit's flat buffer, free it."""
+        i, k = self._unit_of[id(p)]
+        u = self.units[i]
+        buf = self._grad_buffer(i)
+        s = u.slots[k]
+        buf[s.offset:s.offset + s.numel] += p.grad.reshape(-1)    # 0 + g = g exactly
+        p.grad = None
+        self._seen[i] += 1
+        if self._seen[i] == len(u.params):
+            self._seen[i] = 0
+            if self.stage == 2 and self._sync:
+                self._reduce_unit(i)
+
+    def _grad_buffer(self, i: int) -> np.ndarray:
+        """Unit i's full local gradient buffer, made (zeros) if it does not exist."""
+        if self.g_acc[i] is None:
+            self.g_acc[i] = np.zeros(self.units[i].padded, self.dtype)
+            self._note_peak("unsharded_grads", sum(g.nbytes for g in self.g_acc
+                                                   if g is not None))
+        return self.g_acc[i]
+
+    def add_unit_grads(self, i: int, flat: np.ndarray) -> None:
+        """Stage 3: one backward's full gradient of unit i -> its buffer; reduce if syncing."""
+        if self.g_acc[i] is None:
+            self.g_acc[i] = flat                      # take it: bitwise what += gives on 0
+        else:
+            self.g_acc[i] += flat
+        if self._sync:
+            self._reduce_unit(i)
+
+    def _reduce_unit(self, i: int) -> None:
+        """dw_shard_i += reduce_scatter(sum) of unit i's full buffer; free the buffer."""
+        self.g_shard[i] += self._reduce_scatter(self.g_acc[i])
+        self.g_acc[i] = None
+
+    def _note_peak(self, what: str, nbytes: int) -> None:
+        self.peaks[what] = max(self.peaks[what], nbytes)
+
+    # --- collectives and the update ---
+    def _reduce_scatter(self, flat: np.ndarray) -> np.ndarray:
+        return C.reduce_scatter(flat, op="sum", group=self.group, algo=self.rs_algo)
+
+    def _all_gather(self, x: np.ndarray, async_op: bool = False):
+        return C.all_gather(x, group=self.group, algo=self.ag_algo, async_op=async_op)
+
+    def gather_unit(self, i: int) -> np.ndarray:
+        """COLLECTIVE: unit i's full flat parameters (W S_u,), from every rank's shard."""
+        return self._all_gather(self.p_shard[i]).reshape(-1)
+
+    def _update(self, i: int, lr: float) -> None:
+        """The optimizer on unit i's shard: elementwise, so exactly the full update's bits."""
+        p, g, st = self.p_shard[i], self.g_shard[i], self.state[i]
+        if self.optimizer == "adamw":
+            adamw_step(p, g, st[0], st[1], lr=lr, b1=self.betas[0], b2=self.betas[1],
+                       eps=self.eps, wd=self.wd, t=self.t)
+        else:
+            sgd_step(p, g, st[0] if st else None, lr=lr, momentum=self.momentum,
+                     weight_decay=self.wd)
+
+
+def _check_args(stage, optimizer, algo) -> None:
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeroEngine: stage={stage!r} must be 1 (shard the optimizer state), "
+                         "2 (+ gradients) or 3 (+ parameters); 0 is plain data parallelism.")
+    if stage == 0:
+        raise ValueError("ZeroEngine: stage=0 shards nothing; use parallel.data.DataParallel "
+                         "(train.Plan(zero=0) does), or pick stage 1, 2 or 3.")
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"ZeroEngine: optimizer={optimizer!r} is unknown; use 'adamw' or 'sgd'.")
+    if algo not in _REDUCE_ALGO:
+        raise ValueError(f"ZeroEngine: algo={algo!r} has no reduce_scatter; use one of "
+                         f"{sorted(_REDUCE_ALGO)} ('auto' = 'direct', canonical order).")

@@ -43,3 +43,21 @@ def shm_entries() -> set[str]:
         return set(os.listdir("/dev/shm"))
     except FileNotFoundError:
         return set()
+
+
+def mpiexec_or_skip() -> str:
+    """Path of mpiexec (next to this Python first); skips the calling module without
+    mpi4py or mpiexec. Call at module level in tests marked `mpi`."""
+    import shutil
+    import sys
+
+    import pytest
+    exe = (shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+           or shutil.which("mpiexec"))
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        exe = None
+    if exe is None:
+        pytest.skip("needs mpi4py and mpiexec (pip install -e '.[mpi]')", allow_module_level=True)
+    return exe

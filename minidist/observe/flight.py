@@ -69,6 +69,7 @@ class FlightRecorder:
                 state = call.STATE_NAMES[int(rec[call.STATE])]
                 end = rec[call.T_END] if rec[call.T_END] else now
                 ms = (end - rec[call.T_START]) / 1e6
-                lines.append(f"  rank {r}: {call.describe(rec, names):<60} {int(rec[call.NBYTES]):>10} B"
+                what = call.describe(rec, names)
+                lines.append(f"  rank {r}: {what:<60} {int(rec[call.NBYTES]):>10} B"
                              f"  {state:<7} {ms:9.1f} ms")
         return "\n".join(lines)

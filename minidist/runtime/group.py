@@ -47,7 +47,8 @@ class SharedBuffer:
     """`nbytes` per member, in shared memory: write your own part, read anyone's."""
 
     def __init__(self, arena: Arena, base: int, stride: int, rank: int, nbytes: int):
-        self.arena, self.base, self.stride, self.rank, self.nbytes = arena, base, stride, rank, nbytes
+        self.arena, self.base, self.stride = arena, base, stride
+        self.rank, self.nbytes = rank, nbytes
 
     def peer(self, r: int, dtype, count: int, offset: int = 0) -> np.ndarray:
         dtype = np.dtype(dtype)

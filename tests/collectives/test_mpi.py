@@ -1,24 +1,18 @@
 """The same collective algorithms over the MPI transport (runtime/mpi.py), under mpiexec:
 every collective x every message-based algorithm against the oracle, on 3 ranks."""
 
-import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from tests.helpers import mpiexec_or_skip
+
 pytestmark = pytest.mark.mpi
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-try:
-    import mpi4py  # noqa: F401
-except ImportError:
-    mpi4py = None
-if mpi4py is None or MPIEXEC is None:
-    pytest.skip("needs mpi4py and mpiexec (pip install -e '.[mpi]')", allow_module_level=True)
+MPIEXEC = mpiexec_or_skip()
 
 SCRIPT = textwrap.dedent("""
     import numpy as np

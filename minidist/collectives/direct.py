@@ -46,9 +46,10 @@ result lands back in its own region, with two barriers per call.
 
 Bytes on the wire. Over shared memory nothing is "sent"; a rank reads. So a
 byte of rank q's region that rank p reads counts as sent by q and received by
-p, the traffic a network would carry. all_reduce_shared counts exactly that in
-group.stats (each rank can compute what its peers read from it); all_reduce
-and reduce_scatter above count nothing.
+p, the traffic a network would carry. Every function here counts exactly that
+in group.stats (each rank can compute what its peers read from it):
+all_reduce and all_reduce_shared (N - n_r) + (W-1) n_r per rank r with share
+n_r, on average 2(W-1)/W N like the ring; reduce_scatter N - n_r.
 
 Read next: all_to_all.py.
 """
@@ -97,6 +98,13 @@ def _fold_peers(buf, dtype: np.dtype, count: int, offset: int, op: str, W: int) 
     return finish(op, acc, W)
 
 
+def _count_reads(group, nbytes: int) -> None:
+    """Count `nbytes` of this rank's memory read by its peers as sent (and, by symmetry of
+    the algorithms here, the same number received): see "Bytes on the wire" above."""
+    group.stats["bytes_sent"] += nbytes
+    group.stats["bytes_recv"] += nbytes
+
+
 def all_reduce(x: np.ndarray, group, op: str = "sum",
                buffer_bytes: int = BUFFER_BYTES) -> np.ndarray:
     """Return x_0 (op) x_1 (op) ... (op) x_{W-1}, folded in rank order, on every rank.
@@ -129,6 +137,7 @@ def all_reduce(x: np.ndarray, group, op: str = "sum",
         for p in range(W):                                                 # step 5
             count = offs[p + 1] - offs[p]
             out[start + offs[p]:start + offs[p + 1]] = buf.peer(p, dtype, count, s_in)
+        _count_reads(group, (win.size - (hi - lo) + (W - 1) * (hi - lo)) * isz)
     return out.reshape(x.shape)
 
 
@@ -169,6 +178,7 @@ def reduce_scatter(x: np.ndarray, group, op: str = "sum",
         count = max(0, min(w, out.size - j))
         out[j:j + count] = _fold_peers(buf, dtype, count, rank * w * isz, op, W)
         group.barrier()
+    _count_reads(group, (x.size - out.size) * isz)      # peers read all chunks but mine
     return out
 
 
@@ -229,7 +239,5 @@ def all_reduce_shared(buf, dtype, count: int, group, op: str = "sum",
     for p in range(W):                                                     # step 4
         if p != rank:
             mine[offs[p]:offs[p + 1]] = out.peer(p, dtype, int(offs[p + 1] - offs[p]))
-    moved = (count - n + (W - 1) * n) * isz
-    group.stats["bytes_sent"] += moved
-    group.stats["bytes_recv"] += moved
+    _count_reads(group, (count - n + (W - 1) * n) * isz)
     return mine

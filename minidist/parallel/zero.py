@@ -41,8 +41,8 @@ buffers, as stage 1 does.
 Communication per step (ring; elements sent per rank; `zero_memory.comm_elements`):
     stage 1, 2: reduce_scatter (W-1) S + all_gather (W-1) S   = 2 Ψ_pad (W-1)/W
     stage 3:    all_gather twice per micro-batch + reduce_scatter = (2M + 1) Ψ_pad (W-1)/W
-    plus (W-1) numbers for the norm. algo "direct" reduces through shared memory, which
-    sends no messages, so group.stats then counts only the all-gathers.
+    plus (W-1) numbers for the norm. algo "direct" reduces through shared memory; the
+    bytes its peers read count as sent (collectives/direct.py), so the totals agree.
 
 Numerics: AdamW and SGD run elementwise on flat shards with optim.adamw_step / sgd_step,
 so a shard gets the bits the full update would give. Step counters are Python ints and

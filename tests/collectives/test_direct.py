@@ -169,3 +169,21 @@ def _shared_vs_direct_on_rank(ctx):
 def test_all_reduce_shared_equals_direct_all_reduce_bitwise():
     for mine, theirs in spawn(3, _shared_vs_direct_on_rank):
         assert np.array_equal(mine, theirs)
+
+
+def _direct_bytes(ctx, n):
+    g = ctx.world
+    s0 = g.stats["bytes_sent"]
+    direct.all_reduce(np.ones(n), g)
+    s1 = g.stats["bytes_sent"]
+    direct.reduce_scatter(np.ones(n), g)
+    return s1 - s0, g.stats["bytes_sent"] - s1
+
+
+@pytest.mark.multiproc
+def test_direct_counts_what_peers_read_as_sent():
+    """Summed over ranks: all_reduce 2(W-1) N elements (the ring's), reduce_scatter (W-1) N."""
+    W, n = 3, 3001
+    counts = spawn(W, _direct_bytes, n)
+    assert sum(a for a, _ in counts) == 2 * (W - 1) * n * 8
+    assert sum(b for _, b in counts) == (W - 1) * n * 8

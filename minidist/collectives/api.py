@@ -97,9 +97,10 @@ def _root(root: Any, group, what: str) -> int:
     return int(root)
 
 
-def _algo(op: str, algo: Any, nbytes: int, W: int) -> str:
+def _algo(op: str, algo: Any, nbytes: int, group) -> str:
     if algo == "auto":
-        return cost.choose(op, nbytes, W)
+        return cost.choose(op, nbytes, group.size,
+                           shared_memory=getattr(group, "supports_shared", False))
     if not isinstance(algo, str) or algo not in _ALGOS[op]:
         raise ValueError(f"{op}: unknown algo {algo!r}. Use 'auto' or one of "
                          f"{', '.join(map(repr, _ALGOS[op]))}.")
@@ -145,7 +146,7 @@ def broadcast(x: np.ndarray, root: int = 0, group=None, algo: str = "auto",
     """Return a copy of the root's x on every rank (x: same shape and dtype everywhere)."""
     g = _group(group)
     x, root = _array(x, "broadcast"), _root(root, g, "broadcast")
-    name = _algo("broadcast", algo, x.nbytes, g.size)
+    name = _algo("broadcast", algo, x.nbytes, g)
     fn = _ALGOS["broadcast"][name]
     return _run(g, "broadcast", x, lambda: fn(x, g, root), async_op, root=root, algo=name)
 
@@ -156,7 +157,7 @@ def reduce(x: np.ndarray, root: int = 0, op: str = "sum", group=None, algo: str 
     g = _group(group)
     x, root = _array(x, "reduce"), _root(root, g, "reduce")
     check_op(op, x.dtype, "reduce")
-    name = _algo("reduce", algo, x.nbytes, g.size)
+    name = _algo("reduce", algo, x.nbytes, g)
     fn = _ALGOS["reduce"][name]
     return _run(g, "reduce", x, lambda: fn(x, g, root, op), async_op, root=root,
                 reduce_op=op, algo=name)
@@ -172,7 +173,7 @@ def all_reduce(x: np.ndarray, op: str = "sum", group=None, algo: str = "auto",
     g = _group(group)
     x = _array(x, "all_reduce")
     check_op(op, x.dtype, "all_reduce")
-    name = _algo("all_reduce", algo, x.nbytes, g.size)
+    name = _algo("all_reduce", algo, x.nbytes, g)
     fn = _ALGOS["all_reduce"][name]
     return _run(g, "all_reduce", x, lambda: fn(x, g, op), async_op, reduce_op=op, algo=name)
 
@@ -187,7 +188,7 @@ def reduce_scatter(x: np.ndarray, op: str = "sum", group=None, algo: str = "auto
     g = _group(group)
     x = _array(x, "reduce_scatter")
     check_op(op, x.dtype, "reduce_scatter")
-    name = _algo("reduce_scatter", algo, x.nbytes, g.size)
+    name = _algo("reduce_scatter", algo, x.nbytes, g)
     fn = _ALGOS["reduce_scatter"][name]
     return _run(g, "reduce_scatter", x, lambda: fn(x, g, op), async_op, reduce_op=op,
                 algo=name)
@@ -197,7 +198,7 @@ def all_gather(x: np.ndarray, group=None, algo: str = "auto", async_op: bool = F
     """Return np.stack of every rank's x, shape (W, *x.shape), on every rank."""
     g = _group(group)
     x = _array(x, "all_gather")
-    name = _algo("all_gather", algo, x.nbytes, g.size)
+    name = _algo("all_gather", algo, x.nbytes, g)
     fn = _ALGOS["all_gather"][name]
     return _run(g, "all_gather", x, lambda: fn(x, g), async_op, algo=name)
 
@@ -207,7 +208,7 @@ def gather(x: np.ndarray, root: int = 0, group=None, algo: str = "auto",
     """Return np.stack of every rank's x, shape (W, *x.shape), on the root; None elsewhere."""
     g = _group(group)
     x, root = _array(x, "gather"), _root(root, g, "gather")
-    name = _algo("gather", algo, x.nbytes, g.size)
+    name = _algo("gather", algo, x.nbytes, g)
     fn = _ALGOS["gather"][name]
     return _run(g, "gather", x, lambda: fn(x, g, root), async_op, root=root, algo=name)
 
@@ -227,7 +228,7 @@ def scatter(xs: np.ndarray | None, root: int = 0, group=None, algo: str = "auto"
                              f"per rank, shape ({g.size}, ...). Stack the {g.size} pieces "
                              "with np.stack.")
     row_bytes = xs.nbytes // g.size if g.rank == root else 0     # only one algorithm anyway
-    name = _algo("scatter", algo, row_bytes, g.size)
+    name = _algo("scatter", algo, row_bytes, g)
     fn = _ALGOS["scatter"][name]
     return _run(g, "scatter", None, lambda: fn(xs if g.rank == root else None, g, root),
                 async_op, root=root, algo=name)
@@ -256,7 +257,7 @@ def all_to_all(x: np.ndarray, split_sizes: Sequence[int] | None = None, group=No
                          f"{[len(c) for c in np.array_split(np.empty(x.shape[0]), W)]}.")
     sizes = None if split_sizes is None else _sizes(split_sizes, W, "split_sizes", x.shape[0])
     recv = None if recv_sizes is None else _sizes(recv_sizes, W, "recv_sizes")
-    name = _algo("all_to_all", algo, x.nbytes, W)
+    name = _algo("all_to_all", algo, x.nbytes, g)
     fn = _ALGOS["all_to_all"][name]
     # header: rows differ per rank, so stamp a 0-row view (checks dtype and trailing dims)
     return _run(g, "all_to_all", x[:0], lambda: fn(x, g, sizes, recv), async_op, algo=name)

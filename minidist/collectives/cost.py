@@ -35,8 +35,18 @@ For large n ring's bandwidth term wins; for small n the log-depth algorithms'
 latency term wins. The model has no link contention, so at a power of two it
 ranks halving at or below ring for reduce_scatter and all_gather at every n
 (same bandwidth term, fewer messages); off powers of two the fold makes ring
-win for large n. `direct` is never chosen by "auto": it is chosen for its
-numerics (bitwise reproducible), not its speed, and needs shared memory.
+win for large n.
+
+Large messages over shared memory. The model counts bytes SENT; over the
+shared-memory transport a mailbox algorithm copies every sent byte twice
+(into the slot, out of it), while `direct` reads its peers' inputs where they
+lie. So for large n on a group with shared memory `direct` is the fastest
+(measured with `python -m minidist bench collectives`, 2 cores: from ~256 KiB
+at W=4 and ~2 MiB at W=2 it beats ring, halving and tree, by up to 1.5x at
+64 MiB), and "auto" picks it for all_reduce and reduce_scatter from
+SHM_DIRECT_MIN_BYTES up when the caller says the group has shared memory.
+Below that, the formulas decide. It also makes large reductions bitwise
+reproducible (direct.py).
 
 Constants come from a calibration file (JSON with keys alpha, beta, gamma in
 seconds and seconds per byte) at $MINIDIST_COST_FILE or
@@ -90,7 +100,8 @@ ALGOS: dict[str, tuple[str, ...]] = {
     "scatter": ("tree",),
     "all_to_all": ("pairwise",),
 }
-_NOT_AUTO = ("direct",)
+_NOT_AUTO = ("direct",)              # chosen by the shared-memory rule below, not the formulas
+SHM_DIRECT_MIN_BYTES = 1 << 20      # measured crossover, see the module docstring
 
 
 def _terms(op: str, algo: str, p: int, n: float) -> tuple[float, float, float]:
@@ -132,10 +143,14 @@ def predict(op: str, algo: str, W: int, nbytes: float, c: Constants | None = Non
     return c.alpha * msgs + c.beta * sent + c.gamma * reduced
 
 
-def choose(op: str, nbytes: float, W: int, c: Constants | None = None) -> str:
-    """The algorithm "auto" runs: the cheapest predicted one (direct excluded), ties -> first."""
+def choose(op: str, nbytes: float, W: int, c: Constants | None = None,
+           shared_memory: bool = False) -> str:
+    """The algorithm "auto" runs: `direct` for large reductions on a shared-memory group,
+    else the cheapest predicted one (direct excluded), ties -> first."""
     if op not in ALGOS:
         raise ValueError(f"cost.choose: unknown collective {op!r}; use one of {list(ALGOS)}.")
+    if shared_memory and "direct" in ALGOS[op] and W > 1 and nbytes >= SHM_DIRECT_MIN_BYTES:
+        return "direct"
     return _choose(op, int(nbytes), int(W), constants() if c is None else c)
 
 

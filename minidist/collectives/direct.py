@@ -90,12 +90,24 @@ def _shares(n: int, W: int) -> np.ndarray:
     return np.array([k * base + min(k, extra) for k in range(W + 1)])
 
 
-def _fold_peers(buf, dtype: np.dtype, count: int, offset: int, op: str, W: int) -> np.ndarray:
-    """Return peer_0 (op) peer_1 (op) ... (op) peer_{W-1} of `count` elements at `offset`."""
-    acc = np.array(buf.peer(0, dtype, count, offset), copy=True)
-    for p in range(1, W):
-        combine(op, acc, buf.peer(p, dtype, count, offset), out=acc)
-    return finish(op, acc, W)
+def _fold_peers(buf, dtype: np.dtype, count: int, offset: int, op: str, W: int,
+                out: np.ndarray) -> np.ndarray:
+    """Write peer_0 (op) peer_1 (op) ... (op) peer_{W-1} (then the op's last step) of
+    `count` elements at `offset` into `out`, and return it.
+
+    The first combine reads two peers straight into `out` (no copy of peer 0 first),
+    so each input byte is read once and each result byte written once or twice."""
+    if W == 1:
+        out[...] = buf.peer(0, dtype, count, offset)
+    else:
+        combine(op, buf.peer(0, dtype, count, offset), buf.peer(1, dtype, count, offset),
+                out=out)
+        for p in range(2, W):
+            combine(op, out, buf.peer(p, dtype, count, offset), out=out)
+    done = finish(op, out, W)
+    if done is not out:                                   # avg: the division made a new array
+        out[...] = done
+    return out
 
 
 def _count_reads(group, nbytes: int) -> None:
@@ -131,8 +143,8 @@ def all_reduce(x: np.ndarray, group, op: str = "sum",
         group.barrier()                                                    # step 2
         offs = _shares(win.size, W)
         lo, hi = offs[rank], offs[rank + 1]
-        buf.local(dtype, hi - lo, s_in)[...] = _fold_peers(                # step 3
-            buf, dtype, hi - lo, lo * isz, op, W)
+        _fold_peers(buf, dtype, hi - lo, lo * isz, op, W,                   # step 3
+                    out=buf.local(dtype, hi - lo, s_in))
         group.barrier()                                                    # step 4
         for p in range(W):                                                 # step 5
             count = offs[p + 1] - offs[p]
@@ -176,7 +188,7 @@ def reduce_scatter(x: np.ndarray, group, op: str = "sum",
             buf.local(dtype, piece.size, k * w * isz)[...] = piece
         group.barrier()
         count = max(0, min(w, out.size - j))
-        out[j:j + count] = _fold_peers(buf, dtype, count, rank * w * isz, op, W)
+        _fold_peers(buf, dtype, count, rank * w * isz, op, W, out=out[j:j + count])
         group.barrier()
     _count_reads(group, (x.size - out.size) * isz)      # peers read all chunks but mine
     return out
@@ -232,8 +244,8 @@ def all_reduce_shared(buf, dtype, count: int, group, op: str = "sum",
     out = _out_area(group, int(offs[1] - offs[0]) * isz)      # share 0 is the largest
     mine = buf.local(dtype, count, offset)
     group.barrier()                                                        # step 1
-    share = _fold_peers(buf, dtype, n, offset + lo * isz, op, W)           # step 2
-    out.local(dtype, n)[...] = share
+    share = _fold_peers(buf, dtype, n, offset + lo * isz, op, W,           # step 2
+                        out=out.local(dtype, n))
     mine[lo:lo + n] = share
     group.barrier()                                                        # step 3
     for p in range(W):                                                     # step 4

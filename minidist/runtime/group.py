@@ -83,6 +83,8 @@ class Work:
 class ProcessGroup:
     """This rank's handle on a group; see the module docstring."""
 
+    supports_shared = True              # `shared` regions exist (runtime/mpi.py: False)
+
     def __init__(self, *, gid: int, name: str, ranks: tuple[int, ...], global_rank: int,
                  world_size: int, board: JobBoard, arena: Arena, ordering: Ordering,
                  group_names: dict[int, str], timeout: float, spin: bool,

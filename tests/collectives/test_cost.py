@@ -132,3 +132,13 @@ def test_message_and_byte_counts_match_the_model(W):
     assert sum(c["tree broadcast"][0] for c in per_rank) == W - 1
     assert sum(c["tree broadcast"][1] for c in per_rank) == (W - 1) * n
     assert per_rank[0]["tree broadcast"][0] == lg
+
+
+def test_auto_uses_direct_for_large_reductions_on_shared_memory():
+    big, small = cost.SHM_DIRECT_MIN_BYTES, 8
+    assert cost.choose("all_reduce", big, 4, shared_memory=True) == "direct"
+    assert cost.choose("reduce_scatter", big, 2, shared_memory=True) == "direct"
+    assert cost.choose("all_reduce", big, 4, shared_memory=False) != "direct"   # e.g. MPI
+    assert cost.choose("all_reduce", small, 4, shared_memory=True) != "direct"
+    assert cost.choose("all_gather", big, 4, shared_memory=True) != "direct"    # no direct
+    assert cost.choose("all_reduce", big, 1, shared_memory=True) != "direct"

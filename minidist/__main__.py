@@ -1,7 +1,7 @@
 """Command line: `python -m minidist run|train|demo|bench ...`.
 
     python -m minidist run -n 4 script.py [args]   run script.py on 4 ranks (minidist.init())
-    python -m minidist train [--task sort ...]     train the tiny GPT (the main job)
+    python -m minidist train [--dp 2 --zero 1]     train the tiny GPT (the main job)
     python -m minidist demo [name]                 list the demos, or run one by name or number
     python -m minidist bench collectives|autograd  benchmarks (medians, printed as tables)
 """
@@ -70,8 +70,8 @@ def _bench(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from minidist import baseline
-    return baseline.main(argv) or 0
+    from minidist import train
+    return train.main(argv) or 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,9 +146,9 @@ def answer_accuracy(model: GPT, data: SyntheticData, n: int = 64, split: str = "
     return hits / n, lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m minidist train`: train the tiny GPT and show it solving held-out prompts."""
-    ap = argparse.ArgumentParser(prog="python -m minidist train", description=main.__doc__)
+def train_arguments(prog: str) -> argparse.ArgumentParser:
+    """The options of `python -m minidist train` (train.py adds the parallel ones)."""
+    ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     ap.add_argument("--task", default="sort", choices=["copy", "reverse", "sort", "add"])
     ap.add_argument("--length", type=int, default=5, help="prompt length (copy/reverse/sort)")
     ap.add_argument("--steps", type=int, default=300)
@@ -163,10 +163,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--every", type=int, default=25, help="print every N steps")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def configs_from(a: argparse.Namespace) -> tuple[GPTConfig, DataConfig]:
+    """(model config, data config) from parsed train_arguments."""
     data_cfg = DataConfig(task=a.task, length=a.length, seed=a.seed)
     cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
                            moe_every=a.moe_every, dtype=a.dtype)
+    return cfg, data_cfg
+
+
+def show_samples(cfg: GPTConfig, data_cfg: DataConfig, params: dict[str, np.ndarray]) -> float:
+    """Print a few held-out prompts with the trained model's answers; return the accuracy."""
+    model = GPT(cfg, seed=None)
+    model.load_state_dict(params)
+    acc, lines = answer_accuracy(model, SyntheticData(data_cfg))
+    print("held-out samples (prompt | model's answer):")
+    for line in lines[:6]:
+        print("  " + line)
+    print(f"exact-match accuracy on 64 held-out prompts: {acc:.0%}")
+    return acc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m minidist train`: train the tiny GPT and show it solving held-out prompts."""
+    a = train_arguments("python -m minidist train").parse_args(argv)
+    cfg, data_cfg = configs_from(a)
     t0 = time.perf_counter()
 
     def progress(step: int, loss: float, model: GPT) -> None:
@@ -178,11 +201,5 @@ def main(argv: list[str] | None = None) -> int:
     result = train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.batch, lr=a.lr,
                                   seed=a.seed, grad_accum=a.grad_accum, optimizer=a.optimizer,
                                   on_step=progress)
-    model = GPT(cfg, seed=None)
-    model.load_state_dict(result.params)
-    acc, lines = answer_accuracy(model, SyntheticData(data_cfg))
-    print("held-out samples (prompt | model's answer):")
-    for line in lines[:6]:
-        print("  " + line)
-    print(f"exact-match accuracy on 64 held-out prompts: {acc:.0%}")
+    show_samples(cfg, data_cfg, result.params)
     return 0

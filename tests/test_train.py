@@ -96,3 +96,35 @@ def test_rank_result_reports_memory_bytes_and_timing():
     for key, values in run.timing.items():
         assert len(values) == 2 and all(np.isfinite(v) and v >= 0 for v in values), key
     assert all(w <= s for w, s in zip(run.timing["comm_wait"], run.timing["step"]))
+
+
+@pytest.mark.multiproc
+def test_train_cli_runs_dp_with_zero_and_checks_against_the_baseline():
+    import subprocess
+    res = subprocess.run([sys.executable, "-m", "minidist", "train", "--dp", "2", "--zero", "1",
+                          "--steps", "4", "--every", "1", "--batch", "8", "--check"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout.splitlines()
+    assert [line.split("|")[0].strip() for line in out if line.startswith("step")] == \
+        [f"step    {s}" for s in range(4)]
+    assert out[-1].startswith("OK: dp=2 ZeRO-1 training matches the single-process run")
+
+
+def _progress_on_rank(ctx, model_cfg, data_cfg):
+    seen = []
+    run = train_on_rank(ctx, model_cfg, data_cfg, Plan(dp=ctx.world_size), steps=3,
+                        global_batch=4, lr=1e-2, on_step=lambda s, loss: seen.append((s, loss)))
+    return seen, run.losses
+
+
+@pytest.mark.multiproc
+def test_on_step_sees_the_global_loss_of_each_step():
+    for seen, losses in spawn(2, _progress_on_rank, TINY, DATA):
+        assert [s for s, _ in seen] == [0, 1, 2]
+        assert [loss for _, loss in seen] == list(losses)
+
+
+def test_plan_refuses_zero_with_the_tree_algorithm():
+    with pytest.raises(ValueError, match="reduce-scatter"):
+        Plan(dp=2, zero=2, algo="tree")

@@ -45,8 +45,10 @@ lie. So for large n on a group with shared memory `direct` is the fastest
 at W=4 and ~2 MiB at W=2 it beats ring, halving and tree, by up to 1.5x at
 64 MiB), and "auto" picks it for all_reduce and reduce_scatter from
 SHM_DIRECT_MIN_BYTES up when the caller says the group has shared memory.
-Below that, the formulas decide. It also makes large reductions bitwise
-reproducible (direct.py).
+Small all_reduces (at most direct_small.SMALL_BYTES) take direct's one-wait
+path (direct_small.py), measured fastest at W = 2, 3, 4 (e.g. 42 us against
+halving's 52 us for 8 B at W=2), so "auto" picks direct there too. In between,
+the formulas decide. Either way the result is bitwise reproducible.
 
 Constants come from a calibration file (JSON with keys alpha, beta, gamma in
 seconds and seconds per byte) at $MINIDIST_COST_FILE or
@@ -102,6 +104,7 @@ ALGOS: dict[str, tuple[str, ...]] = {
 }
 _NOT_AUTO = ("direct",)              # chosen by the shared-memory rule below, not the formulas
 SHM_DIRECT_MIN_BYTES = 1 << 20      # measured crossover, see the module docstring
+SMALL_BYTES = 4096                  # = direct_small.SMALL_BYTES (checked by a test)
 
 
 def _terms(op: str, algo: str, p: int, n: float) -> tuple[float, float, float]:
@@ -149,7 +152,8 @@ def choose(op: str, nbytes: float, W: int, c: Constants | None = None,
     else the cheapest predicted one (direct excluded), ties -> first."""
     if op not in ALGOS:
         raise ValueError(f"cost.choose: unknown collective {op!r}; use one of {list(ALGOS)}.")
-    if shared_memory and "direct" in ALGOS[op] and W > 1 and nbytes >= SHM_DIRECT_MIN_BYTES:
+    if shared_memory and "direct" in ALGOS[op] and W > 1 and (
+            nbytes >= SHM_DIRECT_MIN_BYTES or (op == "all_reduce" and nbytes <= SMALL_BYTES)):
         return "direct"
     return _choose(op, int(nbytes), int(W), constants() if c is None else c)
 

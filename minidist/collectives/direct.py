@@ -51,13 +51,17 @@ in group.stats (each rank can compute what its peers read from it):
 all_reduce and all_reduce_shared (N - n_r) + (W-1) n_r per rank r with share
 n_r, on average 2(W-1)/W N like the ring; reduce_scatter N - n_r.
 
-Read next: all_to_all.py.
+Inputs of at most direct_small.SMALL_BYTES take direct_small.py's path: the same
+fold, one wait instead of two barriers.
+
+Read next: direct_small.py, then all_to_all.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from minidist.collectives import direct_small
 from minidist.collectives.reduce_ops import combine, finish
 
 # Bytes of shared memory per rank. Large enough that typical gradients need few rounds,
@@ -131,6 +135,8 @@ def all_reduce(x: np.ndarray, group, op: str = "sum",
     Numerics: bitwise equal to the sequential rank-order fold on one process,
         on every rank, regardless of timing.
     """
+    if x.nbytes <= direct_small.SMALL_BYTES and buffer_bytes == BUFFER_BYTES:
+        return direct_small.all_reduce(x, group, op)          # same bits, one wait
     rank, W = group.rank, group.size
     dtype, isz = x.dtype, x.dtype.itemsize
     buf = group.shared(f"direct/{buffer_bytes}", buffer_bytes)

@@ -110,6 +110,7 @@ class ProcessGroup:
         self._mine = board.calls[global_rank, gid]          # my published call record
         self._verified = True
         self._buffers: dict[str, SharedBuffer] = {}
+        self.algo_state: dict = {}        # per-algorithm state, e.g. direct_small's flags
         self._recorder = board.recorder(global_rank)
         self._queue: queue.Queue | None = None
         self._pending = 0

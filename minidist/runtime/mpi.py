@@ -26,7 +26,6 @@ Read next: collectives/
 from __future__ import annotations
 
 import os
-import threading
 from typing import Callable
 
 import numpy as np
@@ -74,7 +73,7 @@ class MpiGroup:
         self._p2p = call.pack(gid, 0, "p2p", None)
         self.record = self._p2p
         self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0}
-        self._lock = threading.Lock()
+        self.algo_state: dict = {}
 
     # --- messages: header, then payload ---
     def _header(self, x: np.ndarray) -> np.ndarray:

@@ -139,6 +139,14 @@ def test_auto_uses_direct_for_large_reductions_on_shared_memory():
     assert cost.choose("all_reduce", big, 4, shared_memory=True) == "direct"
     assert cost.choose("reduce_scatter", big, 2, shared_memory=True) == "direct"
     assert cost.choose("all_reduce", big, 4, shared_memory=False) != "direct"   # e.g. MPI
-    assert cost.choose("all_reduce", small, 4, shared_memory=True) != "direct"
+    assert cost.choose("all_reduce", small, 4, shared_memory=True) == "direct"   # one wait
+    assert cost.choose("all_reduce", 64 << 10, 4, shared_memory=True) != "direct"
+    assert cost.choose("all_reduce", small, 4, shared_memory=False) != "direct"
+    assert cost.choose("reduce_scatter", small, 4, shared_memory=True) != "direct"
     assert cost.choose("all_gather", big, 4, shared_memory=True) != "direct"    # no direct
     assert cost.choose("all_reduce", big, 1, shared_memory=True) != "direct"
+
+
+def test_small_threshold_matches_the_small_path():
+    from minidist.collectives import direct_small
+    assert cost.SMALL_BYTES == direct_small.SMALL_BYTES

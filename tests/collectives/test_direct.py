@@ -187,3 +187,44 @@ def test_direct_counts_what_peers_read_as_sent():
     counts = spawn(W, _direct_bytes, n)
     assert sum(a for a, _ in counts) == 2 * (W - 1) * n * 8
     assert sum(b for _, b in counts) == (W - 1) * n * 8
+
+
+def _small_and_large(ctx, n, W):
+    rng = np.random.default_rng(ctx.rank)
+    out = []
+    for _ in range(3):                              # several calls: both buffers are reused
+        x = rng.standard_normal(n)
+        small = direct.all_reduce(x, ctx.world)     # n * 8 <= SMALL_BYTES: the one-wait path
+        large = direct.all_reduce(x, ctx.world, buffer_bytes=1 << 12)    # the barrier path
+        out.append((small, large))
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_small_message_path_gives_the_same_bits(W):
+    from minidist.collectives.direct_small import SMALL_BYTES
+    n = SMALL_BYTES // 8
+    runs = spawn(W, _small_and_large, n, W)
+    for k in range(3):
+        xs = [np.random.default_rng(r).standard_normal((3, n))[k] for r in range(W)]
+        acc = xs[0].copy()
+        for x in xs[1:]:
+            acc = acc + x
+        for r in range(W):
+            small, large = runs[r][k]
+            assert np.array_equal(small, acc) and np.array_equal(large, acc), (W, k, r)
+
+
+def _small_mismatch(ctx):
+    x = np.ones(3 if ctx.rank else 4)
+    with ctx.world.collective("all_reduce", x, reduce_op="sum", algo="direct"):
+        from minidist.collectives import direct_small
+        direct_small.all_reduce(x, ctx.world)
+
+
+@pytest.mark.multiproc
+def test_small_message_path_names_a_mismatch():
+    from minidist.runtime import RankFailure
+    with pytest.raises(RankFailure, match="CollectiveMismatch"):
+        spawn(2, _small_mismatch)

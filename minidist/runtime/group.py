@@ -108,6 +108,7 @@ class ProcessGroup:
         self.ident = self._p2p_ident = self.record[call.IDENTITY].tobytes()
         self._templates: dict[tuple, np.ndarray] = {}
         self._mine = board.calls[global_rank, gid]          # my published call record
+        self._version = board.versions[global_rank, gid:gid + 1]
         self._verified = True
         self._buffers: dict[str, SharedBuffer] = {}
         self.algo_state: dict = {}        # per-algorithm state, e.g. direct_small's flags
@@ -247,9 +248,11 @@ class CallScope:
     def __enter__(self) -> ProcessGroup:
         g = self.g
         g.seq += 1
-        rec = self.template.copy()
+        rec, version = g._mine, g._version    # my record on the board: peers read it
+        version[0] += 1                       # seqlock (job.py): odd while rewriting
+        rec[:] = self.template
         rec[call.SEQ] = g.seq
-        g.board.publish_call(g.global_rank, g.gid, rec)
+        version[0] += 1
         g._recorder.start(rec)
         g.record, g.ident, g._verified = rec, rec[call.IDENTITY].tobytes(), False
         return g

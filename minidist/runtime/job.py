@@ -53,15 +53,9 @@ class JobBoard:
         self.rings = rings.reshape(W, DEPTH, F)
         self.flight_pos = arena.view(arena.alloc(8 * W, "flight pos"), i64, W)
 
-    def publish_call(self, rank: int, gid: int, rec: np.ndarray) -> None:
-        """Owner side of the seqlock: version odd, write the record, version even."""
-        v = self.versions[rank]
-        v[gid] += 1
-        self.calls[rank, gid] = rec
-        v[gid] += 1
-
     def read_call(self, rank: int, gid: int) -> np.ndarray | None:
-        """Reader side: a consistent copy of rank's record on gid, or None if it was
+        """Reader side of the seqlock (the owner, group.py's CallScope, makes the version
+        odd, rewrites the record, makes it even again): a consistent copy of rank's record on gid, or None if it was
         being rewritten (the caller simply looks again on its next check)."""
         before = int(self.versions[rank, gid])
         rec = self.calls[rank, gid].copy()

@@ -204,7 +204,8 @@ def _rank_sweep(ctx, plan: Plan) -> list[tuple]:
             warmup, iters = default_iters(size)
             times, outs = _repeat(g, fns, warmup, plan.iters or iters, refill)
             for a in fns:                  # direct-shm runs last: its result is still there
-                ran = cost.choose(op, count * dt.itemsize, W) if a == "auto" else a
+                ran = (cost.choose(op, count * dt.itemsize, W, shared_memory=g.supports_shared)
+                       if a == "auto" else a)
                 rows.append((op, a, ran, size, count, times[a],
                              count_wrong(op, outs[a], count, W, g.rank, dt)))
     return rows

@@ -186,3 +186,50 @@ def test_a_message_nobody_receives_is_reported():
 def test_an_unpicklable_result_is_reported():
     with pytest.raises(RankFailure, match="could not send rank 0's result"):
         spawn(1, lambda ctx: (i for i in range(3)))          # generators do not pickle
+
+
+def _sleep_forever(ctx):
+    time.sleep(60)
+
+
+def test_join_timeout_kills_every_rank():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="join_timeout=0.5"):
+        spawn(2, _sleep_forever, join_timeout=0.5)
+    assert time.monotonic() - t0 < 3.0
+
+
+LAUNCHER = """
+import sys, time
+from minidist.runtime import spawn
+def rank(ctx):
+    sys.stdout.write(f"{__import__('os').getpid()}\\n"); sys.stdout.flush()
+    time.sleep(60)
+spawn(2, rank)
+"""
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL the launching process: its ranks must not outlive it (PR_SET_PDEATHSIG)."""
+    import subprocess
+    import sys
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(proc.stdout.readline()) for _ in range(2)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 2.0
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _running(p)]
+        time.sleep(0.02)
+    assert not alive, f"ranks {alive} outlived their launcher"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

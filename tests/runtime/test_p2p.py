@@ -116,3 +116,20 @@ def _counts(ctx):
 def test_bytes_are_counted():
     for s in spawn(2, _counts):
         assert s["bytes_sent"] == 8000 and s["bytes_recv"] == 8000 and s["messages_sent"] == 1
+
+
+def test_the_locked_ordering_path_for_weak_memory_cpus(monkeypatch):
+    """On ARM/POWER counters go through a process-shared lock; force that path here."""
+    monkeypatch.setenv("MINIDIST_LOCKED_ORDERING", "1")
+    results = spawn(3, _ring_shift, [0, 7, 300_000], [np.float64])
+    for r, got in enumerate(results):
+        for k, n in enumerate([0, 7, 300_000]):
+            assert np.array_equal(got[k], np.arange(n) * ((r - 1) % 3 + 1.0)), (r, n)
+    assert spawn(2, _barrier_then_rank) == [0, 1]
+
+
+def _barrier_then_rank(ctx):
+    from minidist.runtime.shm import strong_ordering
+    assert not strong_ordering() and ctx.world.ordering.lock is not None
+    ctx.world.barrier()
+    return ctx.rank

@@ -40,6 +40,11 @@ def _demos() -> list[str]:
 
 def _demo(argv: list[str]) -> int:
     demos = _demos()
+    if not demos:
+        print(f"no demos found in {DEMO_DIR}: they live in the source checkout; install it "
+              "with `pip install -e .` from a clone, or run `python demos/NN_name.py` there.",
+              file=sys.stderr)
+        return 2
     if not argv:
         print("demos (python -m minidist demo NAME [args]):")
         for path in demos:

@@ -12,7 +12,8 @@ One rank's view:
        "started", then advance pos;
     2. on leaving it: set the same slot's state to "done" (or "failed") and
        its end time;
-    3. on a timeout: read all rings and print them (`render`).
+    3. on a timeout: read all rings and print them (`render`); with
+       MINIDIST_TRACE_DIR set, also write them as a Chrome trace (`trace`).
 
 Cost: two small writes into shared memory per call; no communication.
 
@@ -56,6 +57,22 @@ class FlightRecorder:
         """The k most recent records of `rank`, oldest first."""
         p = int(self.pos[rank])
         return [self.rings[rank, i % DEPTH].copy() for i in range(max(0, p - k), p)]
+
+    def trace(self, ranks, names: dict[int, str]):
+        """Every remembered call of `ranks` as a Chrome trace (observe/trace.py): one row
+        per rank, one bar per call; a call still running ends at "now"."""
+        from minidist.observe.trace import Event, Trace
+        now_us = time.time_ns() / 1e3
+        events = []
+        for r in ranks:
+            for rec in self.last(r, DEPTH):
+                end = rec[call.T_END] / 1e3 if rec[call.T_END] else now_us
+                state = call.STATE_NAMES[int(rec[call.STATE])]
+                events.append(Event(call.describe(rec, names), int(r), rec[call.T_START] / 1e3,
+                                    max(end, rec[call.T_START] / 1e3),
+                                    {"state": state, "bytes": int(rec[call.NBYTES])},
+                                    cat=call.decode(int(rec[call.OP]))))
+        return Trace(events).shifted()
 
     def render(self, ranks, names: dict[int, str], k: int = 4) -> str:
         """Text table of the last k calls of each rank in `ranks` (global ranks)."""

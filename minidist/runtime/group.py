@@ -28,6 +28,7 @@ Read next: runtime/world.py (how groups are created), runtime/mesh.py.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Any, Callable
@@ -327,4 +328,14 @@ class PeerWatch:
         return (f"{g.prefix} {self._doing()} waited {g.timeout:g} s to {self.what} group rank "
                 f"{self.peer} (global rank {g.ranks[self.peer]}); {who}. Usually a rank is hung "
                 "or called a different collective, or the same ones in a different order.\n"
-                + g._recorder.render(g.ranks, g.group_names))
+                + g._recorder.render(g.ranks, g.group_names) + self._trace_file())
+
+    def _trace_file(self) -> str:
+        """With MINIDIST_TRACE_DIR set, write every member's last calls as a Chrome trace."""
+        folder = os.environ.get("MINIDIST_TRACE_DIR")
+        if not folder:
+            return "\n(set MINIDIST_TRACE_DIR to also get these calls as a Chrome trace)"
+        g = self.g
+        path = os.path.join(folder, f"minidist-hang-rank{g.global_rank}-{os.getpid()}.json")
+        g._recorder.trace(g.ranks, g.group_names).write(path)
+        return f"\nChrome trace of these calls: {path} (open in ui.perfetto.dev)"

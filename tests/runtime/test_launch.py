@@ -233,3 +233,16 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_hang_report_can_be_written_as_a_chrome_trace(tmp_path, monkeypatch):
+    from minidist.observe.trace import Trace
+    monkeypatch.setenv("MINIDIST_TRACE_DIR", str(tmp_path))
+    with pytest.raises(RankFailure) as info:
+        spawn(3, _hang_on_rank_2, "sigstop", collective_timeout=1.0)
+    assert "Chrome trace of these calls" in str(info.value)
+    files = sorted(tmp_path.glob("minidist-hang-rank*.json"))
+    assert files, "no trace written"
+    events = Trace.read(files[0]).events()
+    assert {e.rank for e in events} == {0, 1}                 # rank 2 never reached a call
+    assert all(e.args["state"] == "started" and e.cat == "all_reduce" for e in events)

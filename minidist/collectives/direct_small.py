@@ -6,15 +6,15 @@ needs only one wait. Every rank owns, in a group.shared() region, a flag and
 two small buffers (double buffering). Call k uses buffer k % 2:
 
 One rank's view (rank r of W, call k of this path on this group):
-    1. wait until every flag >= k-1: every peer has finished call k-2 (it
-       published k-1 only after returning from k-2), so nobody still reads
-       buffer k % 2 from call k-2.
+    1. (nothing to wait for) buffer k % 2 was last read by the peers in call
+       k-2; a peer that published flag k-1 had returned from call k-2, and
+       step 3 of my call k-1 saw every flag >= k-1. So the buffer is free.
     2. write my call header and my x into my buffer k % 2; flag[r] = k.
     3. wait until every flag >= k: every input of call k is in place.
     4. check every peer's header against mine (a different call is a
        CollectiveMismatch, as with messages), then fold the W inputs in rank
        order: ((x_0 (op) x_1) (op) x_2) ... -- the same bits as direct.all_reduce.
-Usually step 1 is already true, so a call is one store and one wait.
+So a call is one store and one wait.
 
 Shapes: x any shape with at most SMALL_BYTES bytes, identical on every rank.
 Bytes (group.stats, the rule of direct.py): every peer reads all of my x, so
@@ -49,6 +49,15 @@ class _Flags:
         self.data = [[region.peer(p, np.uint8, SMALL_BYTES, _FLAG + 2 * _HDR + s * SMALL_BYTES)
                       for s in (0, 1)] for p in range(W)]
         self.calls = 0
+        self.views: dict[tuple, list[np.ndarray]] = {}   # (dtype, nbytes, slot) -> peers' x
+
+    def peer_inputs(self, dtype: np.dtype, nbytes: int, slot: int) -> list[np.ndarray]:
+        """Typed views of every rank's buffer `slot` (made once per dtype and size)."""
+        key = (dtype, nbytes, slot)
+        views = self.views.get(key)
+        if views is None:
+            views = self.views[key] = [d[slot][:nbytes].view(dtype) for d in self.data]
+        return views
 
 
 def _wait_all(group, flags: list[np.ndarray], k: int, what: str) -> None:
@@ -69,8 +78,7 @@ def all_reduce(x: np.ndarray, group, op: str = "sum") -> np.ndarray:
     if st is None:
         st = group.algo_state["direct_small"] = _Flags(group)
     st.calls += 1
-    k, slot = st.calls, st.calls % 2
-    _wait_all(group, st.flags, k - 1, "reuse a small-message buffer of")           # step 1
+    k, slot = st.calls, st.calls % 2                                              # step 1
     st.hdrs[rank][slot][:] = group.record[call.IDENTITY]                          # step 2
     st.data[rank][slot][:n] = x.reshape(-1).view(np.uint8)
     group.ordering.store(st.flags[rank], 0, k)
@@ -83,7 +91,7 @@ def all_reduce(x: np.ndarray, group, op: str = "sum") -> np.ndarray:
             raise CollectiveMismatch(
                 f"{group.prefix} this rank is in [{call.describe(group.record, names)}] but "
                 f"rank {group.ranks[p]} is in [{call.describe(theirs, names)}].")
-    peers = [st.data[p][slot][:n].view(x.dtype) for p in range(W)]
+    peers = st.peer_inputs(x.dtype, n, slot)
     out = np.empty(x.size, x.dtype)
     if W == 1:
         out[...] = peers[0]

@@ -228,3 +228,25 @@ def test_small_message_path_names_a_mismatch():
     from minidist.runtime import RankFailure
     with pytest.raises(RankFailure, match="CollectiveMismatch"):
         spawn(2, _small_mismatch)
+
+
+def _small_back_to_back(ctx, calls):
+    """Many small all_reduces in a row, with ranks drifting apart by random delays: a
+    buffer reused too early would mix call k's inputs with call k+2's."""
+    import time
+    rng = np.random.default_rng(100 + ctx.rank)
+    wrong = 0
+    for k in range(calls):
+        x = np.full(5, float(k * 10 + ctx.rank))
+        if rng.random() < 0.2:
+            time.sleep(rng.random() * 1e-3)
+        got = direct.all_reduce(x, ctx.world)
+        W = ctx.world_size
+        wrong += int(not np.array_equal(got, np.full(5, k * 10.0 * W + W * (W - 1) / 2)))
+    return wrong
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("W", [2, 4])
+def test_small_message_buffers_are_never_reused_too_early(W):
+    assert spawn(W, _small_back_to_back, 300) == [0] * W

@@ -38,20 +38,22 @@ class FlightRecorder:
 
     def __init__(self, rings: np.ndarray, pos: np.ndarray, rank: int):
         self.rings, self.pos, self.rank = rings, pos, rank
-        self._slot = -1
+        self._rows = list(rings[rank])           # views of my DEPTH slots
+        self._row = self._rows[0]
 
     def start(self, rec: np.ndarray) -> None:
-        """Record a call entering (rec's state is STARTED, its end time 0)."""
+        """Record a call entering (rec's state is STARTED, its end time 0). The position
+        is read from shared memory: every group of this rank writes the same ring."""
         p = int(self.pos[self.rank])
-        self._slot = p % DEPTH
-        row = self.rings[self.rank, self._slot]
+        self._row = row = self._rows[p % DEPTH]
         row[:] = rec
         row[call.T_START] = time.time_ns()
         self.pos[self.rank] = p + 1
 
     def finish(self, state: int = call.DONE) -> None:
-        row = self.rings[self.rank, self._slot]
-        row[call.T_END], row[call.STATE] = time.time_ns(), state
+        row = self._row
+        row[call.T_END] = time.time_ns()
+        row[call.STATE] = state
 
     def last(self, rank: int, k: int = 4) -> list[np.ndarray]:
         """The k most recent records of `rank`, oldest first."""

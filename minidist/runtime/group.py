@@ -110,6 +110,7 @@ class ProcessGroup:
         self._templates: dict[tuple, np.ndarray] = {}
         self._mine = board.calls[global_rank, gid]          # my published call record
         self._version = board.versions[global_rank, gid:gid + 1]
+        self._writes = 0                                    # the seqlock's version, even
         self._verified = True
         self._buffers: dict[str, SharedBuffer] = {}
         self.algo_state: dict = {}        # per-algorithm state, e.g. direct_small's flags
@@ -250,10 +251,11 @@ class CallScope:
         g = self.g
         g.seq += 1
         rec, version = g._mine, g._version    # my record on the board: peers read it
-        version[0] += 1                       # seqlock (job.py): odd while rewriting
+        g._writes += 2
+        version[0] = g._writes - 1            # seqlock (job.py): odd while rewriting
         rec[:] = self.template
         rec[call.SEQ] = g.seq
-        version[0] += 1
+        version[0] = g._writes
         g._recorder.start(rec)
         g.record, g.ident, g._verified = rec, rec[call.IDENTITY].tobytes(), False
         return g

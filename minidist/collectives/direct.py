@@ -18,13 +18,15 @@ elements, in rank order. The work is split W ways, like a ring's, but with
 two barriers per round instead of 2(W-1) dependent messages.
 
 One rank's view (all_reduce, rank r of W, per round of at most `window` elements):
-    1. copy my window of x into the input area of my shared region.
+    1. copy the chunks of my window that my peers fold (every chunk but mine:
+       chunk p of np.array_split(window, W) is folded by rank p) into the input
+       area of my shared region; my own chunk stays in my private x.
     2. barrier: every input is in place.
-    3. for my share of the window (chunk r of np.array_split(window, W)): read the
-       share from rank 0's region, then combine ranks 1, ..., W-1 into it in order;
-       apply the op's last step; write the finished share to my output area.
+    3. fold my share in rank order, taking rank q's operand from q's region (my
+       own from x), straight into my result; apply the op's last step; copy the
+       finished share to my output area.
     4. barrier: every share is finished (and nobody reads inputs any more).
-    5. copy every rank's finished share into my result.
+    5. copy every peer's finished share into my result.
 Per rank region of S bytes: input area [0, S_in), output area [S_in, S) with
 S_in ~ S W/(W+1). A message larger than the input area is done in rounds.
 
@@ -94,24 +96,26 @@ def _shares(n: int, W: int) -> np.ndarray:
     return np.array([k * base + min(k, extra) for k in range(W + 1)])
 
 
-def _fold_peers(buf, dtype: np.dtype, count: int, offset: int, op: str, W: int,
-                out: np.ndarray) -> np.ndarray:
-    """Write peer_0 (op) peer_1 (op) ... (op) peer_{W-1} (then the op's last step) of
-    `count` elements at `offset` into `out`, and return it.
-
-    The first combine reads two peers straight into `out` (no copy of peer 0 first),
-    so each input byte is read once and each result byte written once or twice."""
+def _fold(operands: list[np.ndarray], op: str, out: np.ndarray) -> np.ndarray:
+    """Write operands[0] (op) operands[1] (op) ... (then the op's last step) into `out`,
+    in list order (= rank order), and return it. The first combine reads two operands
+    straight into `out`, so each input byte is read once."""
+    W = len(operands)
     if W == 1:
-        out[...] = buf.peer(0, dtype, count, offset)
+        out[...] = operands[0]
     else:
-        combine(op, buf.peer(0, dtype, count, offset), buf.peer(1, dtype, count, offset),
-                out=out)
-        for p in range(2, W):
-            combine(op, out, buf.peer(p, dtype, count, offset), out=out)
+        combine(op, operands[0], operands[1], out=out)
+        for x in operands[2:]:
+            combine(op, out, x, out=out)
     done = finish(op, out, W)
     if done is not out:                                   # avg: the division made a new array
         out[...] = done
     return out
+
+
+def _peers(buf, dtype: np.dtype, count: int, offset: int, W: int) -> list[np.ndarray]:
+    """Views of `count` elements at `offset` in every rank's region, in rank order."""
+    return [buf.peer(p, dtype, count, offset) for p in range(W)]
 
 
 def _count_reads(group, nbytes: int) -> None:
@@ -131,7 +135,8 @@ def all_reduce(x: np.ndarray, group, op: str = "sum",
     Shapes: x any shape, identical on every rank; returns a new array, same shape.
     Cost (n = x.nbytes, R = ceil(n / window bytes) rounds): 2R barriers, modelled
         as 2R ceil(log2 W) alpha, + 2(W-1)/W n beta (read peers' inputs, then
-        their finished shares) + (W-1)/W n gamma + n beta for the local copy-in.
+        their finished shares) + (W-1)/W n gamma + (W-1)/W n beta for the copy-in
+        of the chunks the peers fold.
     Numerics: bitwise equal to the sequential rank-order fold on one process,
         on every rank, regardless of timing.
     """
@@ -145,16 +150,22 @@ def all_reduce(x: np.ndarray, group, op: str = "sum",
     m = window(isz, W, buffer_bytes)
     for start in range(0, x.size, m):
         win = flat[start:start + m]
-        buf.local(dtype, win.size)[...] = win                              # step 1
-        group.barrier()                                                    # step 2
         offs = _shares(win.size, W)
         lo, hi = offs[rank], offs[rank + 1]
-        _fold_peers(buf, dtype, hi - lo, lo * isz, op, W,                   # step 3
-                    out=buf.local(dtype, hi - lo, s_in))
+        staged = buf.local(dtype, win.size)
+        for p in range(W):                                                 # step 1
+            if p != rank:                  # only what peers fold: my own share stays put
+                staged[offs[p]:offs[p + 1]] = win[offs[p]:offs[p + 1]]
+        group.barrier()                                                    # step 2
+        inputs = _peers(buf, dtype, hi - lo, lo * isz, W)
+        inputs[rank] = win[lo:hi]                                          # step 3
+        share = _fold(inputs, op, out[start + lo:start + hi])
+        buf.local(dtype, hi - lo, s_in)[...] = share
         group.barrier()                                                    # step 4
         for p in range(W):                                                 # step 5
-            count = offs[p + 1] - offs[p]
-            out[start + offs[p]:start + offs[p + 1]] = buf.peer(p, dtype, count, s_in)
+            if p != rank:
+                count = offs[p + 1] - offs[p]
+                out[start + offs[p]:start + offs[p + 1]] = buf.peer(p, dtype, count, s_in)
         _count_reads(group, (win.size - (hi - lo) + (W - 1) * (hi - lo)) * isz)
     return out.reshape(x.shape)
 
@@ -164,10 +175,11 @@ def reduce_scatter(x: np.ndarray, group, op: str = "sum",
     """Return chunk `rank` of np.array_split(x_0 (op) ... (op) x_{W-1}, W), rank-order fold.
 
     Algorithm (this rank's view): chunk k of x goes to rank k. Per round j, every
-    rank writes sub-window j (at most w elements) of each of its W chunks into
-    its input area, chunk k at element offset k*w; barrier; this rank folds
-    sub-window j of chunk `rank` from ranks 0, 1, ..., W-1 in order, straight
-    from their regions; barrier (inputs free again).
+    rank writes sub-window j (at most w elements) of each of its peers' chunks
+    into its input area, chunk k at element offset k*w (its own chunk stays in
+    x); barrier; this rank folds sub-window j of chunk `rank` from ranks 0, 1,
+    ..., W-1 in order, straight from their regions (its own from x); barrier
+    (inputs free again).
 
     Shapes: x any shape with N elements; returns a new 1-D array of N//W or
         N//W + 1 elements: exactly all_reduce(x).ravel()[offs[rank]:offs[rank+1]].
@@ -189,12 +201,15 @@ def reduce_scatter(x: np.ndarray, group, op: str = "sum",
     flat, offs = x.reshape(-1), _shares(x.size, W)
     out = np.empty(offs[rank + 1] - offs[rank], dtype)
     for j in range(0, int(np.max(np.diff(offs), initial=0)), w):
-        for k in range(W):                                  # sub-window j of every chunk
-            piece = flat[offs[k] + j:min(offs[k] + j + w, offs[k + 1])]
-            buf.local(dtype, piece.size, k * w * isz)[...] = piece
+        for k in range(W):             # sub-window j of every chunk my peers fold (not mine)
+            if k != rank:
+                piece = flat[offs[k] + j:min(offs[k] + j + w, offs[k + 1])]
+                buf.local(dtype, piece.size, k * w * isz)[...] = piece
         group.barrier()
         count = max(0, min(w, out.size - j))
-        _fold_peers(buf, dtype, count, rank * w * isz, op, W, out=out[j:j + count])
+        inputs = _peers(buf, dtype, count, rank * w * isz, W)
+        inputs[rank] = flat[offs[rank] + j:offs[rank] + j + count]     # mine, from x itself
+        _fold(inputs, op, out[j:j + count])
         group.barrier()
     _count_reads(group, (x.size - out.size) * isz)      # peers read all chunks but mine
     return out
@@ -250,8 +265,8 @@ def all_reduce_shared(buf, dtype, count: int, group, op: str = "sum",
     out = _out_area(group, int(offs[1] - offs[0]) * isz)      # share 0 is the largest
     mine = buf.local(dtype, count, offset)
     group.barrier()                                                        # step 1
-    share = _fold_peers(buf, dtype, n, offset + lo * isz, op, W,           # step 2
-                        out=out.local(dtype, n))
+    share = _fold(_peers(buf, dtype, n, offset + lo * isz, W), op,         # step 2
+                  out.local(dtype, n))
     mine[lo:lo + n] = share
     group.barrier()                                                        # step 3
     for p in range(W):                                                     # step 4

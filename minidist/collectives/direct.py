@@ -184,7 +184,7 @@ def reduce_scatter(x: np.ndarray, group, op: str = "sum",
     Shapes: x any shape with N elements; returns a new 1-D array of N//W or
         N//W + 1 elements: exactly all_reduce(x).ravel()[offs[rank]:offs[rank+1]].
     Cost (n = x.nbytes, R rounds): 2R ceil(log2 W) alpha + (W-1)/W n (beta + gamma)
-        + n beta for the copy-in.
+        + (W-1)/W n beta for the copy-in of the peers' chunks.
     Numerics: bitwise equal to the rank-order fold, hence to the corresponding
         chunk of direct.all_reduce: ZeRO-2's sharded gradients match DDP's bits.
     """

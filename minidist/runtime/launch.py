@@ -108,6 +108,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
 
 
 def _rank_main(rank, cfg, arena, lock, launcher_pid, conn, fn, args, kwargs) -> None:
+    """What each forked rank runs: set up, call fn, finish cleanly, send one message."""
     _die_with_parent(launcher_pid)
     setup_rank_process()
     job = Job(cfg, arena, rank, launcher_pid, lock)
@@ -163,6 +164,10 @@ def _finish(job: Job) -> None:
 
 
 def _supervise(procs, readers, board: JobBoard, join_timeout: float | None) -> list[Any]:
+    """The launcher's loop: collect each rank's one message (result or error), notice
+    ranks that die without one (their process sentinel fires; mark them DEAD so the
+    survivors' waits see it), SIGKILL whatever still runs GRACE s after the first
+    failure, and raise RankFailure naming the first rank that failed."""
     W = len(procs)
     results: list[Any] = [None] * W
     failures: dict[int, str] = {}

@@ -27,7 +27,7 @@ memory (engine.memory()) and timing per step in seconds: "compute" (forward + ba
 time of the whole step) and "cpu" (this process's CPU time in the step, all threads).
 
 CLI: `python -m minidist train --dp 2 [--zero 1] [--check]` (see `main`).
-Read next: parallel/data.py, parallel/zero.py.
+Read next: parallel/engine.py, parallel/data.py, parallel/zero.py.
 """
 
 from __future__ import annotations

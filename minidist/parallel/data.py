@@ -49,11 +49,9 @@ Read next: parallel/zero.py (shard the optimizer state, gradients and parameters
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import time
 import weakref
-from typing import Iterator
 
 import numpy as np
 
@@ -63,6 +61,7 @@ from minidist.baseline import make_optimizer
 from minidist.collectives import direct
 from minidist.nn import Module, Parameter
 from minidist.optim import clip_grad_norm, global_grad_norm
+from minidist.parallel.engine import Engine
 
 ALGOS = ("auto", "direct", "ring", "tree", "halving")
 # DataParallel engines made on each group so far: every rank makes them in the same order,
@@ -111,12 +110,10 @@ class _Bucket:
         self.ready, self.work = 0, None
 
 
-class DataParallel:
+class DataParallel(Engine):
     """The stage-0 engine of train.py: replicated model, bucketed async all-reduce.
 
-    Interface (shared with parallel/zero.py's ZeroEngine): no_sync(), forward(...),
-    step(lr, clip_grad) -> global grad norm, full_params(), full_optimizer_state(),
-    memory(); plus comm_wait_s, the seconds the last step() waited for communication.
+    The interface is parallel/engine.py's (shared with parallel/zero.py's ZeroEngine).
     """
 
     def __init__(self, model: Module, group, *, optimizer: str = "adamw", lr: float = 1e-3,
@@ -144,16 +141,7 @@ class DataParallel:
         self._sync, self._next, self.steps, self.comm_wait_s = True, 0, 0, 0.0
         self._zero_grads()
 
-    # --- what train.py calls ---
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward inside accumulates into the buckets and communicates nothing."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
+    # --- what train.py calls (no_sync() is inherited from Engine) ---
     def forward(self, idx, targets, *, n_tokens: int, aux_weight: float = 1.0,
                 dropout_key=None):
         """(logits, loss) of the local replica; nothing to communicate in the forward."""

@@ -57,15 +57,14 @@ Read next: parallel/zero3.py (stage 3 forward/backward), parallel/zero_memory.py
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from typing import Iterator
 
 import numpy as np
 
 from minidist import collectives as C
 from minidist.nn import Module
+from minidist.parallel.engine import Engine
 from minidist.optim import adamw_step, sgd_step
 from minidist.parallel import zero3
 from minidist.parallel.flat import FlatUnit, split_units
@@ -73,7 +72,7 @@ from minidist.parallel.flat import FlatUnit, split_units
 _REDUCE_ALGO = {"auto": "direct", "direct": "direct", "ring": "ring", "halving": "halving"}
 
 
-class ZeroEngine:
+class ZeroEngine(Engine):
     """ZeRO stage 1, 2 or 3 on `group`; the engine interface train.py drives."""
 
     def __init__(self, model: Module, group, stage: int, *, optimizer: str = "adamw",
@@ -129,15 +128,6 @@ class ZeroEngine:
                 self.p_shard.append(full[lo:hi].copy())
 
     # --- the engine interface ---
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward inside only accumulates local full gradients; nothing is communicated."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def forward(self, idx, targets=None, *, n_tokens: int | None = None,
                 aux_weight: float = 1.0, dropout_key=None):
         """(logits, loss): the model itself (stages 1-2) or zero3.forward (stage 3)."""

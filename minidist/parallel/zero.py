@@ -64,9 +64,9 @@ import numpy as np
 
 from minidist import collectives as C
 from minidist.nn import Module
-from minidist.parallel.engine import Engine
 from minidist.optim import adamw_step, sgd_step
 from minidist.parallel import zero3
+from minidist.parallel.engine import Engine
 from minidist.parallel.flat import FlatUnit, split_units
 
 _REDUCE_ALGO = {"auto": "direct", "direct": "direct", "ring": "ring", "halving": "halving"}

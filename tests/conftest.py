@@ -10,6 +10,9 @@ import time
 # before anything imports NumPy, which reads these once when it loads its BLAS.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+# Placement checks on in every test (parallel/placement.py reads this when imported); a
+# test that measures bytes turns them off in its Plan, as their digests are traffic too.
+os.environ.setdefault("MINIDIST_CHECK_PLACEMENTS", "1")
 
 import pytest  # noqa: E402
 

@@ -47,7 +47,7 @@ def test_global_batch_must_split_over_dp_times_micro_batches():
 
 @pytest.mark.multiproc
 def test_dp_must_match_the_world_and_the_batch_is_checked_on_the_rank():
-    with pytest.raises(RankFailure, match="dp=2 but the job has 1 ranks"):
+    with pytest.raises(RankFailure, match="dp=2 x tp=1 = 2 ranks, but the job has 1"):
         spawn(1, train_on_rank, TINY, DATA, Plan(dp=2), steps=1, global_batch=4, lr=1e-3)
     with pytest.raises(RankFailure, match="global_batch=5 does not split"):
         spawn(2, train_on_rank, TINY, DATA, Plan(dp=2), steps=1, global_batch=5, lr=1e-3)
@@ -57,9 +57,9 @@ class _RecordingZero(DataParallel):
     """Stands in for parallel/zero.py's ZeroEngine: DDP numerics, records how it was made."""
 
     def __init__(self, model, group, stage, *, optimizer, lr, weight_decay, betas, momentum,
-                 algo):
+                 algo, sharding):
         super().__init__(model, group, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
-                         betas=betas, momentum=momentum, algo=algo)
+                         betas=betas, momentum=momentum, algo=algo, sharding=sharding)
         self.made = {"stage": stage, "algo": algo, "optimizer": optimizer}
 
     def memory(self):
@@ -108,7 +108,7 @@ def test_train_cli_runs_dp_with_zero_and_checks_against_the_baseline():
     out = res.stdout.splitlines()
     assert [line.split("|")[0].strip() for line in out if line.startswith("step")] == \
         [f"step    {s}" for s in range(4)]
-    assert out[-1].startswith("OK: dp=2 ZeRO-1 training matches the single-process run")
+    assert out[-1].startswith("OK: dp=2 x tp=1, ZeRO-1 training matches the single-process run")
 
 
 def _progress_on_rank(ctx, model_cfg, data_cfg):

@@ -43,6 +43,11 @@ from minidist.autograd import tensor as _tensor
 from minidist.autograd.tensor import Tensor
 
 
+# Called as after_apply(cls, args, result) after every operation when set; check mode of
+# parallel/placement.py uses it to pass activation placements on. None: no cost but a test.
+after_apply = None
+
+
 class Context:
     """What forward leaves for backward: saved arrays plus any attributes it sets."""
 
@@ -91,4 +96,6 @@ class Function:
         result.grad = None
         result.requires_grad = track
         result._node = (cls.backward, ctx, parents) if track else None
+        if after_apply is not None:
+            after_apply(cls, args, result)
         return result

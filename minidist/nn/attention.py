@@ -31,30 +31,43 @@ from minidist.nn.module import Module
 
 
 class CausalSelfAttention(Module):
-    """Multi-head attention with a causal mask; heads = n_head, head dim D = C / n_head."""
+    """Multi-head attention with a causal mask; heads = n_head, head dim D = C / n_head.
+
+    `attend` is the part between the two projections: it takes qkv (B, T, 3 h D) for any
+    number h of whole heads, so a tensor-parallel rank (parallel/tensor.py) runs the same
+    code on its h = H / W_tp heads, telling dropout where its heads sit among all H.
+    """
 
     def __init__(self, n_embd: int, n_head: int, bias: bool = True, dropout: float = 0.0,
                  dtype: str = "float64", proj_std: float = STD) -> None:
         if n_head < 1 or n_embd % n_head != 0:
             raise ValueError(f"CausalSelfAttention: n_embd={n_embd} is not divisible by "
                              f"n_head={n_head}; choose n_head among the divisors of n_embd.")
-        self.n_head = n_head
+        self.n_head, self.head_dim = n_head, n_embd // n_head
         self.qkv = Linear(n_embd, 3 * n_embd, bias, dtype)
         self.proj = Linear(n_embd, n_embd, bias, dtype, std=proj_std)
         self.attn_drop = Dropout(dropout)
         self.resid_drop = Dropout(dropout)
 
     def forward(self, x: Tensor, key: DropoutKey | None = None) -> Tensor:
-        B, T, C = x.shape
-        H, D = self.n_head, C // self.n_head
-        q, k, v = F.split(self.qkv(x), 3, axis=-1)              # (B, T, 3C) -> 3 x (B, T, C)
-        q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)         # (B, H, T, D)
-        k = k.reshape(B, T, H, D).transpose(0, 2, 1, 3)         # (B, H, T, D)
-        v = v.reshape(B, T, H, D).transpose(0, 2, 1, 3)         # (B, H, T, D)
-        scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(D))   # (B, H, T, T)
-        future = backend.xp.triu(backend.xp.ones((T, T), dtype=bool), k=1)   # j > i
-        att = F.softmax(F.masked_fill(scores, future, -math.inf), axis=-1)  # (B, H, T, T)
-        att = self.attn_drop(att, key)
-        y = att @ v                                             # (B, H, T, T) @ (B, H, T, D)
-        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)            # (B, T, H, D) -> (B, T, C)
+        y = self.attend(self.qkv(x), key)                      # (B, T, 3C) -> (B, T, C)
         return self.resid_drop(self.proj(y), key)               # (B, T, C)
+
+    def attend(self, qkv: Tensor, key: DropoutKey | None, first_head: int = 0) -> Tensor:
+        """softmax(q k^T / sqrt(D) + M) v for the h heads in qkv (B, T, 3 h D) -> (B, T, h D).
+
+        first_head: the global index of qkv's first head (dropout draws by global head).
+        """
+        B, T, width = qkv.shape
+        D = self.head_dim
+        h = width // (3 * D)
+        q, k, v = F.split(qkv, 3, axis=-1)                      # 3 x (B, T, h D)
+        q = q.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
+        k = k.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
+        v = v.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
+        scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(D))   # (B, h, T, T)
+        future = backend.xp.triu(backend.xp.ones((T, T), dtype=bool), k=1)   # j > i
+        att = F.softmax(F.masked_fill(scores, future, -math.inf), axis=-1)  # (B, h, T, T)
+        att = self.attn_drop(att, key, {1: (first_head, self.n_head)})
+        y = att @ v                                             # (B, h, T, T) @ (B, h, T, D)
+        return y.transpose(0, 2, 1, 3).reshape(B, T, h * D)     # (B, T, h, D) -> (B, T, h D)

@@ -112,8 +112,37 @@ class Block(Module):
         return x + self.mlp(self.ln_2(x), key), None
 
 
+class GPTLayout:
+    """Where the GPT's activations live: the single-process layout (everything whole).
+
+    The GPT asks its layout the four questions that change when the model is split over
+    ranks; parallel/tensor.py's TensorParallelLayout answers them for tensor (and sequence)
+    parallelism, and later axes (context parallelism) answer them again:
+        positions(T)        the positions of this rank's tokens          arange(T) here
+        sequence_shards(T)  for dropout: {1: (first position, T)} of this rank's slice
+        logits(x, w)        the LM head: x (B, T, C) @ w (C, V)          -> (B, T, V)
+        loss_sum(z, y)      sum over counted tokens of CE(z, y)          -> scalar
+    """
+
+    def positions(self, T: int):
+        return backend.xp.arange(T)
+
+    def sequence_shards(self, T: int) -> dict[int, tuple[int, int]]:
+        return {}
+
+    def logits(self, x: Tensor, w: Tensor) -> Tensor:
+        return x @ w                                             # (B, T, C) @ (C, V)
+
+    def loss_sum(self, logits: Tensor, targets) -> Tensor:
+        return F.cross_entropy(logits, backend.xp.asarray(targets), reduction="sum")
+
+
 class GPT(Module):
-    """The language model. `GPT(cfg, seed)` builds it and draws every parameter from `seed`."""
+    """The language model. `GPT(cfg, seed)` builds it and draws every parameter from `seed`.
+
+    forward = embed -> blocks -> head -> loss, each a method of its own, so that a layout
+    can wrap them (ZeRO-3 gathers the root unit's parameters around `embed` and `head`).
+    """
 
     def __init__(self, cfg: GPTConfig, seed: int | None = 0) -> None:
         self.cfg = cfg
@@ -124,6 +153,7 @@ class GPT(Module):
         self.ln_f = LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
         if not cfg.tie_weights:
             self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=cfg.dtype)
+        self.layout = GPTLayout()               # not a Module: holds no parameters
         name_dropouts(self)
         if seed is not None:
             seeding.init_parameters(self, seed)
@@ -132,34 +162,41 @@ class GPT(Module):
                 aux_weight: float = 1.0, dropout_key: DropoutKey | None = None
                 ) -> tuple[Tensor, Tensor | None]:
         """Return (logits (B, T, V), loss or None); the loss formula is in the module doc."""
-        idx = np.asarray(idx)
-        B, T = idx.shape
-        if T > self.cfg.block_size:
-            raise ValueError(f"GPT: sequence length T={T} exceeds block_size="
-                             f"{self.cfg.block_size}; crop the input or raise block_size.")
-        pos = backend.xp.arange(T)
-        x = self.wte(backend.xp.asarray(idx)) + self.wpe(pos)    # (B, T, C) + (T, C)
-        x = self.drop(x, dropout_key)
+        x = self.embed(idx, dropout_key)                         # (B, T, C)
         aux_terms = []
         for block in self.blocks:
             x, aux = block(x, dropout_key)                       # (B, T, C)
             if aux is not None:
                 aux_terms.append(aux)
-        x = self.ln_f(x)
-        head = self.wte.weight.transpose() if self.cfg.tie_weights else self.lm_head.weight
-        logits = x @ head                                        # (B, T, C) @ (C, V)
+        logits = self.head(x)                                    # (B, T, V)
         if targets is None:
             return logits, None
-        return logits, self._loss(logits, np.asarray(targets), aux_terms, n_tokens, aux_weight)
+        return logits, self.loss(logits, targets, n_tokens, aux_terms, aux_weight)
 
-    def _loss(self, logits: Tensor, targets: np.ndarray, aux_terms: list, n_tokens: int | None,
-              aux_weight: float) -> Tensor:
+    def embed(self, idx, dropout_key: DropoutKey | None = None) -> Tensor:
+        """h_0 = drop(wte[idx] + wpe[positions]): idx (B, T) int -> (B, T, C)."""
+        idx = np.asarray(idx)
+        T = idx.shape[1]
+        if T > self.cfg.block_size:
+            raise ValueError(f"GPT: sequence length T={T} exceeds block_size="
+                             f"{self.cfg.block_size}; crop the input or raise block_size.")
+        x = self.wte(backend.xp.asarray(idx)) + self.wpe(self.layout.positions(T))
+        return self.drop(x, dropout_key, self.layout.sequence_shards(T))
+
+    def head(self, x: Tensor) -> Tensor:
+        """logits = LN_f(x) @ W_head, W_head = wte^T when tied: (B, T, C) -> (B, T, V)."""
+        w = self.wte.weight.transpose() if self.cfg.tie_weights else self.lm_head.weight
+        return self.layout.logits(self.ln_f(x), w)
+
+    def loss(self, logits: Tensor, targets, n_tokens: int | None, aux_terms=(),
+             aux_weight: float = 1.0) -> Tensor:
+        """sum of CE over counted targets / n_tokens + aux_coef * aux_weight * sum(aux)."""
+        targets = np.asarray(targets)
         count = int((targets != -100).sum()) if n_tokens is None else int(n_tokens)
         if count < 1:
             raise ValueError(f"GPT: loss over {count} target tokens; every target is -100 "
                              "(ignored) or n_tokens < 1. Pass targets with answer tokens.")
-        ce = F.cross_entropy(logits, backend.xp.asarray(targets), reduction="sum")
-        loss = ce * (1.0 / count)
+        loss = self.layout.loss_sum(logits, targets) * (1.0 / count)
         for aux in aux_terms:
             loss = loss + aux * (self.cfg.aux_loss_coef * aux_weight)
         return loss

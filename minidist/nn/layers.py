@@ -77,10 +77,15 @@ class LayerNorm(Module):
 
 
 class Dropout(Module):
-    """Inverted dropout with masks addressed by (seed, step, layer name, global row index).
+    """Inverted dropout with masks addressed by (seed, step, layer name, global element index).
 
     `name` keys the mask stream; `nn.name_dropouts(model)` sets it to the layer's full
-    dotted name. Identity when p == 0 or in eval mode; training with p > 0 needs a key.
+    dotted name. Element (b, i1, i2, ...) of the GLOBAL activation (sample_ids[b], full
+    sizes n1, n2, ...) draws counter ((sample_ids[b] n1 + i1) n2 + i2) ...: its row-major
+    index. A rank that holds only a slice of an axis (heads under tensor parallelism,
+    positions under sequence parallelism) passes `shards={axis: (start, full size)}`, and
+    draws exactly the mask elements the single process draws for that slice.
+    Identity when p == 0 or in eval mode; training with p > 0 needs a key.
     """
 
     def __init__(self, p: float, name: str = "dropout") -> None:
@@ -88,7 +93,8 @@ class Dropout(Module):
             raise ValueError(f"Dropout: p={p} must be in [0, 1).")
         self.p, self.name = float(p), name
 
-    def forward(self, x: Tensor, key: DropoutKey | None) -> Tensor:
+    def forward(self, x: Tensor, key: DropoutKey | None,
+                shards: dict[int, tuple[int, int]] | None = None) -> Tensor:
         if self.p == 0.0 or not self.training:
             return x
         if key is None or len(key.sample_ids) != x.shape[0]:
@@ -96,13 +102,26 @@ class Dropout(Module):
             raise ValueError(f"Dropout {self.name}: training with p={self.p} needs a DropoutKey "
                              f"with one sample id per row ({x.shape[0]} rows, got {got}). Pass "
                              "dropout_key=DropoutKey(seed, step, ids) or call model.eval().")
-        per_row = int(np.prod(x.shape[1:]))
-        ids = np.asarray(key.sample_ids, dtype=np.int64).reshape((-1,) + (1,) * (x.ndim - 1))
-        counters = ids * per_row + np.arange(per_row).reshape(x.shape[1:])       # (B, ...)
+        counters = global_counters(x.shape, key.sample_ids, shards or {})
         keep = seeding.counter_uniform(key.seed, ("dropout", key.step, self.name),
                                        counters) >= self.p
         scale = keep.astype(x.dtype) / (1.0 - self.p)
         return x * backend.xp.asarray(scale)
+
+
+def global_counters(shape: tuple[int, ...], sample_ids, shards: dict[int, tuple[int, int]]
+                    ) -> np.ndarray:
+    """Row-major index of every element of a local block (shape) in the global tensor.
+
+    Axis 0 holds the rows sample_ids; axis a >= 1 holds elements start .. start+shape[a]-1
+    of a global axis of size full, with (start, full) = shards.get(a, (0, shape[a])).
+    """
+    counters = np.asarray(sample_ids, dtype=np.int64).reshape((-1,) + (1,) * (len(shape) - 1))
+    for a in range(1, len(shape)):
+        start, full = shards.get(a, (0, shape[a]))
+        local = np.arange(start, start + shape[a]).reshape((-1,) + (1,) * (len(shape) - 1 - a))
+        counters = counters * full + local                                   # broadcasts
+    return counters
 
 
 class MLP(Module):

@@ -7,10 +7,10 @@ clip.py, schedule.py.
 """
 
 from minidist.optim.adamw import AdamW, adamw_step
-from minidist.optim.clip import clip_grad_norm, global_grad_norm
+from minidist.optim.clip import clip_grad_norm, clip_to, global_grad_norm
 from minidist.optim.optimizer import Optimizer
 from minidist.optim.schedule import lr_at
 from minidist.optim.sgd import SGD, sgd_step
 
-__all__ = ["SGD", "AdamW", "sgd_step", "adamw_step", "global_grad_norm", "clip_grad_norm",
+__all__ = ["SGD", "AdamW", "sgd_step", "adamw_step", "global_grad_norm", "clip_grad_norm", "clip_to",
            "lr_at", "Optimizer"]

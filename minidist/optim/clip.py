@@ -48,8 +48,22 @@ def clip_grad_norm(params: Iterable[Any], max_norm: float) -> float:
         raise ValueError(f"clip_grad_norm: max_norm={max_norm}; it must be > 0.")
     grads = [p.grad for p in params if p.grad is not None]
     norm = global_grad_norm(grads)
+    clip_to(grads, norm, max_norm)
+    return norm
+
+
+def clip_to(grads: Sequence[Any], norm: float, max_norm: float | None) -> None:
+    """Scale grads in place by max_norm / (norm + 1e-6) if norm > max_norm (None: never).
+
+    `norm` is the GLOBAL norm: the engines compute it over every shard and replica
+    (parallel/sharding.py) and every rank then scales its own pieces by the same factor.
+    """
+    if max_norm is None:
+        return
+    if not max_norm > 0:
+        raise ValueError(f"clip: max_norm={max_norm}; it must be > 0 or None.")
     if norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:
-            g *= scale
-    return norm
+            if g is not None:
+                g *= scale

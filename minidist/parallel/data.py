@@ -60,7 +60,7 @@ from minidist import collectives as C
 from minidist.baseline import make_optimizer
 from minidist.collectives import direct
 from minidist.nn import Module, Parameter
-from minidist.optim import clip_grad_norm, global_grad_norm
+from minidist.optim import clip_to
 from minidist.parallel.engine import Engine
 
 ALGOS = ("auto", "direct", "ring", "tree", "halving")
@@ -119,7 +119,7 @@ class DataParallel(Engine):
     def __init__(self, model: Module, group, *, optimizer: str = "adamw", lr: float = 1e-3,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  momentum: float = 0.0, bucket_bytes: int = 1 << 20, algo: str = "auto",
-                 overlap: bool = True, replica_check_every: int = 0) -> None:
+                 overlap: bool = True, replica_check_every: int = 0, sharding=None) -> None:
         if algo not in ALGOS:
             raise ValueError(f"DataParallel: algo={algo!r} is unknown; use one of {ALGOS}.")
         if isinstance(replica_check_every, bool) or not isinstance(replica_check_every, int) \
@@ -127,6 +127,7 @@ class DataParallel(Engine):
             raise ValueError(f"DataParallel: replica_check_every={replica_check_every!r} must "
                              "be an int >= 0 (0 = never check).")
         self.model, self.group, self.algo, self.overlap = model, group, algo, bool(overlap)
+        self.sharding = sharding
         self.replica_check_every = replica_check_every
         named = list(model.named_parameters())
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
@@ -162,8 +163,10 @@ class DataParallel(Engine):
                 raise RuntimeError(f"{self.group.prefix} DataParallel: the .grad of a "
                                    "parameter was replaced; do not call zero_grad() or assign "
                                    ".grad yourself, step() zeroes the buckets.")
-        norm = (clip_grad_norm(self.params, clip_grad) if clip_grad is not None
-                else global_grad_norm([p.grad for p in self.params]))
+        grads = [p.grad for p in self.params]
+        norm = self._norm(self.sharding.grad_sq(grads) if self.sharding is not None
+                          else sum(float(g.reshape(-1) @ g.reshape(-1)) for g in grads))
+        clip_to(grads, norm, clip_grad)
         self.opt.lr = lr
         self.opt.step()
         self._zero_grads()
@@ -173,12 +176,13 @@ class DataParallel(Engine):
         return norm
 
     def full_params(self) -> dict[str, np.ndarray]:
-        """{name: full values}: every replica already holds them (no communication)."""
-        return {n: backend.to_numpy(p.data).copy() for n, p in zip(self.names, self.params)}
+        """{name: full values}: every dp replica holds them (gathered over tp if sharded)."""
+        return self._global_params({n: backend.to_numpy(p.data).copy()
+                                    for n, p in zip(self.names, self.params)})
 
     def full_optimizer_state(self) -> dict:
-        """The optimizer's state_dict(), the layout baseline.py returns."""
-        return self.opt.state_dict()
+        """The optimizer's state_dict(), the layout baseline.py returns (gathered over tp)."""
+        return self._global_state(self.opt.state_dict())
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds: parameters, gradient buckets, optimizer state."""

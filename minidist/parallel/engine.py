@@ -14,13 +14,18 @@ optimizer, and calls only these:
     engine.comm_wait_s           seconds the last step() waited for communication
 
 Engines: parallel/data.py's DataParallel (ZeRO stage 0) and parallel/zero.py's
-ZeroEngine (stages 1-3). This base class holds what they share: the no_sync switch.
+ZeroEngine (stages 1-3). An engine syncs gradients over ONE group, the dp group, for
+whatever parameters the model holds: under tensor parallelism those are this rank's tp
+shards, and the engine's `sharding` (parallel/sharding.py) turns dp-global values into
+global ones (norm over tp, full parameters gathered over tp). This base class holds what
+they share: the no_sync switch and that last step.
 Read next: parallel/data.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator
 
 
@@ -29,6 +34,17 @@ class Engine:
 
     _sync = True
     comm_wait_s = 0.0
+    sharding = None              # parallel/sharding.ModelSharding, or None: the whole model
+
+    def _norm(self, dp_sq: float) -> float:
+        """sqrt of ||g||^2 summed over the model-parallel ranks; dp_sq covers the dp axis."""
+        return math.sqrt(dp_sq if self.sharding is None else self.sharding.sum_over_model(dp_sq))
+
+    def _global_params(self, local: dict) -> dict:
+        return local if self.sharding is None else self.sharding.full_values(local)
+
+    def _global_state(self, state: dict) -> dict:
+        return state if self.sharding is None else self.sharding.full_optimizer_state(state)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -57,7 +57,6 @@ Read next: parallel/zero3.py (stage 3 forward/backward), parallel/zero_memory.py
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -78,9 +77,9 @@ class ZeroEngine(Engine):
     def __init__(self, model: Module, group, stage: int, *, optimizer: str = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.0,
-                 eps: float = 1e-8, algo: str = "auto") -> None:
+                 eps: float = 1e-8, algo: str = "auto", sharding=None) -> None:
         _check_args(stage, optimizer, algo)
-        self.model, self.group, self.stage = model, group, stage
+        self.model, self.group, self.stage, self.sharding = model, group, stage, sharding
         self.rank, W = group.rank, group.size
         self.lr, self.wd, self.betas, self.eps = lr, weight_decay, betas, eps
         self.optimizer, self.momentum = optimizer, momentum
@@ -99,6 +98,7 @@ class ZeroEngine(Engine):
         n_state = {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]
         self.state = [[np.zeros(u.shard, self.dtype) for _ in range(n_state)] for u in self.units]
         self.peaks = {"unsharded_grads": 0, "gathered_params": 0}
+        self.norm_mask = self._norm_masks()
         self._seen = [0] * len(self.units)
         self._unit_of = {id(p): (i, k) for i, u in enumerate(self.units)
                          for k, p in enumerate(u.params)}
@@ -170,14 +170,26 @@ class ZeroEngine(Engine):
         return norm
 
     def global_norm(self) -> float:
-        """COLLECTIVE: sqrt of the sum over ranks (in rank order) of ||dw_shard||^2."""
+        """COLLECTIVE: sqrt of the sum over ranks (in rank order) of ||dw_shard||^2, each
+        element counted once over tp too (norm_mask: 0 on Replicate parameters off tp rank 0)."""
         local = 0.0
-        for g in self.g_shard:
-            local += float(np.dot(g, g))
+        for g, mask in zip(self.g_shard, self.norm_mask):
+            local += float(np.dot(g, g)) if mask is None else float(np.dot(g * mask, g))
         total = 0.0
         for part in self._all_gather(np.array([local])).reshape(-1):
             total += float(part)
-        return math.sqrt(total)
+        return self._norm(total)
+
+    def _norm_masks(self) -> list[np.ndarray | None]:
+        """Per unit: None if this rank owns every element (sharding.owned), else 1/0 of shard."""
+        if self.sharding is None or all(self.sharding.owned):
+            return [None] * len(self.units)
+        masks = []
+        for u in self.units:
+            full = u.pack([np.full(s.shape, float(self.sharding.owned[s.index]))
+                           for s in u.slots], self.dtype)
+            masks.append(full[slice(*u.shard_range(self.rank))].copy())
+        return masks
 
     def full_params(self) -> dict[str, np.ndarray]:
         """COLLECTIVE (stage 3): {name: full values} in model.named_parameters() order."""
@@ -186,7 +198,7 @@ class ZeroEngine(Engine):
             full = self.p_full[i] if self.stage < 3 else self.gather_unit(i)
             for slot, view in zip(u.slots, u.views(full)):
                 out[slot.name] = view.copy()
-        return {name: out[name] for name, _ in self.model.named_parameters()}
+        return self._global_params({name: out[name] for name, _ in self.model.named_parameters()})
 
     def full_optimizer_state(self) -> dict:
         """COLLECTIVE: the state gathered into baseline's layout ("step", "m.i", "v.i" or
@@ -198,7 +210,7 @@ class ZeroEngine(Engine):
                 full = self._all_gather(shard).reshape(-1)
                 for slot, view in zip(u.slots, u.views(full)):
                     state[f"{key}.{slot.index}"] = view.copy()
-        return state
+        return self._global_state(state)
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now, from the arrays themselves (zero_memory.py predicts

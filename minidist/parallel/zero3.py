@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import backend
 from minidist.autograd import Function, Tensor, no_grad
+from minidist.parallel import placement
 
 
 class _Piece(Function):
@@ -56,6 +56,7 @@ class _Piece(Function):
         with no_grad():
             y = gatherer.run(kind, j, None if x is None else Tensor(x))
         gatherer.after(kind, j, backward=False)
+        gatherer.inner = y                  # its placement tags go to the outer result
         return y.data
 
     @staticmethod
@@ -94,31 +95,28 @@ class Gatherer:
     # --- the forward train.py calls through ZeroEngine.forward ---
     def forward(self, idx, targets=None, *, n_tokens=None, aux_weight=1.0, dropout_key=None):
         """(logits, loss) of the GPT, piece by piece (the same ops in the same order)."""
-        idx = np.asarray(idx)
-        T, cfg = idx.shape[1], self.model.cfg
-        if T > cfg.block_size:
-            raise ValueError(f"GPT: sequence length T={T} exceeds block_size="
-                             f"{cfg.block_size}; crop the input or raise block_size.")
-        self.inputs = (idx, dropout_key)
-        x = _Piece.apply(None, self.handles[0], gatherer=self, kind="embed", j=0)
+        self.inputs = (np.asarray(idx), dropout_key)
+        x = self._apply(None, "embed", 0)
         for j in range(self.L):
-            x = _Piece.apply(x, self.handles[1 + j], gatherer=self, kind="block", j=j)
-        logits = _Piece.apply(x, self.handles[0], gatherer=self, kind="head", j=0)
+            x = self._apply(x, "block", j)
+        logits = self._apply(x, "head", 0)
         if targets is None:
             return logits, None
-        return logits, self.model._loss(logits, np.asarray(targets), [], n_tokens, aux_weight)
+        return logits, self.model.loss(logits, targets, n_tokens, (), aux_weight)
+
+    def _apply(self, x: Tensor | None, kind: str, j: int) -> Tensor:
+        handle = self.handles[1 + j if kind == "block" else 0]
+        y = _Piece.apply(x, handle, gatherer=self, kind=kind, j=j)
+        return placement.carry(self.inner, y)
 
     def run(self, kind: str, j: int, x: Tensor | None) -> Tensor:
         """The piece itself, on the currently gathered parameters."""
         m, (idx, key) = self.model, self.inputs
-        xp = backend.xp
         if kind == "embed":
-            pos = xp.arange(idx.shape[1])
-            return m.drop(m.wte(xp.asarray(idx)) + m.wpe(pos), key)        # (B, T, C)
+            return m.embed(idx, key)                                       # (B, T, C)
         if kind == "block":
             return m.blocks[j](x, key)[0]                                  # (B, T, C)
-        head = m.wte.weight.transpose() if m.cfg.tie_weights else m.lm_head.weight
-        return m.ln_f(x) @ head                                            # (B, T, V)
+        return m.head(x)                                                   # (B, T, V)
 
     # --- the schedule of the module docstring ---
     def before(self, kind: str, j: int, backward: bool) -> None:

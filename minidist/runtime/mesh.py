@@ -33,8 +33,10 @@ class DeviceMesh:
     """Named axes over the world; `group(axis)` gives this rank's group on that axis."""
 
     def __init__(self, job: Job, axes: tuple[str, ...] | list[str], shape: tuple[int, ...]):
+        """job: the Job of a spawned rank (ctx.job), or anything with rank, world_size and
+        new_group (runtime/mpi.py's MpiContext)."""
         axes, shape = tuple(axes), tuple(int(s) for s in shape)
-        W = job.cfg.world_size
+        W = job.cfg.world_size if hasattr(job, "cfg") else job.world_size
         if len(axes) != len(shape) or len(set(axes)) != len(axes) or not axes:
             raise ValueError(f"DeviceMesh: axes {axes} and shape {shape} must have the same, "
                              "non-zero length and distinct names")

@@ -1,0 +1,123 @@
+"""Model sharding: which slice of every parameter this rank holds, and the global views of it.
+
+The first of a training step's three jobs (DESIGN.md, "Composition"). Every rank draws the
+whole GPT from (seed, name), exactly as the single process does, and keeps its slice:
+under tensor parallelism parallel/tensor.py replaces the layers by their sharded twins,
+and every parameter records its placement over each mesh axis (parallel/placement.py).
+Everything that needs the GLOBAL model is then written once, from the placements, for
+every layout (the engines add what the dp axis does; zero.py shards over dp as well):
+
+    sum_over_model(x)       a number summed over the model-parallel ranks, in rank order
+    grad_sq(grads)          this rank's share of ||g||^2: a Replicate parameter counts on
+                            tp rank 0 only, so no parameter is counted twice
+    full_values(local)      {name: full array}: Shard pieces all-gathered and unsharded
+                            (padding cropped); Replicate values as they are
+    full_optimizer_state    the same for m, v or momentum buffers ("m.i" has param i's
+                            placement), in baseline.py's state_dict() layout
+
+Check mode adds a runtime proof of the placements of the gradients: a parameter that is
+Replicate over tp must end every backward with the SAME gradient on every tp rank (its
+contributions are complete on each). A hook on each such parameter all-gathers an 8-byte
+digest of its .grad over tp and raises PlacementError naming it if they differ, which is
+what happens when the LayerNorm gradients under sequence parallelism are not summed over
+tp (each rank would keep the part from its own positions).
+
+One rank's view: build GPT(cfg, seed) -> parallelize(model, tp) (tp > 1) -> hand the
+model to the gradient-sync engine of the dp group (parallel/data.py, parallel/zero.py).
+Communication: none to shard; full_values all-gathers each sharded parameter over tp.
+Read next: parallel/data.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from minidist import backend
+from minidist import collectives as C
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel import placement as pl
+from minidist.parallel.tensor import TensorParallel, parallelize
+
+
+class ModelSharding:
+    """This rank's shard of GPT(cfg, seed) under tp (tp None or of size 1: the whole model)."""
+
+    def __init__(self, cfg: GPTConfig, seed: int, tp: TensorParallel | None = None,
+                 check: bool = False) -> None:
+        self.tp = tp if tp is not None and tp.group.size > 1 else None
+        self.model = GPT(cfg, seed)
+        if self.tp is not None:
+            parallelize(self.model, self.tp)
+        named = list(self.model.named_parameters())
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.tp_rank = 0 if self.tp is None else self.tp.group.rank
+        self.owned = [pl.owns_uniquely(p, "tp", self.tp_rank) for p in self.params]
+        if check and self.tp is not None:
+            for name, p in named:
+                if not isinstance(pl.placement_of(p, "tp"), pl.Shard):
+                    p.register_grad_hook(self._replicated_grad_check(name))
+
+    # --- sums over the model-parallel ranks ---
+    def sum_over_model(self, x: float) -> float:
+        """x summed over the tp group in rank order (bitwise the same on every rank)."""
+        if self.tp is None:
+            return float(x)
+        total = 0.0
+        for part in C.all_gather(np.array([x], np.float64), group=self.tp.group).reshape(-1):
+            total += float(part)
+        return total
+
+    def grad_sq(self, grads) -> float:
+        """sum of squares of the grads (one per parameter, None skipped) that this rank owns."""
+        total = 0.0
+        for g, own in zip(grads, self.owned):
+            if g is not None and own:
+                flat = g.reshape(-1)
+                total += float(backend.xp.dot(flat, flat))
+        return total
+
+    # --- global views ---
+    def full_values(self, local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """{name: full array} from {name: this rank's piece} (COLLECTIVE over tp)."""
+        out = {}
+        for name, p in zip(self.names, self.params):
+            out[name] = self._full(local[name], p)
+        return out
+
+    def full_optimizer_state(self, state: dict) -> dict:
+        """baseline's state_dict() layout from this rank's ("m.i" pieces of parameter i)."""
+        out = {}
+        for key, value in state.items():
+            if not isinstance(value, np.ndarray):
+                out[key] = value
+                continue
+            out[key] = self._full(value, self.params[int(key.rsplit(".", 1)[1])])
+        return out
+
+    def _full(self, piece: np.ndarray, p) -> np.ndarray:
+        placement = pl.placement_of(p, "tp")
+        if self.tp is None or not isinstance(placement, pl.Shard):
+            return np.array(piece, copy=True)
+        pieces = list(C.all_gather(np.ascontiguousarray(piece), group=self.tp.group))
+        n = p.full_shape[placement.dim]
+        return pl.unshard(pieces, placement, n)
+
+    # --- check mode ---
+    def _replicated_grad_check(self, name: str):
+        tp = self.tp
+
+        def check(p) -> None:
+            mine = np.frombuffer(hashlib.blake2b(np.ascontiguousarray(
+                backend.to_numpy(p.grad)).tobytes(), digest_size=8).digest(), np.uint8)
+            every = C.all_gather(mine, group=tp.group)                    # (W, 8)
+            differ = [r for r in range(len(every)) if not np.array_equal(every[r], every[0])]
+            if differ:
+                raise pl.PlacementError(
+                    f"{tp.prefix} the gradient of {name!r} differs between tp ranks "
+                    f"{[0] + differ}, but the parameter is Replicate over tp, so its gradient "
+                    "must be the same sum on every rank. Under sequence parallelism each rank "
+                    "sees only its positions: pass the parameter through f "
+                    "(TensorParallel.sum_grad) so its gradient is summed over tp.")
+        return check

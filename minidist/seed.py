@@ -157,14 +157,14 @@ def init_parameters(module: "Module", seed: int, prefix: str = "") -> None:
     `prefix` is prepended to the names, so a sub-module built on its own (a pipeline stage
     holding "blocks.2") can be initialised exactly as inside the whole model.
     A parameter that is a shard (`p.full_shape` set, `p.index` a tuple of slices) draws the
-    full tensor and keeps `full[p.index]`.
+    full tensor and keeps `full[p.index]`, or `p.take(full)` for a shard that is no slice.
     """
     for name, p in module.named_parameters():
         full_name = prefix + name
         full_shape = getattr(p, "full_shape", None) or tuple(p.shape)
         full = draw(p.init, full_shape, seed, full_name, dtype=p.dtype)
-        index = getattr(p, "index", None)
-        values = full if index is None else full[index]
+        index, take = getattr(p, "index", None), getattr(p, "take", None)
+        values = take(full) if take is not None else full if index is None else full[index]
         if tuple(values.shape) != tuple(p.shape):
             raise ValueError(
                 f"init_parameters: {full_name} has shape {tuple(p.shape)} but its slice "

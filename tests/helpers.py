@@ -61,3 +61,49 @@ def mpiexec_or_skip() -> str:
     if exe is None:
         pytest.skip("needs mpi4py and mpiexec (pip install -e '.[mpi]')", allow_module_level=True)
     return exe
+
+
+def dist_gradcheck(fn, x, group, *, x_placement: str, loss_placement: str, what: str,
+                   eps: float = 1e-6, atol: float = 1e-7, seed: int = 0):
+    """Finite differences for an operation that runs over a group (call on every rank).
+
+    The objective is L = sum(u * fn(x)) on each rank, u random (rank-dependent when the
+    loss is "partial"); the GLOBAL objective is the sum of the ranks' L for "partial" and
+    the (identical) L itself for "replicate". x is "replicate" (one tensor held by every
+    rank: each finite difference perturbs every copy) or "shard" (each rank's own piece:
+    perturbed one rank at a time). autograd's x.grad on each rank must equal the
+    derivative of the global objective with respect to this rank's x.
+    """
+    from minidist import collectives as C
+    from minidist.autograd import Tensor
+
+    rank = group.rank
+    x = np.array(x, dtype=np.float64)
+    rng = np.random.default_rng(seed + (rank if loss_placement == "partial" else 0))
+    xt = Tensor(x.copy(), requires_grad=True)
+    y = fn(xt)
+    u = rng.standard_normal(y.shape)
+    (y * u).sum().backward()
+    analytic = xt.grad
+
+    def objective(values):
+        local = float(np.sum(u * fn(Tensor(values)).data))
+        if loss_placement == "partial":
+            return float(C.all_reduce(np.array([local]), group=group, algo="direct")[0])
+        return local
+
+    numeric = np.zeros_like(x)
+    owners = [None] if x_placement == "replicate" else range(group.size)
+    for owner in owners:
+        for k in range(x.size):
+            mine = owner is None or owner == rank
+            shifted = []
+            for sign in (1, -1):
+                values = x.copy()
+                if mine:
+                    values.reshape(-1)[k] += sign * eps
+                shifted.append(objective(values))
+            if mine:
+                numeric.reshape(-1)[k] = (shifted[0] - shifted[1]) / (2 * eps)
+    assert_close(analytic, numeric, atol=atol, rtol=1e-6, what=f"{what} (rank {rank})")
+    return True

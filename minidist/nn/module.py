@@ -18,7 +18,7 @@ Read next: nn/layers.py.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -31,15 +31,18 @@ class Parameter(Tensor):
     """A Tensor that requires grad and knows how to initialise itself (`init`).
 
     For a shard of a bigger tensor, `full_shape` is the shape of the whole tensor and
-    `index` the tuple of slices this shard is, so `full[index]` has this shape.
+    `index` the tuple of slices this shard is, so `full[index]` has this shape; or, for a
+    shard that is not a plain slice (padded, or a fused weight's pieces), `take` maps the
+    full array to this shard (parallel/placement.py's shard()).
     """
 
     def __init__(self, shape: tuple[int, ...], init: Init, dtype: str = "float64", *,
-                 full_shape: tuple[int, ...] | None = None, index: tuple | None = None) -> None:
+                 full_shape: tuple[int, ...] | None = None, index: tuple | None = None,
+                 take: Callable | None = None) -> None:
         super().__init__(backend.xp.full(tuple(shape), np.nan, dtype=dtype), requires_grad=True)
         self.init = init
         self.full_shape = None if full_shape is None else tuple(full_shape)
-        self.index = index
+        self.index, self.take = index, take
 
 
 class Module:

@@ -83,7 +83,7 @@ class Plan:
         for field in ("overlap", "sequence_parallel"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"Plan: {field}={getattr(self, field)!r} must be True or False.")
-        if self.check_placements not in (None, True, False):
+        if not (self.check_placements is None or isinstance(self.check_placements, bool)):
             raise ValueError(f"Plan: check_placements={self.check_placements!r} must be True, "
                              "False or None (None: the MINIDIST_CHECK_PLACEMENTS variable).")
         if self.sequence_parallel and self.tp == 1:

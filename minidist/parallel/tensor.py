@@ -204,8 +204,13 @@ class TensorParallelLayout(GPTLayout):
     """The GPT's activations under tp (and SP): nn/gpt.py asks, this answers."""
 
     def __init__(self, model, tp: TensorParallel) -> None:
-        self.tp, self.vocab_size = tp, model.cfg.vocab_size
-        self.head_param = model.wte.weight if model.cfg.tie_weights else model.lm_head.weight
+        self.tp, self.vocab_size, self.model = tp, model.cfg.vocab_size, model
+
+    @property
+    def head_param(self):
+        """The LM head's weight parameter as the model holds it now (wte when tied)."""
+        m = self.model
+        return m.wte.weight if m.cfg.tie_weights else m.lm_head.weight
 
     def positions(self, T: int):
         if not self.tp.sequence_parallel:

@@ -33,6 +33,7 @@ Read next: parallel/sharding.py.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -55,10 +56,13 @@ def vocab_range(V: int, tp) -> tuple[int, int]:
 def shard_parameter(full: Parameter, placement: pl.Placement, tp) -> Parameter:
     """A new Parameter holding this tp rank's piece of `full` (values sliced, padded with 0).
 
-    It keeps full's initialiser and records full_shape and placements={"tp": placement}.
+    It keeps full's initialiser and records full_shape, placements={"tp": placement} and
+    `take` (so seed.init_parameters draws the full tensor and keeps this piece).
     """
-    values = pl.shard(backend.to_numpy(full.data), placement, tp.group.size, tp.group.rank)
-    p = Parameter(values.shape, full.init, str(full.dtype), full_shape=tuple(full.shape))
+    W, r = tp.group.size, tp.group.rank
+    values = pl.shard(backend.to_numpy(full.data), placement, W, r)
+    p = Parameter(values.shape, full.init, str(full.dtype), full_shape=tuple(full.shape),
+                  take=functools.partial(pl.shard, placement=placement, W=W, rank=r))
     p.data[...] = backend.xp.asarray(values)
     p.placements = {"tp": placement}
     return p

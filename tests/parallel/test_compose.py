@@ -1,0 +1,136 @@
+"""Every layout on the mesh must be invisible in the numbers: dp x tp ranks, with or without
+sequence parallelism, with ZeRO 0-3 over dp, train exactly like one process (float64, 3
+AdamW steps with gradient accumulation, clipping and dropout)."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from minidist.baseline import model_config_for, train_single_process
+from minidist.data import DataConfig
+from minidist.runtime.errors import RankFailure
+from minidist.runtime.launch import spawn
+from minidist.train import Plan, train_on_rank
+from tests.helpers import assert_close
+
+DATA = DataConfig(task="sort", length=6, seed=2)   # V = 11 (divisible by no tp > 1), T = 12
+STEPS, M, LR, CLIP = 3, 2, 1e-2, 0.05
+
+
+def _cfg(tp: int):
+    heads = tp if tp > 2 else 2                      # n_head a multiple of tp, D = 4 or 8
+    return model_config_for(DATA, n_layer=2, n_head=heads, n_embd=4 * heads if tp > 2 else 16,
+                            dropout=0.1)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(tp: int, batch: int):
+    return train_single_process(_cfg(tp), DATA, steps=STEPS, global_batch=batch, lr=LR,
+                                grad_accum=M, clip_grad=CLIP, weight_decay=0.01)
+
+
+def _check(runs, ref, what):
+    assert max(ref.grad_norms) > CLIP                         # clipping really happened
+    for rank, run in enumerate(runs):
+        tag = f"{what}, rank {rank}"
+        assert_close(run.losses, ref.losses, atol=1e-12, what=f"{tag}: loss per step")
+        assert_close(run.grad_norms, ref.grad_norms, atol=1e-12, what=f"{tag}: grad norm")
+        assert run.params.keys() == ref.params.keys()
+        for name, p in ref.params.items():
+            assert_close(run.params[name], p, atol=1e-12, what=f"{tag}: param {name}")
+        assert run.optimizer_state.keys() == ref.optimizer_state.keys()
+        for key, s in ref.optimizer_state.items():
+            assert_close(run.optimizer_state[key], s, atol=1e-12, what=f"{tag}: {key}")
+
+
+def _run(dp, tp, zero, sp):
+    batch = dp * M * 2
+    plan = Plan(dp=dp, tp=tp, zero=zero, micro_batches=M, sequence_parallel=sp)
+    runs = spawn(dp * tp, train_on_rank, _cfg(tp), DATA, plan, steps=STEPS,
+                 global_batch=batch, lr=LR, clip_grad=CLIP, weight_decay=0.01)
+    _check(runs, _reference(tp, batch), f"dp={dp} tp={tp} zero={zero} sp={sp}")
+
+
+FACTORISATIONS = [(W // tp, tp) for W in range(1, 9) for tp in range(1, W + 1) if W % tp == 0]
+
+
+def _default_case(i, dp, tp):
+    """One ZeRO stage per factorisation, cycling; SP wherever T = 12 splits over tp."""
+    return dp, tp, i % 4, tp > 1 and 12 % tp == 0 and i % 2 == 0
+
+
+DEFAULT = [_default_case(i, dp, tp) for i, (dp, tp) in enumerate(FACTORISATIONS)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("dp, tp, zero, sp", DEFAULT)
+def test_every_factorisation_of_up_to_8_ranks_matches_single_process(dp, tp, zero, sp):
+    _run(dp, tp, zero, sp)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_vocabulary_not_divisible_by_tp_is_exact(tp, sp):
+    # Megatron-LM #1754: V = 11 padded to a multiple of tp; the padding is masked.
+    assert DATA.vocab_size % tp
+    _run(1, tp, 0, sp)
+
+
+SWEEP = [(dp, tp, zero, sp) for dp, tp in FACTORISATIONS for zero in range(4)
+         for sp in ([False, True] if tp > 1 and 12 % tp == 0 else [False])]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("dp, tp, zero, sp", [c for c in SWEEP if c not in DEFAULT])
+def test_full_sweep_of_layouts(dp, tp, zero, sp):
+    _run(dp, tp, zero, sp)
+
+
+@pytest.mark.parametrize("plan, match", [
+    (Plan(tp=3), "n_head=2 is not a multiple of 3"),
+    (Plan(tp=4, sequence_parallel=True), "n_head=2 is not a multiple of 4"),
+    (Plan(dp=3), "global_batch=8 does not split over dp=3"),
+])
+def test_plans_that_cannot_split_fail_before_any_process_starts(plan, match):
+    with pytest.raises(ValueError, match=match):
+        plan.validate(_cfg(2), 8, DATA.block_size)
+
+
+def test_sequence_length_must_split_over_tp_under_sp():
+    cfg = _cfg(5)
+    with pytest.raises(ValueError, match="T=12 positions over tp=5"):
+        Plan(tp=5, sequence_parallel=True).validate(cfg, 8, DATA.block_size)
+    Plan(tp=5).validate(cfg, 8, DATA.block_size)                # without SP: fine
+
+
+@pytest.mark.parametrize("field, bad", [("tp", 0), ("pp", 2), ("cp", 2), ("ep", 2),
+                                        ("sequence_parallel", 1), ("check_placements", 1)])
+def test_plan_refuses_bad_or_unbuilt_axes(field, bad):
+    with pytest.raises(ValueError, match=field):
+        Plan(**{field: bad})
+    with pytest.raises(ValueError, match="needs tp > 1"):
+        Plan(sequence_parallel=True)
+
+
+@pytest.mark.multiproc
+def test_a_plan_for_another_world_size_is_refused_on_the_rank():
+    with pytest.raises(RankFailure, match=r"dp=1 x tp=2 = 2 ranks, but the job has 3"):
+        spawn(3, train_on_rank, _cfg(2), DATA, Plan(tp=2), steps=1, global_batch=4, lr=LR)
+
+
+def _groups(ctx):
+    from minidist.parallel.compose import build
+    lay = build(ctx, Plan(dp=2, tp=3), _cfg(3), 0, optimizer="adamw", lr=LR,
+                weight_decay=0.0, betas=(0.9, 0.999), momentum=0.0)
+    return lay.dp_group.ranks, lay.tp_group.ranks
+
+
+@pytest.mark.multiproc
+def test_tp_is_the_fastest_mesh_axis():
+    got = spawn(6, _groups)
+    assert got[4] == ((1, 4), (3, 4, 5))                    # rank 4 = (dp 1, tp 1)
+    assert [tp for _, tp in got] == [(0, 1, 2)] * 3 + [(3, 4, 5)] * 3
+    assert all(np.array_equal(got[r][0], (r % 3, r % 3 + 3)) for r in range(6))

@@ -150,7 +150,7 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
     """The options of `python -m minidist train` (train.py adds the parallel ones)."""
     ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     ap.add_argument("--task", default="sort", choices=["copy", "reverse", "sort", "add"])
-    ap.add_argument("--length", type=int, default=5, help="prompt length (copy/reverse/sort)")
+    ap.add_argument("--length", type=int, default=6, help="prompt length (copy/reverse/sort)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     ap.add_argument("--grad-accum", type=int, default=1)
@@ -158,7 +158,7 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=32)
-    ap.add_argument("--n-head", type=int, default=2)
+    ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--moe-every", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)

@@ -119,9 +119,11 @@ class Plan:
         self.rows_per_micro_batch(global_batch)
         tp = self.tp
         if tp > 1 and cfg.n_head % tp:
+            heads = [h for h in range(tp, cfg.n_embd + 1, tp) if cfg.n_embd % h == 0]
+            fix = f"n_head={heads[0]}" if heads else f"n_embd a multiple of {tp}"
             raise ValueError(f"Plan: tp={tp} splits attention by heads, but n_head="
-                             f"{cfg.n_head} is not a multiple of {tp}; use n_head="
-                             f"{tp * max(1, cfg.n_head // tp)} or a tp dividing {cfg.n_head}.")
+                             f"{cfg.n_head} is not a multiple of {tp}; use {fix}, or a tp "
+                             f"dividing {cfg.n_head}.")
         if tp > 1 and (cfg.mlp_ratio * cfg.n_embd) % tp:
             raise ValueError(f"Plan: tp={tp} splits the MLP's {cfg.mlp_ratio * cfg.n_embd} "
                              "hidden features, which do not divide; change n_embd or tp.")

@@ -9,7 +9,8 @@ ended bitwise identical. The loss is divided by the token count of the GLOBAL ba
 every rank, which is why the ranks SUM their gradients.
 
 Run:       python demos/06_data_parallel.py --world-size 4 [--steps 5 --micro-batches 2]
-Read with: minidist/parallel/data.py, minidist/collectives/direct.py (all_reduce_shared),
+Read with: minidist/parallel/data.py, minidist/parallel/data_buckets.py (the fast path),
+           minidist/collectives/direct.py (all_reduce_shared),
            minidist/train.py
 Paper:     Li et al. 2020, "PyTorch Distributed", arXiv:2006.15704
 """

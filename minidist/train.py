@@ -97,6 +97,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     lay = build(ctx, plan, model_cfg, seed, optimizer=optimizer, lr=lr,
                 weight_decay=weight_decay, betas=betas, momentum=momentum)
     engine, dp, data = lay.engine, lay.dp_group, SyntheticData(data_cfg)
+    canonical = "direct" if getattr(dp, "supports_shared", False) else "auto"   # MPI: no shm
     groups = {"dp": lay.dp_group, "tp": lay.tp_group} if lay.mesh is not None \
         else {"dp": lay.dp_group}
     local, norms, lrs, traffic, by_axis = [], [], [], [], []
@@ -123,9 +124,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         timing["step"].append(t2 - t0)
         timing["cpu"].append(time.process_time() - c0)
         if on_step is not None:
-            loss = C.all_reduce(np.array([local[-1]]), group=dp, algo="direct")[0]
+            loss = C.all_reduce(np.array([local[-1]]), group=dp, algo=canonical)[0]
             on_step(step, float(loss))
-    losses = C.all_reduce(np.array(local, np.float64), group=dp, algo="direct")
+    losses = C.all_reduce(np.array(local, np.float64), group=dp, algo=canonical)
     return RankResult(losses=tuple(float(v) for v in losses), grad_norms=tuple(norms),
                       lrs=tuple(lrs), params=engine.full_params(),
                       optimizer_state=engine.full_optimizer_state(),

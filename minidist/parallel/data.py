@@ -11,136 +11,161 @@ tokens in the WHOLE global batch (gpt.py, baseline.py), so the global-batch loss
 sum of the local ones and so is its gradient. Dividing by the local token count and then
 averaging would weigh a token by how many tokens its rank happened to get.
 
-Buckets and overlap (Li et al. 2020). The parameters, in reverse registration order
-(roughly the order backward finishes them), are packed into flat buckets of at most
-`bucket_bytes` (a larger parameter gets a bucket of its own). Each bucket is a
-group.shared() region, and each parameter's `.grad` is a VIEW into its bucket, so the
-autograd's `.grad += g` writes straight into shared memory and the all-reduce needs no
-copy (collectives/direct.py, all_reduce_shared). A hook on each parameter
-(Tensor.register_grad_hook) counts the finished gradients of its bucket; when a bucket is
-complete, its all-reduce goes to the group's worker thread while backward continues with
-the next layers. Buckets are launched strictly in bucket order, so every rank issues the
-same sequence of collectives even if its backward finishes them in another order.
+The algorithm, as this module writes it: a hook on each parameter
+(Tensor.register_grad_hook) fires as soon as backward has finished that parameter's
+gradient and starts `collectives.all_reduce(p.grad, op="sum", group=dp, async_op=True)`;
+backward goes on with the earlier layers while the sum travels (overlap), and step()
+waits for the sums. Two details make it right rather than merely plausible:
+    - gradient accumulation: inside no_sync() the hook does nothing, so each gradient is
+      all-reduced once, in the LAST micro-batch's backward, when .grad already holds the
+      sum over all micro-batches;
+    - one order on every rank: collectives must be called in the same order everywhere,
+      but two ranks' backwards may finish parameters in different orders (a MoE router
+      sends their tokens to different experts). So all-reduces start in one fixed order,
+      reverse registration (roughly the order backward finishes them): a finished
+      gradient waits until every gradient before it in that order has started.
+
+The fast path, parallel/data_buckets.py: one collective per tensor costs a latency per
+parameter and a copy in and out of .grad. On a group with shared memory, DataParallel(...)
+builds data_buckets.BucketedDataParallel instead: gradients live in a few flat buckets in
+shared memory (.grad is a view) and each bucket is summed in place, one collective per
+bucket. Same interface, same bits with algo "direct" (tests/parallel/test_data.py trains
+both paths and compares). Without shared memory (MPI, runtime/mpi.py), or with
+fast_path=False, DataParallel is the plain engine below.
 
 One rank's view of one step (M micro-batches):
-    1. micro-batches 0..M-2 inside `no_sync()`: forward, backward; gradients accumulate
-       in the buckets, no communication.
-    2. micro-batch M-1: forward, backward; each completed bucket starts its all-reduce
-       (overlap=False: none starts yet).
-    3. step(): start any bucket not started, wait for all, clip, optimizer step, zero.
+    1. micro-batches 0..M-2 inside `no_sync()`: forward, backward; .grad accumulates
+       locally, no communication.
+    2. micro-batch M-1: forward, backward; each finished .grad starts its all-reduce, in
+       the fixed order (overlap=False: none starts yet).
+    3. step(): start any not started (a parameter without a gradient here sends zeros),
+       wait for all, .grad = the sums; global norm, clip, optimizer step; .grad = None.
     4. every K steps (replica_check_every): hash every parameter, all_gather the digests,
        raise ReplicaDivergence naming the ranks and parameters that differ from rank 0.
 
 Shapes and sharding: every parameter w[...] and gradient dw[...] replicated;
-activations x[B/W, T, C] split over dp along the batch.
-Communication: one all_reduce(sum) per bucket on the dp group per step: Ψ gradient
-elements in all, 2(W-1)/W Ψ sent per rank (direct: on average over ranks; ring: per rank
-when each bucket divides by W). Numerics: with algo "direct"/"auto" the sum is folded in
-rank order, so replicas are bitwise identical and equal to a canonical fold; with the
-other algorithms replicas are still bitwise identical (finished chunks are copied).
+activations x[B/W, T, C] split over dp along the batch (under tp, "every parameter" means
+this rank's tp shards, and `sharding` makes the norm and full_params global).
+Communication: one all_reduce(sum) per parameter on the dp group per step, Ψ gradient
+elements in all: 2(W-1)/W Ψ sent per rank with the ring (direct: on average over the
+ranks, but a tensor of at most 4 KiB is read whole by every peer, (W-1) n per rank,
+collectives/direct_small.py), and one latency per parameter, which the buckets save.
+Numerics: algo "auto" on a shared-memory group means "direct": the sum is folded in rank
+order, so replicas are bitwise identical and equal to a canonical fold; the other
+algorithms keep replicas bitwise identical too (finished chunks are copied).
 Limitation: a parameter that gets no gradient on any rank (an unused MoE expert) is
 stepped with a zero gradient here, where baseline.py skips it.
 
 References: Li et al. 2020, "PyTorch Distributed: experiences on accelerating data
-    parallel training", arXiv:2006.15704, Sec. 3.2 (bucketing, overlap, no_sync);
+    parallel training", arXiv:2006.15704, Sec. 3 (gradient hooks, no_sync, bucketing);
     Goyal et al. 2017, arXiv:1706.02677 (large-batch data parallel SGD).
-Read next: parallel/zero.py (shard the optimizer state, gradients and parameters).
+Read next: parallel/data_buckets.py (the fast path), then parallel/zero.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-import weakref
 
 import numpy as np
 
 from minidist import backend
 from minidist import collectives as C
 from minidist.baseline import make_optimizer
-from minidist.collectives import direct
 from minidist.nn import Module, Parameter
 from minidist.optim import clip_to
 from minidist.parallel.engine import Engine
 
 ALGOS = ("auto", "direct", "ring", "tree", "halving")
-# DataParallel engines made on each group so far: every rank makes them in the same order,
-# so engine n's buckets get the same shared() tags everywhere and never reuse another's.
-_engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ReplicaDivergence(RuntimeError):
     """The parameters of some dp ranks differ from rank 0's."""
 
 
-def plan_buckets(params: list[Parameter], bucket_bytes: int) -> list[list[int]]:
-    """Indices into `params`, in reverse order, cut into buckets of <= bucket_bytes bytes.
-
-    A bucket also ends where the dtype changes (a bucket is one flat array); a parameter
-    bigger than bucket_bytes gets a bucket of its own.
-    """
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) \
-            or bucket_bytes <= 0:
-        raise ValueError(f"DataParallel: bucket_bytes={bucket_bytes!r} must be a positive int "
-                         "(bytes of gradients per all-reduce), e.g. 1 << 20 for 1 MiB.")
-    buckets: list[list[int]] = []
-    size, dtype = 0, None
-    for i in reversed(range(len(params))):
-        nbytes, dt = params[i].data.nbytes, params[i].dtype
-        if not buckets or dt != dtype or size + nbytes > bucket_bytes:
-            buckets.append([])
-            size, dtype = 0, dt
-        buckets[-1].append(i)
-        size += nbytes
-    return [b for b in buckets if b]
-
-
-class _Bucket:
-    """One flat gradient buffer in shared memory and the parameters whose .grad views it."""
-
-    def __init__(self, index: int, params: list[Parameter], group, tag: str) -> None:
-        self.index, self.params, self.dtype = index, params, np.dtype(params[0].dtype)
-        self.count = sum(int(p.size) for p in params)
-        self.region = group.shared(f"{tag}/bucket{index}", self.count * self.dtype.itemsize)
-        self.flat = self.region.local(self.dtype, self.count)          # (N_bucket,)
-        self.views, start = [], 0
-        for p in params:
-            self.views.append(self.flat[start:start + p.size].reshape(p.shape))
-            start += p.size
-        self.ready, self.work = 0, None
-
-
 class DataParallel(Engine):
-    """The stage-0 engine of train.py: replicated model, bucketed async all-reduce.
+    """The ZeRO-stage-0 engine of train.py: replicated model, all-reduced gradients.
 
     The interface is parallel/engine.py's (shared with parallel/zero.py's ZeroEngine).
+    DataParallel(...) on a group with shared memory returns the fast path,
+    data_buckets.BucketedDataParallel (a subclass: only the gradient sync differs);
+    fast_path=False, a group without shared memory, or a subclass gets this plain one.
+    bucket_bytes sizes the fast path's buckets (the plain path has none).
     """
 
     def __init__(self, model: Module, group, *, optimizer: str = "adamw", lr: float = 1e-3,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  momentum: float = 0.0, bucket_bytes: int = 1 << 20, algo: str = "auto",
-                 overlap: bool = True, replica_check_every: int = 0, sharding=None) -> None:
-        if algo not in ALGOS:
-            raise ValueError(f"DataParallel: algo={algo!r} is unknown; use one of {ALGOS}.")
-        if isinstance(replica_check_every, bool) or not isinstance(replica_check_every, int) \
-                or replica_check_every < 0:
-            raise ValueError(f"DataParallel: replica_check_every={replica_check_every!r} must "
-                             "be an int >= 0 (0 = never check).")
+                 overlap: bool = True, replica_check_every: int = 0, sharding=None,
+                 fast_path: bool = True) -> None:
+        _check_args(group, bucket_bytes, algo, replica_check_every)
         self.model, self.group, self.algo, self.overlap = model, group, algo, bool(overlap)
-        self.sharding = sharding
-        self.replica_check_every = replica_check_every
+        self.sharding, self.replica_check_every = sharding, replica_check_every
         named = list(model.named_parameters())
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.opt = make_optimizer(optimizer, self.params, lr, weight_decay, betas, momentum)
-        n = _engines[group] = _engines.get(group, -1) + 1      # same count on every rank
-        self.buckets = [_Bucket(i, [self.params[j] for j in idx], group, f"ddp{n}")
-                        for i, idx in enumerate(plan_buckets(self.params, bucket_bytes))]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
+        self.steps, self.comm_wait_s = 0, 0.0
+        self._setup_gradients(bucket_bytes)
         for p in self.params:
             p.register_grad_hook(self._on_grad_ready)
-        self._sync, self._next, self.steps, self.comm_wait_s = True, 0, 0, 0.0
+
+    # --- the algorithm: one all-reduce per parameter, started by its grad hook ---
+    def _setup_gradients(self, bucket_bytes: int) -> None:
+        """The fixed launch order (reverse registration) and the algorithm to run."""
+        self.order = self.params[::-1]
+        self._position = {id(p): i for i, p in enumerate(self.order)}
+        shared = getattr(self.group, "supports_shared", False)
+        self._algo = "direct" if self.algo == "auto" and shared else self.algo
         self._zero_grads()
+
+    def _on_grad_ready(self, p: Parameter) -> None:
+        """Grad hook: p.grad is final for this backward; start what may start, in order."""
+        if self._position[id(p)] < len(self._works):       # p.grad is being summed now
+            raise RuntimeError(f"{self.group.prefix} DataParallel: a backward reached a "
+                               "gradient after its all-reduce started; call step() first, "
+                               "and run accumulation backwards inside no_sync().")
+        if self._sync:                                     # no_sync(): just accumulate
+            self._ready.add(id(p))
+            if self.overlap:
+                self._start_in_order(force=False)
+
+    def _start_in_order(self, force: bool) -> None:
+        """all_reduce(.grad) of order[k], order[k+1], ... while they are ready (all if
+        force): every rank issues the same sequence of collectives."""
+        while len(self._works) < len(self.order):
+            p = self.order[len(self._works)]
+            if not force and id(p) not in self._ready:
+                return
+            g = p.grad if p.grad is not None else np.zeros_like(p.data)    # unused here
+            self._works.append(C.all_reduce(g, op="sum", group=self.group, algo=self._algo,
+                                            async_op=True))
+
+    def _summed_grads(self) -> list:
+        """Start what is left, wait for every sum, put it in .grad; return the grads."""
+        self._start_in_order(force=True)
+        for p, work in zip(self.order, self._works):
+            p.grad = work.wait()
+        return [p.grad for p in self.params]
+
+    def _zero_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self._ready = set()                     # ids of the parameters whose .grad is final
+        self._works = []                        # Work of order[k], in launch order
+
+    def _gradient_bytes(self) -> int:
+        return sum(int(p.data.nbytes) for p in self.params)      # one .grad per parameter
+
+    # --- which engine: the fast path where the group has shared memory ---
+    def __new__(cls, *args, **kwargs):
+        """DataParallel(model, group, ...) -> BucketedDataParallel if group.supports_shared
+        and fast_path (default True); this plain engine otherwise, and for subclasses."""
+        group = args[1] if len(args) > 1 else kwargs.get("group")
+        if cls is DataParallel and kwargs.get("fast_path", True) \
+                and getattr(group, "supports_shared", False):
+            from minidist.parallel.data_buckets import BucketedDataParallel
+            cls = BucketedDataParallel
+        return super().__new__(cls)
 
     # --- what train.py calls (no_sync() is inherited from Engine) ---
     def forward(self, idx, targets, *, n_tokens: int, aux_weight: float = 1.0,
@@ -150,20 +175,10 @@ class DataParallel(Engine):
                           dropout_key=dropout_key)
 
     def step(self, lr: float, clip_grad: float | None = None) -> float:
-        """Finish the all-reduces, clip, update, zero the buckets; return the global norm."""
+        """Finish the all-reduces, clip by the global norm, update, zero; return the norm."""
         t0 = time.perf_counter()
-        self._launch_in_order(force=True)
-        for b in self.buckets:
-            result = None if b.work is None else b.work.wait()
-            if result is not None:                 # a copying algorithm: write the sum back
-                b.flat[...] = result.reshape(-1)
+        grads = self._summed_grads()
         self.comm_wait_s = time.perf_counter() - t0
-        for p in self.params:
-            if p.grad is not self._view_of[id(p)]:
-                raise RuntimeError(f"{self.group.prefix} DataParallel: the .grad of a "
-                                   "parameter was replaced; do not call zero_grad() or assign "
-                                   ".grad yourself, step() zeroes the buckets.")
-        grads = [p.grad for p in self.params]
         norm = self._norm(self.sharding.grad_sq(grads) if self.sharding is not None
                           else sum(float(g.reshape(-1) @ g.reshape(-1)) for g in grads))
         clip_to(grads, norm, clip_grad)
@@ -185,10 +200,10 @@ class DataParallel(Engine):
         return self._global_state(self.opt.state_dict())
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds: parameters, gradient buckets, optimizer state."""
+        """Bytes this rank holds: parameters, gradients (during a step), optimizer state."""
         state = self.opt.state_dict()
         return {"params": sum(int(p.data.nbytes) for p in self.params),
-                "grads": sum(b.flat.nbytes for b in self.buckets),
+                "grads": self._gradient_bytes(),
                 "optimizer": sum(int(a.nbytes) for a in state.values()
                                  if isinstance(a, np.ndarray))}
 
@@ -210,46 +225,34 @@ class DataParallel(Engine):
                 "bitwise identical: every rank must read the same data order, use the same "
                 "seed and reduce gradients with the same algorithm.")
 
-    # --- buckets ---
-    def _on_grad_ready(self, p: Parameter) -> None:
-        """Grad hook: count p's bucket; start every bucket that is complete, in order."""
-        b = self._bucket_of[id(p)]
-        if b.index < self._next:                   # its region is being reduced right now
-            raise RuntimeError(f"{self.group.prefix} DataParallel: a backward reached "
-                               f"bucket {b.index} after its all-reduce started; call step() "
-                               "first, and run accumulation backwards inside no_sync().")
-        if not self._sync:
-            return
-        b.ready += 1
-        if self.overlap and b.ready == len(b.params):
-            self._launch_in_order(force=False)
 
-    def _launch_in_order(self, force: bool) -> None:
-        """Start buckets _next, _next+1, ... while they are complete (all of them if force)."""
-        while self._next < len(self.buckets):
-            b = self.buckets[self._next]
-            if not force and b.ready < len(b.params):
-                return
-            b.work = self._all_reduce_async(b)
-            self._next += 1
+def check_bucket_bytes(bucket_bytes) -> None:
+    """ValueError unless bucket_bytes is a positive int (data_buckets.plan_buckets too)."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) \
+            or bucket_bytes <= 0:
+        raise ValueError(f"DataParallel: bucket_bytes={bucket_bytes!r} must be a positive int "
+                         "(bytes of gradients per all-reduce), e.g. 1 << 20 for 1 MiB.")
 
-    def _all_reduce_async(self, b: _Bucket):
-        """Work for the sum of bucket b over the group: in place (direct) or a copy (others);
-        None on a group of one rank, where the local gradient already is the sum."""
-        g = self.group
-        if g.size == 1:
-            return None
-        if self.algo in ("auto", "direct"):
-            def run():
-                with g.collective("all_reduce", b.flat, reduce_op="sum", algo="direct"):
-                    direct.all_reduce_shared(b.region, b.dtype, b.count, g, "sum")
-            return g.submit(run)
-        return C.all_reduce(b.flat, op="sum", group=g, algo=self.algo, async_op=True)
 
-    def _zero_grads(self) -> None:
-        for b in self.buckets:
-            b.flat[...] = 0
-            b.ready, b.work = 0, None
-            for p, view in zip(b.params, b.views):
-                p.grad = view
-        self._next = 0
+def _check_args(group, bucket_bytes, algo: str, replica_check_every) -> None:
+    check_bucket_bytes(bucket_bytes)
+    if algo not in ALGOS:
+        raise ValueError(f"DataParallel: algo={algo!r} is unknown; use one of {ALGOS}.")
+    if algo == "direct" and not getattr(group, "supports_shared", False):
+        raise ValueError(f"DataParallel: algo='direct' reads the peers' memory, but group "
+                         f"'{getattr(group, 'name', '?')}' has no shared memory (MPI?); use "
+                         "algo 'auto', 'ring', 'tree' or 'halving'.")
+    if isinstance(replica_check_every, bool) or not isinstance(replica_check_every, int) \
+            or replica_check_every < 0:
+        raise ValueError(f"DataParallel: replica_check_every={replica_check_every!r} must "
+                         "be an int >= 0 (0 = never check).")
+
+
+def __getattr__(name: str):
+    """plan_buckets and BucketedDataParallel live in the fast-path module; importing them
+    from here too keeps `from minidist.parallel.data import plan_buckets` working (loaded
+    lazily: data_buckets.py imports this module)."""
+    if name in ("plan_buckets", "BucketedDataParallel"):
+        from minidist.parallel import data_buckets
+        return getattr(data_buckets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,13 +1,18 @@
 """Data parallelism must be invisible in the numbers: W ranks, each taking 1/W of every
-global batch, train exactly like one process taking all of it, and stay bitwise identical."""
+global batch, train exactly like one process taking all of it, and stay bitwise identical.
+The plain engine (one all-reduce per parameter, parallel/data.py) and the bucketed fast path
+(parallel/data_buckets.py) must give the same bits."""
 
 import numpy as np
 import pytest
 
 from minidist.baseline import model_config_for, train_single_process
+from minidist.collectives import direct_small
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPT
-from minidist.parallel.data import DataParallel, ReplicaDivergence, plan_buckets
+from minidist.parallel import schedules
+from minidist.parallel.data import ALGOS, DataParallel, ReplicaDivergence, plan_buckets
+from minidist.parallel.data_buckets import BucketedDataParallel
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
@@ -96,26 +101,30 @@ def test_bytes_per_step_equal_the_formula(algo):
             assert abs(sent[r] / 8 - 2 * (W - 1) / W * psi) <= (W - 2) * len(sizes)
 
 
-def _overlap_probe(ctx, overlap):
-    """Return how many buckets were already launched when backward returned."""
+def _overlap_probe(ctx, overlap, fast):
+    """Return (no_sync stayed silent, collectives started when backward returned, total)."""
     model = GPT(TINY)
-    dp = DataParallel(model, ctx.world, lr=LR, bucket_bytes=SMALL_BUCKET, overlap=overlap)
+    dp = DataParallel(model, ctx.world, lr=LR, bucket_bytes=SMALL_BUCKET, overlap=overlap,
+                      fast_path=fast)
+    assert isinstance(dp, BucketedDataParallel) is fast
+    started = (lambda: dp._next) if fast else (lambda: len(dp._works))
     x, y = SyntheticData(DATA).global_batch(0, 4)                # (4, T) each
     sent0 = ctx.world.stats["bytes_sent"]
     with dp.no_sync():
         dp.forward(x, y, n_tokens=16)[1].backward()
-    quiet = ctx.world.stats["bytes_sent"] == sent0 and dp._next == 0
+    quiet = ctx.world.stats["bytes_sent"] == sent0 and started() == 0
     dp.forward(x, y, n_tokens=16)[1].backward()
-    launched = dp._next
+    launched = started()
     dp.step(LR)
-    return quiet, launched, len(dp.buckets)
+    return quiet, launched, len(dp.buckets) if fast else len(dp.params)
 
 
 @pytest.mark.multiproc
-def test_buckets_start_during_backward_and_no_sync_stays_silent():
+@pytest.mark.parametrize("fast", [True, False], ids=["buckets", "plain"])
+def test_all_reduces_start_during_backward_and_no_sync_stays_silent(fast):
     for overlap, expect_all in ((True, True), (False, False)):
-        for quiet, launched, n in spawn(2, _overlap_probe, overlap):
-            assert quiet, "no_sync() backward communicated or launched a bucket"
+        for quiet, launched, n in spawn(2, _overlap_probe, overlap, fast):
+            assert quiet, "no_sync() backward communicated or launched an all-reduce"
             assert n > 2 and launched == (n if expect_all else 0), (overlap, launched, n)
 
 
@@ -155,22 +164,147 @@ def test_bucket_size_must_be_positive(bad):
         Plan(bucket_bytes=bad)
 
 
-def _backward_twice(ctx):
-    dp = DataParallel(GPT(TINY), ctx.world, lr=LR, bucket_bytes=SMALL_BUCKET)
+def _backward_twice(ctx, fast):
+    dp = DataParallel(GPT(TINY), ctx.world, lr=LR, bucket_bytes=SMALL_BUCKET, fast_path=fast)
     x, y = SyntheticData(DATA).global_batch(0, 2)
-    dp.forward(x, y, n_tokens=8)[1].backward()             # launches every bucket
+    dp.forward(x, y, n_tokens=8)[1].backward()             # launches every all-reduce
     with pytest.raises(RuntimeError, match="after its all-reduce started; call step"):
         with dp.no_sync():
             dp.forward(x, y, n_tokens=8)[1].backward()
     dp.step(LR)
     dp.forward(x, y, n_tokens=8)[1].backward()             # fine again after step()
     dp.step(LR)
-    dp.params[0].grad = None
-    with pytest.raises(RuntimeError, match="was replaced"):
-        dp.step(LR)
+    if fast:                                               # .grad is a view into a bucket
+        dp.params[0].grad = None
+        with pytest.raises(RuntimeError, match="was replaced"):
+            dp.step(LR)
     return True
 
 
 @pytest.mark.multiproc
-def test_backward_into_a_bucket_being_reduced_is_refused():
-    assert spawn(2, _backward_twice) == [True, True]
+@pytest.mark.parametrize("fast", [True, False], ids=["buckets", "plain"])
+def test_backward_into_a_gradient_being_reduced_is_refused(fast):
+    assert spawn(2, _backward_twice, fast) == [True, True]
+
+
+# --- the plain engine and the fast path -------------------------------------------------
+
+def _train_both_paths(ctx, M, algo="direct", paths=(False, True)):
+    """Train 3 AdamW steps with the plain engine, then with the buckets, from one seed."""
+    W, data, out = ctx.world_size, SyntheticData(DATA), {}
+    for fast in paths:
+        dp = DataParallel(GPT(TINY), ctx.world, lr=LR, weight_decay=WD, algo=algo,
+                          bucket_bytes=SMALL_BUCKET, fast_path=fast)
+        assert type(dp) is (BucketedDataParallel if fast else DataParallel)
+        norms, sent = [], []
+        for step in range(STEPS):
+            batches, n = schedules.micro_batches(data, step, GLOBAL_BATCH, W, ctx.rank, M, 0)
+            before = ctx.world.stats["bytes_sent"]
+            schedules.grad_accumulation(dp, batches, n)
+            norms.append(dp.step(LR))
+            sent.append(ctx.world.stats["bytes_sent"] - before)
+        out[fast] = (dp.full_params(), norms, sent, dp.full_optimizer_state())
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("W", [2, 3])
+def test_plain_and_bucketed_paths_give_the_same_bits(W):
+    M = 2
+    runs = spawn(W, _train_both_paths, M)
+    ref = train_single_process(TINY, DATA, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,
+                               weight_decay=WD, grad_accum=M)
+    psi = sum(p.size for p in GPT(TINY).parameters())
+    for rank, run in enumerate(runs):
+        (plain, plain_norms, _, plain_state), (fast, fast_norms, _, fast_state) = \
+            run[False], run[True]
+        assert plain.keys() == fast.keys() == ref.params.keys()
+        for name, p in plain.items():     # bitwise: both fold each element in rank order
+            assert p.tobytes() == fast[name].tobytes(), f"W={W} rank {rank}: {name} differs"
+            assert_close(p, ref.params[name], atol=1e-12, what=f"rank {rank}: {name}")
+        for key, s in plain_state.items():
+            assert np.asarray(s).tobytes() == np.asarray(fast_state[key]).tobytes(), \
+                f"W={W} rank {rank}: state {key}"
+        assert plain_norms == fast_norms
+        assert_close(plain_norms, ref.grad_norms, atol=1e-12, what="grad norm")
+    # Bytes summed over the ranks: a bucket costs 2(W-1) N (direct.all_reduce_shared), and so
+    # does a parameter, except one of at most SMALL_BYTES, which every peer reads whole
+    # (collectives/direct_small.py): W(W-1) N.
+    small = direct_small.SMALL_BYTES
+    per_param = sum((W * (W - 1) if p.data.nbytes <= small else 2 * (W - 1)) * p.data.nbytes
+                    for p in GPT(TINY).parameters())
+    for step in range(STEPS):
+        assert sum(run[True][2][step] for run in runs) == 2 * (W - 1) * psi * 8
+        assert sum(run[False][2][step] for run in runs) == per_param
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("algo", ["ring", "tree", "halving"])
+def test_plain_path_with_message_algorithms_matches_single_process(algo):
+    W, M = 3, 2                   # the algorithms the plain path runs over MPI, here on 3 ranks
+    runs = [run[False] for run in spawn(W, _train_both_paths, M, algo, paths=(False,))]
+    ref = train_single_process(TINY, DATA, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,
+                               weight_decay=WD, grad_accum=M)
+    for rank, (params, norms, _, _) in enumerate(runs):
+        assert_close(norms, ref.grad_norms, atol=1e-12, what=f"{algo}, rank {rank}: norm")
+        for name, p in ref.params.items():
+            assert_close(params[name], p, atol=1e-12, what=f"{algo}, rank {rank}: {name}")
+            assert np.array_equal(params[name], runs[0][0][name]), f"rank {rank} drifted"
+
+
+def _hooks_in_rank_order(ctx):
+    """Fire the hooks by hand, in an order that differs per rank, one parameter missing."""
+    dp = DataParallel(GPT(TINY), ctx.world, lr=LR, algo="direct", fast_path=False)
+    order = dp.params if ctx.rank % 2 else dp.params[::-1]
+    for i, p in enumerate(order):
+        if ctx.rank == 1 and i == 3:
+            continue                                      # no gradient on rank 1: zeros
+        p.grad = np.full(p.shape, float(ctx.rank + 1))
+        dp._on_grad_ready(p)
+    dp._summed_grads()                                    # starts the rest, waits
+    return [p.grad for p in dp.params]
+
+
+@pytest.mark.multiproc
+def test_plain_path_starts_all_reduces_in_one_order_whatever_the_hook_order():
+    W = 3                                   # a different order would be a CollectiveMismatch
+    runs = spawn(W, _hooks_in_rank_order)
+    missing = 3                             # rank 1 (forward order) skipped params[3]
+    for grads in runs:
+        for i, g in enumerate(grads):
+            want = sum(range(1, W + 1)) - (2 if i == missing else 0)
+            assert np.all(g == want), (i, g.ravel()[:3], want)
+
+
+class _GroupWithoutSharedMemory:
+    """What compose.build hands DataParallel under mpiexec, as far as the choice goes."""
+
+    name, rank, size, prefix, supports_shared = "dp0", 0, 1, "[rank 0/1]", False
+
+
+def test_dataparallel_picks_the_fast_path_only_with_shared_memory():
+    plain = DataParallel(GPT(TINY), _GroupWithoutSharedMemory(), lr=LR, algo="ring")
+    assert type(plain) is DataParallel and not hasattr(plain, "buckets")
+    assert plain._algo == "ring" and [id(p) for p in plain.order] == \
+        [id(p) for p in reversed(plain.params)]                 # the buckets' order
+    auto = DataParallel(GPT(TINY), _GroupWithoutSharedMemory(), lr=LR)
+    assert auto._algo == "auto"             # collectives choose ring/tree/halving
+    with pytest.raises(ValueError, match="algo='direct'.*no shared memory.*'ring'"):
+        DataParallel(GPT(TINY), _GroupWithoutSharedMemory(), lr=LR, algo="direct")
+    with pytest.raises(ValueError, match="algo='fastest' is unknown"):
+        DataParallel(GPT(TINY), _GroupWithoutSharedMemory(), lr=LR, algo="fastest")
+    assert "fastest" not in ALGOS
+
+
+def _engine_types(ctx):
+    kinds = [type(DataParallel(GPT(TINY), ctx.world, lr=LR)),
+             type(DataParallel(GPT(TINY), ctx.world, lr=LR, fast_path=False)),
+             type(DataParallel(model=GPT(TINY), group=ctx.world, lr=LR))]
+    return [k.__name__ for k in kinds]
+
+
+@pytest.mark.multiproc
+def test_on_shared_memory_dataparallel_is_the_bucketed_fast_path():
+    assert spawn(1, _engine_types) == [["BucketedDataParallel", "DataParallel",
+                                        "BucketedDataParallel"]]
+    assert issubclass(BucketedDataParallel, DataParallel)

@@ -1,0 +1,55 @@
+"""The tensor- and sequence-parallel demos run as a user runs them and end with their OK line."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.multiproc
+DEMOS = ["08_tensor_parallel.py", "09_sequence_parallel.py"]
+
+
+def _run(name: str, *args: str) -> tuple[int, list[str]]:
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "demos", name), *args],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return done.returncode, (done.stdout + done.stderr).strip().splitlines()
+
+
+@pytest.mark.parametrize("name", DEMOS)
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_demo_ends_with_ok(name, tp):
+    rc, out = _run(name, "--tp", str(tp))
+    assert rc == 0 and out[-1].startswith(f"OK: tp={tp} "), "\n".join(out)
+    assert out[0].startswith(f"demo 0{name[1]} · ") and f"tp={tp}" in out[0]
+
+
+@pytest.mark.parametrize("name", DEMOS)
+def test_demo_output_is_deterministic(name):
+    assert _run(name, "--steps", "2") == _run(name, "--steps", "2")
+
+
+def test_tensor_parallel_demo_shows_shards_flow_and_padded_vocabulary():
+    rc, out = _run("08_tensor_parallel.py", "--tp", "3", "--steps", "1")
+    assert rc == 0, "\n".join(out)
+    text = "\n".join(out)
+    assert "rank 1: columns q 16-31, k 64-79, v 112-127" in text        # fused qkv, C=48
+    assert "rank 2: rows 8-10 + 1 padding (zeros)" in text               # wte, V=11 over 3
+    assert "rank 2: token ids 8-10 + padding 11" in text
+    assert "every piece is exactly its slice of the 1-process weight, padded with 0: True" in text
+    assert text.count("g      (2, 12, 48)  Partial()   -> (2, 12, 48)  Replicate()") == 2 * 3
+    assert sum(line.startswith("step ") for line in out) == 1
+
+
+def test_sequence_parallel_demo_shows_positions_and_summed_layernorm_grad():
+    rc, out = _run("09_sequence_parallel.py", "--tp", "4", "--steps", "1")
+    assert rc == 0, "\n".join(out)
+    text = "\n".join(out)
+    for r in range(4):
+        assert f"rank {r}: the embedding's output (after its reduce-scatter) (2, 3, 48)" in text
+        assert f"pos {3 * r}-{3 * r + 2}" in text
+    lines = {line[:42].strip(): line[42:] for line in out if line.startswith("  ")}
+    summed = lines["their sum over the tp ranks"]
+    assert all(lines[f"rank {r}, .grad after f's all-reduce"] == summed for r in range(4))
+    assert lines["1 process"] == summed

@@ -1,14 +1,17 @@
 """Optimizer: what SGD and AdamW share -- a parameter list, a settable lr, zero_grad.
 
 An optimizer holds a list of objects with `.data` and `.grad` xp arrays
-(nn.Parameter, or any object shaped like one, e.g. a flat ZeRO shard whose
-`.data` lives in shared memory) and updates `.data` IN PLACE, so whoever else
-holds the array (a module, a shared-memory view) sees the new values.
+(nn.Parameter, or any object shaped like one) and updates `.data` IN PLACE, so
+whoever else holds the array (a module, a view into a flat buffer) sees the
+new values. ZeRO hands it one parallel/flat.py FlatShard per unit, (.data,
+.grad) = (w_shard, dw_shard), and the optimizer's state (m, v, momentum
+buffers: `zeros_like(.data)`) is then sharded too: one code path for DDP and
+every ZeRO stage. The updates are elementwise, so a shard gets exactly the
+bits that the update of the whole parameters would give it.
 
 Each optimizer's math lives in a pure array function (`sgd_step`,
 `adamw_step`) that works on one array and its state; the class only loops over
-parameters and keeps the state. ZeRO calls the array function on flat shards,
-and the GPU kernel is tested against it.
+parameters and keeps the state. The GPU kernel is tested against it.
 
 State is a plain dict of arrays and ints (`state_dict()`), so a checkpoint can
 store it as .npy files plus a JSON manifest, never as a pickle.
@@ -29,7 +32,8 @@ class Optimizer:
         for i, p in enumerate(self.params):
             if not (hasattr(p, "data") and hasattr(p, "grad")):
                 raise ValueError(f"{type(self).__name__}: params[{i}] is a {type(p).__name__}, "
-                                 "which has no .data/.grad; pass nn.Parameters.")
+                                 "which has no .data/.grad; pass nn.Parameters (or objects "
+                                 "with both, like parallel/flat.py's FlatShard).")
         if lr < 0:
             raise ValueError(f"{type(self).__name__}: lr={lr} is negative; use lr >= 0.")
         self.lr = lr

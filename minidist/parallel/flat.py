@@ -21,6 +21,11 @@ One rank's view (rank r of W, one unit of N elements):
     np.array_split of a length divisible by W), and all_gather(shard).reshape(-1)
     rebuilds `flat`.
 
+What an optimizer steps is a `FlatShard`: .data = the shard (S,) of the parameters and
+.grad = the shard (S,) of the summed gradient, the two attributes optim/ reads. So ZeRO
+runs the very AdamW / SGD objects DDP runs on whole parameters, over one "parameter" per
+unit, and keeps their state (m, v, momentum) as shards of the same flat layout.
+
 Shapes: N = sum of the unit's parameter sizes; S = ceil(N / W); padding W*S - N < W.
 Reference: Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054, Sec. 5 (partitioning);
     Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, Sec. 3.2 (FlatParameter units).
@@ -90,6 +95,20 @@ class FlatUnit:
         return out
 
 
+class FlatShard:
+    """Rank r's slice of one unit, shaped like a Parameter for optim/: `.data` = w_shard (S,),
+    `.grad` = dw_shard (S,). Both are updated in place, never replaced, so views of them
+    (the unit's flat parameters under ZeRO-1/2, its gradient buffer under ZeRO-1) stay live."""
+
+    __slots__ = ("name", "data", "grad")
+
+    def __init__(self, name: str, data: np.ndarray, grad: np.ndarray) -> None:
+        self.name, self.data, self.grad = name, data, grad
+
+    def __repr__(self) -> str:
+        return f"FlatShard({self.name!r}, {self.data.shape[0]} elements)"
+
+
 def split_units(model: Module, W: int) -> list[FlatUnit]:
     """The units of `model`: unit 0 ("root") holds every parameter outside model.blocks
     (embeddings, final LayerNorm, head); unit 1 + i holds model.blocks[i].
@@ -105,6 +124,16 @@ def split_units(model: Module, W: int) -> list[FlatUnit]:
         key = f"blocks.{parts[1]}" if n_blocks and parts[0] == "blocks" else "root"
         groups[key].append((name, index, p))
     return [FlatUnit(key, entries, W) for key, entries in groups.items()]
+
+
+def unit_of(units: list[FlatUnit], module_name: str) -> int:
+    """Index of the unit holding the parameters of the module called `module_name` (its
+    dotted name in model.named_modules(): "" is the model, "blocks.3.attn" is in unit
+    "blocks.3"); 0, the root, for every module outside the blocks."""
+    for i, u in enumerate(units[1:], start=1):
+        if module_name == u.name or module_name.startswith(u.name + "."):
+            return i
+    return 0
 
 
 def ownership_map(units: list[FlatUnit]) -> list[str]:

@@ -24,12 +24,16 @@ a padded flat vector and rank r the slice [r S_u, (r+1) S_u) of it):
         dw_shard (S_u,) and FREED, so only one unit's full gradient lives at a time (plus
         the root unit, whose tied embedding finishes last).
     stage 3: the model's parameters are placeholders; each unit keeps w_shard only.
-        zero3.py gathers a unit just before its piece of the forward runs and frees it
-        after, prefetching the next unit asynchronously; the backward gathers it again,
-        recomputes the piece, backpropagates and reduce-scatters the unit's gradient.
+        zero3.py wraps the model's hook points (the GPT's embed, each block's forward,
+        head): a unit is gathered just before a call that reads it and freed after its
+        last one, the next unit prefetched asynchronously; the backward gathers it again,
+        recomputes the call, backpropagates and reduce-scatters the unit's gradient.
     all stages: ||g|| = sqrt(sum_r ||dw_shard_r||^2): each rank's sum of squares (padding
         is zero), all_gather of the W partial sums, added in rank order (bitwise equal on
-        every rank); clip by max_norm / (||g|| + 1e-6) as optim.clip_grad_norm does.
+        every rank); clip by max_norm / (||g|| + 1e-6) (optim.clip_to, as DDP does); then
+        the optimizer DDP uses (baseline.make_optimizer: optim.AdamW or optim.SGD) steps
+        one flat.FlatShard per unit, (.data, .grad) = (w_shard, dw_shard), and holds the
+        state shards m, v or the momentum buffer, (S_u,) each.
 
 Gradient accumulation: backwards inside no_sync() only add the local gradient into the
 full-size unit buffers (no communication, as in FSDP's no_sync); the last micro-batch
@@ -43,11 +47,13 @@ Communication per step (ring; elements sent per rank; `zero_memory.comm_elements
     stage 3:    all_gather twice per micro-batch + reduce_scatter = (2M + 1) Ψ_pad (W-1)/W
     plus (W-1) numbers for the norm. algo "direct" reduces through shared memory; the
     bytes its peers read count as sent (collectives/direct.py), so the totals agree.
+    "auto" is "direct" where the group shares memory and "ring" where it does not (the
+    MPI transport, runtime/mpi.py: `supports_shared` False); all-gathers use the ring.
 
-Numerics: AdamW and SGD run elementwise on flat shards with optim.adamw_step / sgd_step,
-so a shard gets the bits the full update would give. Step counters are Python ints and
-are not counted as memory. Limitation: a parameter that gets no gradient (an unused MoE
-expert) is stepped with a zero gradient, where baseline.py skips it.
+Numerics: AdamW and SGD are elementwise, so the optimizer objects stepping a shard give
+it the bits the full update would give. Step counters are Python ints and are not
+counted as memory. Limitation: a parameter that gets no gradient (an unused MoE expert)
+is stepped with a zero gradient, where baseline.py skips it.
 
 References: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
     Parameter Models", arXiv:1910.02054, Sec. 5 (P_os, P_g, P_p), Sec. 7 (communication);
@@ -62,13 +68,14 @@ import time
 import numpy as np
 
 from minidist import collectives as C
+from minidist.baseline import make_optimizer
 from minidist.nn import Module
-from minidist.optim import adamw_step, sgd_step
+from minidist.optim import clip_to
 from minidist.parallel import zero3
 from minidist.parallel.engine import Engine
-from minidist.parallel.flat import FlatUnit, split_units
+from minidist.parallel.flat import FlatShard, FlatUnit, split_units
 
-_REDUCE_ALGO = {"auto": "direct", "direct": "direct", "ring": "ring", "halving": "halving"}
+ALGOS = ("auto", "direct", "ring", "halving")          # the algorithms with a reduce_scatter
 
 
 class ZeroEngine(Engine):
@@ -77,26 +84,27 @@ class ZeroEngine(Engine):
     def __init__(self, model: Module, group, stage: int, *, optimizer: str = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.0,
-                 eps: float = 1e-8, algo: str = "auto", sharding=None) -> None:
+                 algo: str = "auto", sharding=None,
+                 hook_points: list[tuple[Module, str]] | None = None) -> None:
+        """hook_points (stage 3): (module, method name) pairs in call order that zero3.py
+        wraps; None: the GPT's (zero3.gpt_hook_points: embed, every block, head)."""
         _check_args(stage, optimizer, algo)
         self.model, self.group, self.stage, self.sharding = model, group, stage, sharding
         self.rank, W = group.rank, group.size
-        self.lr, self.wd, self.betas, self.eps = lr, weight_decay, betas, eps
-        self.optimizer, self.momentum = optimizer, momentum
-        self.rs_algo = _REDUCE_ALGO[algo]
-        self.ag_algo = algo if algo in ("ring", "halving") else "ring"
+        self.rs_algo, self.ag_algo = algorithms(algo, group)
         self.units: list[FlatUnit] = split_units(model, W)
         self.dtype = np.dtype(self.units[0].params[0].dtype)
-        self.t, self._sync, self.comm_wait_s = 0, True, 0.0
-        self._shard_parameters()
+        self._sync, self.comm_wait_s = True, 0.0
+        w_shards = self._shard_parameters()
         # gradients: stage 1 keeps full flat buffers (the reduced slice in place);
         # stages 2-3 keep a shard and build full buffers only while a unit is reduced
         self.g_acc: list[np.ndarray | None] = [
             np.zeros(u.padded, self.dtype) if stage == 1 else None for u in self.units]
-        self.g_shard = [a[slice(*u.shard_range(self.rank))] if stage == 1
-                        else np.zeros(u.shard, self.dtype) for a, u in zip(self.g_acc, self.units)]
-        n_state = {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]
-        self.state = [[np.zeros(u.shard, self.dtype) for _ in range(n_state)] for u in self.units]
+        self.shards = [FlatShard(u.name, w, a[slice(*u.shard_range(self.rank))] if stage == 1
+                                 else np.zeros(u.shard, self.dtype))
+                       for u, w, a in zip(self.units, w_shards, self.g_acc)]
+        # DDP's optimizer, one "parameter" per unit: its state is sharded like the units
+        self.opt = make_optimizer(optimizer, self.shards, lr, weight_decay, betas, momentum)
         self.peaks = {"unsharded_grads": 0, "gathered_params": 0}
         self.norm_mask = self._norm_masks()
         self._seen = [0] * len(self.units)
@@ -108,13 +116,14 @@ class ZeroEngine(Engine):
                     p.register_grad_hook(self._on_grad)
             self.stage3 = None
         else:
-            self.stage3 = zero3.Gatherer(self)
+            self.stage3 = zero3.Zero3Hooks(self, hook_points)
 
-    def _shard_parameters(self) -> None:
-        """Stages 1-2: the model's Parameters become views of the unit flats, w_shard a view
-        of those; stage 3: keep a copy of w_shard only, the Parameters get placeholders."""
+    def _shard_parameters(self) -> list[np.ndarray]:
+        """w_shard per unit. Stages 1-2: the model's Parameters become views of the unit
+        flats (self.p_full) and w_shard a view of those; stage 3: w_shard is a copy, the
+        only one this rank keeps (zero3.py gives the Parameters placeholders)."""
         self.p_full: list[np.ndarray | None] = []
-        self.p_shard: list[np.ndarray] = []
+        w_shards = []
         for u in self.units:
             full = u.pack([p.data for p in u.params], self.dtype)
             lo, hi = u.shard_range(self.rank)
@@ -122,18 +131,16 @@ class ZeroEngine(Engine):
                 for p, view in zip(u.params, u.views(full)):
                     p.data = view
                 self.p_full.append(full)
-                self.p_shard.append(full[lo:hi])
+                w_shards.append(full[lo:hi])
             else:
                 self.p_full.append(None)
-                self.p_shard.append(full[lo:hi].copy())
+                w_shards.append(full[lo:hi].copy())
+        return w_shards
 
     # --- the engine interface ---
     def forward(self, idx, targets=None, *, n_tokens: int | None = None,
                 aux_weight: float = 1.0, dropout_key=None):
-        """(logits, loss): the model itself (stages 1-2) or zero3.forward (stage 3)."""
-        if self.stage3 is not None:
-            return self.stage3.forward(idx, targets, n_tokens=n_tokens, aux_weight=aux_weight,
-                                       dropout_key=dropout_key)
+        """(logits, loss) of the model; under stage 3 its wrapped hook points gather."""
         return self.model(idx, targets, n_tokens=n_tokens, aux_weight=aux_weight,
                           dropout_key=dropout_key)
 
@@ -154,17 +161,13 @@ class ZeroEngine(Engine):
                 self._reduce_unit(i)
         self._seen = [0] * len(self.units)
         norm = self.global_norm()
-        if clip_grad is not None and norm > clip_grad:
-            scale = clip_grad / (norm + 1e-6)
-            for g in self.g_shard:
-                g *= scale
-        self.t += 1
-        for i in range(len(self.units)):
-            self._update(i, lr)
+        clip_to([s.grad for s in self.shards], norm, clip_grad)
+        self.opt.lr = lr
+        self.opt.step()                              # AdamW / SGD on (w_shard, dw_shard)
         if self.stage < 3:
-            for i, u in enumerate(self.units):
-                self.p_full[i][...] = self._all_gather(self.p_shard[i]).reshape(-1)
-        for g in self.g_acc if self.stage == 1 else self.g_shard:
+            for i, s in enumerate(self.shards):
+                self.p_full[i][...] = self._all_gather(s.data).reshape(-1)
+        for g in self.g_acc if self.stage == 1 else [s.grad for s in self.shards]:
             g[...] = 0
         self.comm_wait_s = time.perf_counter() - t0
         return norm
@@ -173,7 +176,8 @@ class ZeroEngine(Engine):
         """COLLECTIVE: sqrt of the sum over ranks (in rank order) of ||dw_shard||^2, each
         element counted once over tp too (norm_mask: 0 on Replicate parameters off tp rank 0)."""
         local = 0.0
-        for g, mask in zip(self.g_shard, self.norm_mask):
+        for s, mask in zip(self.shards, self.norm_mask):
+            g = s.grad
             local += float(np.dot(g, g)) if mask is None else float(np.dot(g * mask, g))
         total = 0.0
         for part in self._all_gather(np.array([local])).reshape(-1):
@@ -201,26 +205,31 @@ class ZeroEngine(Engine):
         return self._global_params({name: out[name] for name, _ in self.model.named_parameters()})
 
     def full_optimizer_state(self) -> dict:
-        """COLLECTIVE: the state gathered into baseline's layout ("step", "m.i", "v.i" or
-        "momentum_buffer.i", i = index in model.parameters())."""
-        keys = {"adamw": ("m", "v"), "sgd": ("momentum_buffer",)}[self.optimizer]
-        state: dict = {"step": self.t} if self.optimizer == "adamw" else {}
-        for i, u in enumerate(self.units):
-            for key, shard in zip(keys, self.state[i]):
-                full = self._all_gather(shard).reshape(-1)
-                for slot, view in zip(u.slots, u.views(full)):
-                    state[f"{key}.{slot.index}"] = view.copy()
+        """COLLECTIVE: the optimizer's state_dict() ("step", "m.u", "v.u" or
+        "momentum_buffer.u" for the shard of unit u) gathered into baseline's layout ("step",
+        "m.i", ... with i = index in model.parameters())."""
+        state: dict = {}
+        for key, value in self.opt.state_dict().items():
+            if not isinstance(value, np.ndarray):
+                state[key] = value
+                continue
+            prefix, i = key.rsplit(".", 1)
+            u = self.units[int(i)]
+            full = self._all_gather(value).reshape(-1)
+            for slot, view in zip(u.slots, u.views(full)):
+                state[f"{prefix}.{slot.index}"] = view.copy()
         return self._global_state(state)
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now, from the arrays themselves (zero_memory.py predicts
         them): params, grads, optimizer; peak_unsharded_grads (stage 2-3) and
         peak_gathered_params (stage 3) are high-water marks since construction."""
-        out = {"params": sum(p.nbytes for p in (self.p_full if self.stage < 3
-                                                 else self.p_shard)),
+        params = self.p_full if self.stage < 3 else [s.data for s in self.shards]
+        out = {"params": sum(p.nbytes for p in params),
                "grads": sum(g.nbytes for g in self.g_acc if g is not None)
-               + (0 if self.stage == 1 else sum(g.nbytes for g in self.g_shard)),
-               "optimizer": sum(a.nbytes for s in self.state for a in s)}
+               + (0 if self.stage == 1 else sum(s.grad.nbytes for s in self.shards)),
+               "optimizer": sum(a.nbytes for a in self.opt.state_dict().values()
+                                if isinstance(a, np.ndarray))}
         if self.stage >= 2:
             out["peak_unsharded_grads"] = self.peaks["unsharded_grads"]
         if self.stage == 3:
@@ -261,13 +270,13 @@ class ZeroEngine(Engine):
 
     def _reduce_unit(self, i: int) -> None:
         """dw_shard_i += reduce_scatter(sum) of unit i's full buffer; free the buffer."""
-        self.g_shard[i] += self._reduce_scatter(self.g_acc[i])
+        self.shards[i].grad += self._reduce_scatter(self.g_acc[i])
         self.g_acc[i] = None
 
     def _note_peak(self, what: str, nbytes: int) -> None:
         self.peaks[what] = max(self.peaks[what], nbytes)
 
-    # --- collectives and the update ---
+    # --- collectives ---
     def _reduce_scatter(self, flat: np.ndarray) -> np.ndarray:
         return C.reduce_scatter(flat, op="sum", group=self.group, algo=self.rs_algo)
 
@@ -276,17 +285,23 @@ class ZeroEngine(Engine):
 
     def gather_unit(self, i: int) -> np.ndarray:
         """COLLECTIVE: unit i's full flat parameters (W S_u,), from every rank's shard."""
-        return self._all_gather(self.p_shard[i]).reshape(-1)
+        return self._all_gather(self.shards[i].data).reshape(-1)
 
-    def _update(self, i: int, lr: float) -> None:
-        """The optimizer on unit i's shard: elementwise, so exactly the full update's bits."""
-        p, g, st = self.p_shard[i], self.g_shard[i], self.state[i]
-        if self.optimizer == "adamw":
-            adamw_step(p, g, st[0], st[1], lr=lr, b1=self.betas[0], b2=self.betas[1],
-                       eps=self.eps, wd=self.wd, t=self.t)
-        else:
-            sgd_step(p, g, st[0] if st else None, lr=lr, momentum=self.momentum,
-                     weight_decay=self.wd)
+
+def algorithms(algo: str, group) -> tuple[str, str]:
+    """(reduce-scatter, all-gather) algorithms for `algo` on `group`.
+
+    "auto" reduces with "direct" (rank-order sums through shared memory: bitwise equal to
+    DDP's) where the group has shared memory, and with "ring" where it has none (the MPI
+    transport). All-gathers copy, so their order does not matter: ring unless "halving".
+    """
+    shared = getattr(group, "supports_shared", False)
+    if algo == "direct" and not shared:
+        raise ValueError(f"ZeroEngine: algo='direct' sums through shared memory, which group "
+                         f"'{getattr(group, 'name', '?')}' does not have (an MPI group?); use "
+                         "algo='auto' or 'ring' (or 'halving' on a power-of-two group).")
+    rs = ("direct" if shared else "ring") if algo == "auto" else algo
+    return rs, algo if algo == "halving" else "ring"
 
 
 def _check_args(stage, optimizer, algo) -> None:
@@ -298,6 +313,6 @@ def _check_args(stage, optimizer, algo) -> None:
                          "(train.Plan(zero=0) does), or pick stage 1, 2 or 3.")
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"ZeroEngine: optimizer={optimizer!r} is unknown; use 'adamw' or 'sgd'.")
-    if algo not in _REDUCE_ALGO:
+    if algo not in ALGOS:
         raise ValueError(f"ZeroEngine: algo={algo!r} has no reduce_scatter; use one of "
-                         f"{sorted(_REDUCE_ALGO)} ('auto' = 'direct', canonical order).")
+                         f"{ALGOS} ('auto' = 'direct', canonical order, on shared memory).")

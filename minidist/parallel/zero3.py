@@ -1,153 +1,245 @@
-"""ZeRO-3's forward and backward: a unit's parameters exist only while its piece of the model runs.
+"""ZeRO-3's forward and backward: a unit's parameters exist only while a call that reads them runs.
 
 Under stage 3 every rank keeps only w_shard (S_u,) of each unit (flat.py) and the model's
 Parameters hold a NaN placeholder (a zero-stride view of one NaN: a forward that forgot
-to gather is loud). The GPT forward is cut into pieces, each run by one unit's params:
-    embed   x = drop(wte[idx] + wpe[0..T-1])      unit 0 (root: wte, wpe, ln_f, head)
-    block j x = Block_j(x)                        unit 1 + j
-    head    logits = ln_f(x) @ wte^T              unit 0 again (tied weights)
-Each piece is one autograd Function (`_Piece`). Its forward gathers the unit, runs the
-piece under no_grad and frees the unit; its backward gathers the unit again, re-runs the
-piece WITH a graph on the saved input (recomputation), backpropagates dy through it,
-reduce-scatters the unit's gradient into dw_shard (zero.py) and frees everything. The
-recomputation is the price of freeing with this autograd: a graph built in the forward
-would keep the gathered arrays alive until its backward, i.e. all of them at once. So
-stage 3 runs every block's forward twice (about 4/3 of the compute of a step).
+to gather is loud). ZeRO-3 knows nothing of the model's layers. It wraps HOOK POINTS,
+(module, method name) pairs listed in call order, and gives each the unit whose
+parameters the method reads: flat.unit_of(units, name of the module), i.e. unit 1 + j
+for anything inside block j and the root unit 0 for everything else. For the GPT
+(`gpt_hook_points`), in call order:
+    (model, "embed")              x = drop(wte[idx] + wpe[positions])     unit 0 (root)
+    (model.blocks[j], "forward")  x, aux = Block_j(x)   (aux must be None) unit 1 + j
+    (model, "head")               logits = ln_f(x) @ wte^T                unit 0 again
+`Zero3Hooks` replaces each method by an instance attribute (unwrap() puts it back), so
+GPT.forward runs unchanged and calls the wrapper, which runs the original method inside
+one autograd Function (`_HookCall`). A unit used by several hook points (the root: embed
+and head) stays gathered from its first use to its LAST one in each pass; the uses per
+pass are counted from the hook points.
 
-One rank's view of one micro-batch (L blocks; "+u" = all_gather of unit u started
-asynchronously on the group's worker, "=u" = wait for it, "-u" = free it):
-    forward:  =0 +1 embed | =1 +2 block0 -1 | =2 +3 block1 -2 | ... | head -0
-    backward: =0 +L head | =L +(L-1) block(L-1) RS(L) -L | ... | block0 RS(1) -1 |
+The backward recomputes: a graph built in the forward would keep every gathered array
+alive until its backward, i.e. all of them at once. So stage 3 runs every block's forward
+twice (about 4/3 of the compute of a step). Layers that communicate inside a method
+(tensor-parallel f and g over tp) simply communicate again in the recomputation.
+
+One rank's view of hook point k, whose unit is u:
+    forward   1. wait for u's all_gather (start it if no prefetch did) and point the
+                 Parameters at it; start the gather of hook point k+1's unit (prefetch)
+              2. run the original method under no_grad; keep its input
+              3. count the use; after u's last use in this pass, free u
+    backward  1. gather u again; prefetch hook point k-1's unit
+              2. re-run the method WITH a graph on the saved input; backpropagate dy
+              3. add the Parameters' .grad into u's flat gradient buffer; after u's last
+                 backward use, hand it to the engine (reduce-scatter into dw_shard,
+                 zero.py; only on the last micro-batch) and free u
+For the GPT with L blocks ("+u" = gather of u started on the group's worker, "=u" = wait
+for it, "-u" = free it; tests/parallel/test_zero3.py checks this trace):
+    forward:  +0 =0 +1 embed | =1 +2 block0 -1 | =2 +3 block1 -2 | ... |
+              =L block(L-1) -L | head -0
+    backward: +0 =0 +L head | =L +(L-1) block(L-1) RS(L) -L | ... | =1 block0 RS(1) -1 |
               embed RS(0) -0
-The root unit stays gathered from the embedding to the head (both use wte) and again
-from the head's backward to the embedding's. While block j computes, block j+1's gather
-is in flight (forward; j-1 in backward): the prefetch that hides communication.
+While block j computes, block j+1's gather is in flight (forward; j-1 in backward): the
+prefetch that hides communication.
 
-Memory: at most root + two adjacent blocks are gathered at once, so
-    peak_gathered_params = b W (S_0 + max_j (S_{1+j} + S_{2+j}))      (L >= 2),
-and during the backward the root's gradient buffer plus one block's:
-    peak_unsharded_grads = b W (S_0 + max_j S_{1+j})                   (no accumulation).
+Memory: at most the root and two adjacent blocks are gathered at once, and during the
+backward the root's gradient buffer lives beside one block's, so without accumulation
+    peak_gathered_params = b W (S_0 + max_j (S_{1+j} + S_{2+j}))      (L >= 2)
+    peak_unsharded_grads = b W (S_0 + max_j S_{1+j})
+(with M > 1 micro-batches add b W sum_u S_u, the no_sync accumulators; zero_memory.py).
 Communication per micro-batch: each unit all-gathered twice (2 Ψ_pad (W-1)/W sent);
 the reduce-scatter only on the last micro-batch (Ψ_pad (W-1)/W): 3 Ψ_pad (W-1)/W per
 step without accumulation, the paper's 1.5x of data parallelism.
 
+Limits: a wrapped method is differentiable in its positional Tensor arguments and returns
+a Tensor, or a tuple whose first item is the Tensor and the rest None (a MoE block's
+auxiliary loss is refused). Each hook point runs once per forward pass, and a pass's
+backward ends before the next pass's backward starts (true of every schedule here).
+
 Reference: Rajbhandari et al. 2020, arXiv:1910.02054, Sec. 5.3 (P_p) and Sec. 7.2.2 (the
     3Ψ volume); Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, Sec. 3.3-3.4
-    (gather/free per unit, backward prefetch); Chen et al. 2016, arXiv:1604.06174
-    (recomputation).
+    (gather/free per unit around module hooks, backward prefetch); Chen et al. 2016,
+    arXiv:1604.06174 (recomputation).
 Read next: parallel/zero_memory.py.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import numpy as np
 
 from minidist.autograd import Function, Tensor, no_grad
+from minidist.nn import Module
 from minidist.parallel import placement
+from minidist.parallel.flat import unit_of
+
+_TENSOR = object()                 # marks where a Tensor argument sat in a wrapped call
 
 
-class _Piece(Function):
-    """y = piece(x) with the piece's unit gathered only inside forward and backward."""
+@dataclass
+class HookPoint:
+    """One wrapped call: `module.<method>` reads the parameters of unit `unit`."""
+
+    name: str                      # "embed", "blocks.0.forward", "head"
+    module: Module
+    method: str
+    unit: int
+    original: Callable             # the bound method before wrapping (what is recomputed)
+
+
+def gpt_hook_points(model: Module) -> list[tuple[Module, str]]:
+    """The GPT's hook points in call order: embed, every block's forward, head."""
+    if not all(hasattr(model, a) for a in ("embed", "blocks", "head")):
+        raise ValueError(f"ZeroEngine stage 3: {type(model).__name__} has no embed / blocks / "
+                         "head to wrap; pass ZeroEngine(..., hook_points=[(module, method "
+                         "name), ...]) in call order, or use stage 1 or 2.")
+    if getattr(getattr(model, "cfg", None), "moe_every", 0):
+        raise ValueError("ZeroEngine stage 3: MoE blocks return an auxiliary loss that the "
+                         "wrapped block calls do not carry; use stage 1 or 2, or a dense "
+                         "GPT (moe_every=0).")
+    return [(model, "embed"), *[(b, "forward") for b in model.blocks], (model, "head")]
+
+
+class _HookCall(Function):
+    """y = point.original(*args) with the point's unit gathered only inside forward and
+    backward; differentiable in the Tensor arguments (`handle`: the unit's shard as a leaf,
+    so that the backward runs even when no argument needs a gradient, e.g. embed)."""
 
     @staticmethod
-    def forward(ctx, x, handle, *, gatherer: "Gatherer", kind: str, j: int):
-        ctx.x, ctx.gatherer, ctx.kind, ctx.j = x, gatherer, kind, j
-        gatherer.before(kind, j, backward=False)
+    def forward(ctx, handle, *arrays, hooks: "Zero3Hooks", k: int, args: tuple, kwargs: dict,
+                sources: list):
+        ctx.hooks, ctx.k, ctx.arrays, ctx.args, ctx.kwargs = hooks, k, arrays, args, kwargs
+        ctx.sources = sources
+        hooks.before(k, backward=False)
         with no_grad():
-            y = gatherer.run(kind, j, None if x is None else Tensor(x))
-        gatherer.after(kind, j, backward=False)
-        gatherer.inner = y                  # its placement tags go to the outer result
+            out = hooks.points[k].original(*_fill(args, _inputs(sources, arrays, False)),
+                                           **kwargs)
+        y = hooks.take(k, out)
+        hooks.after(k, backward=False)
         return y.data
 
     @staticmethod
     def backward(ctx, dy):
-        g = ctx.gatherer
-        g.before(ctx.kind, ctx.j, backward=True)
-        x = None if ctx.x is None else Tensor(ctx.x, requires_grad=True)
-        g.run(ctx.kind, ctx.j, x).backward(dy)          # recompute, then backpropagate
-        g.after(ctx.kind, ctx.j, backward=True)
-        return (None if x is None else x.grad), None
+        h, k = ctx.hooks, ctx.k
+        h.before(k, backward=True)
+        xs = _inputs(ctx.sources, ctx.arrays, True)
+        out = h.points[k].original(*_fill(ctx.args, xs), **ctx.kwargs)     # recompute
+        (out[0] if isinstance(out, tuple) else out).backward(dy)
+        h.after(k, backward=True)
+        return (None, *[x.grad for x in xs])
 
 
-class Gatherer:
-    """Stage 3 of a ZeroEngine: gathers, frees and prefetches units around the pieces."""
+def _inputs(sources: list, arrays: tuple, requires_grad: bool) -> list:
+    """Fresh leaves on the call's input arrays, with the placement tags of the Tensors that
+    were passed (check mode: a sequence-parallel block must still see x as Shard(1))."""
+    return [placement.carry(src, Tensor(a, requires_grad=requires_grad))
+            for src, a in zip(sources, arrays)]
 
-    def __init__(self, engine) -> None:
+
+def _fill(template: tuple, tensors: list) -> list:
+    """template with each _TENSOR slot replaced by the next of `tensors`."""
+    it = iter(tensors)
+    return [next(it) if a is _TENSOR else a for a in template]
+
+
+class Zero3Hooks:
+    """Stage 3 of a ZeroEngine: wraps the hook points; gathers, frees, prefetches units."""
+
+    def __init__(self, engine, points: list[tuple[Module, str]] | None = None) -> None:
         model = engine.model
-        if not all(hasattr(model, a) for a in ("wte", "wpe", "blocks", "ln_f", "cfg")):
-            raise ValueError(f"ZeroEngine stage 3: {type(model).__name__} is not a GPT; stage "
-                             "3 cuts the GPT forward into embed / blocks / head pieces. Use "
-                             "stage 1 or 2 for other models.")
-        if model.cfg.moe_every:
-            raise ValueError("ZeroEngine stage 3: MoE blocks return an auxiliary loss that the "
-                             "piecewise forward does not carry; use stage 1 or 2, or a dense "
-                             "GPT (moe_every=0).")
-        self.e, self.model, self.L = engine, model, len(model.blocks)
-        # the shards as leaves: inputs that make every piece's backward run (grad: None)
-        self.handles = [Tensor(s, requires_grad=True) for s in engine.p_shard]
+        pairs = gpt_hook_points(model) if points is None else list(points)
+        names = {id(m): n for n, m in model.named_modules()}
+        self.e, self.points = engine, []
+        for module, method in pairs:
+            if id(module) not in names or not callable(getattr(module, method, None)):
+                raise ValueError(f"ZeroEngine stage 3: hook point ({type(module).__name__}, "
+                                 f"{method!r}) is not a method of a module of this model.")
+            if method in vars(module) or any(q.module is module and q.method == method
+                                             for q in self.points):
+                raise ValueError(f"ZeroEngine stage 3: {names[id(module)] or 'model'}.{method} "
+                                 "is already wrapped: list each hook point once, and call "
+                                 "unwrap() on an earlier ZeRO-3 engine of this model first.")
+            name = ".".join(x for x in (names[id(module)], method) if x)
+            self.points.append(HookPoint(name, module, method,
+                                         unit_of(engine.units, names[id(module)]),
+                                         getattr(module, method)))
+        self.uses = Counter(p.unit for p in self.points)          # uses per forward pass
+        missing = [u.name for i, u in enumerate(engine.units) if i not in self.uses]
+        if missing:
+            raise ValueError(f"ZeroEngine stage 3: no hook point reads unit(s) {missing}, so "
+                             "their parameters would never be gathered; add hook points.")
+        n = len(engine.units)
+        self.fwd, self.bwd = [0] * n, [0] * n                     # uses done in this pass
+        # the shards as leaves: inputs that make every call's backward run (grad: None)
+        self.handles = [Tensor(s.data, requires_grad=True) for s in engine.shards]
         self.work: dict[int, object] = {}           # unit -> Work of its all_gather
         self.gathered: set[int] = set()
-        self.root_grad: np.ndarray | None = None     # root gradient between head and embed
-        self.inputs: tuple = ()
-        for i in range(len(engine.units)):
+        self.grads: dict[int, np.ndarray] = {}      # unit -> full gradient being collected
+        self.inner: Tensor | None = None
+        self.rest: tuple | None = None
+        for i in range(n):
             self._free_params(i)
+        for k, p in enumerate(self.points):
+            setattr(p.module, p.method, self._wrapper(k))
 
-    # --- the forward train.py calls through ZeroEngine.forward ---
-    def forward(self, idx, targets=None, *, n_tokens=None, aux_weight=1.0, dropout_key=None):
-        """(logits, loss) of the GPT, piece by piece (the same ops in the same order)."""
-        self.inputs = (np.asarray(idx), dropout_key)
-        x = self._apply(None, "embed", 0)
-        for j in range(self.L):
-            x = self._apply(x, "block", j)
-        logits = self._apply(x, "head", 0)
-        if targets is None:
-            return logits, None
-        return logits, self.model.loss(logits, targets, n_tokens, (), aux_weight)
+    def unwrap(self) -> None:
+        """Put every original method back (the Parameters stay placeholders)."""
+        for p in self.points:
+            if vars(p.module).get(p.method) is not None:
+                delattr(p.module, p.method)
 
-    def _apply(self, x: Tensor | None, kind: str, j: int) -> Tensor:
-        handle = self.handles[1 + j if kind == "block" else 0]
-        y = _Piece.apply(x, handle, gatherer=self, kind=kind, j=j)
-        return placement.carry(self.inner, y)
+    def _wrapper(self, k: int) -> Callable:
+        point = self.points[k]
 
-    def run(self, kind: str, j: int, x: Tensor | None) -> Tensor:
-        """The piece itself, on the currently gathered parameters."""
-        m, (idx, key) = self.model, self.inputs
-        if kind == "embed":
-            return m.embed(idx, key)                                       # (B, T, C)
-        if kind == "block":
-            return m.blocks[j](x, key)[0]                                  # (B, T, C)
-        return m.head(x)                                                   # (B, T, V)
+        def call(*args: Any, **kwargs: Any):
+            template = tuple(_TENSOR if isinstance(a, Tensor) else a for a in args)
+            tensors = [a for a in args if isinstance(a, Tensor)]
+            y = _HookCall.apply(self.handles[point.unit], *tensors, hooks=self, k=k,
+                                args=template, kwargs=kwargs, sources=tensors)
+            placement.carry(self.inner, y)   # the layers' placement tags, onto the result
+            rest, self.inner, self.rest = self.rest, None, None
+            return y if rest is None else (y, *rest)
+
+        call.__wrapped__ = point.original
+        call.__name__ = f"zero3_{point.method}"
+        return call
+
+    def take(self, k: int, out) -> Tensor:
+        """The Tensor of a call's result; the rest of a tuple must be None (no MoE aux)."""
+        rest = None
+        if isinstance(out, tuple):
+            out, rest = out[0], out[1:]
+            if any(r is not None for r in rest):
+                raise ValueError(f"ZeroEngine stage 3: {self.points[k].name} returned an "
+                                 "auxiliary output (a MoE block's auxiliary loss), which the "
+                                 "wrapped call cannot carry; use stage 1 or 2 for MoE models.")
+        self.inner, self.rest = out, rest
+        return out
 
     # --- the schedule of the module docstring ---
-    def before(self, kind: str, j: int, backward: bool) -> None:
-        unit = 1 + j if kind == "block" else 0
-        self._acquire(unit)
-        if not backward:
-            nxt = 1 if kind == "embed" else 2 + j if kind == "block" else None
-        else:
-            nxt = self.L if kind == "head" else j if kind == "block" else None
-        if nxt is not None and 1 <= nxt <= self.L:
-            self._prefetch(nxt)
+    def before(self, k: int, backward: bool) -> None:
+        """Gather hook point k's unit; prefetch the next (forward) or previous one's."""
+        self._acquire(self.points[k].unit)
+        nxt = k - 1 if backward else k + 1
+        if 0 <= nxt < len(self.points):
+            self._prefetch(self.points[nxt].unit)
 
-    def after(self, kind: str, j: int, backward: bool) -> None:
-        e = self.e
-        if not backward:
-            if kind != "embed":                       # the root stays until the head
-                self._release(1 + j if kind == "block" else 0)
+    def after(self, k: int, backward: bool) -> None:
+        """Count the use; after the unit's last use of the pass, (backward: reduce and) free."""
+        u, e = self.points[k].unit, self.e
+        if backward:
+            if u not in self.grads:
+                self.grads[u] = self._new_grad_buffer(u)
+            self._collect(u, self.grads[u])
+        done = self.bwd if backward else self.fwd
+        done[u] += 1
+        if done[u] < self.uses[u]:
             return
-        if kind == "block":
-            flat = self._new_grad_buffer(1 + j)
-            self._collect(1 + j, flat)
-            e.add_unit_grads(1 + j, flat)
-            self._release(1 + j)
-        elif kind == "head":                          # root: head part now, embed part later
-            self.root_grad = self._new_grad_buffer(0)
-            self._collect(0, self.root_grad)
-        else:
-            self._collect(0, self.root_grad)          # wte: head part + embed part
-            flat, self.root_grad = self.root_grad, None
-            e.add_unit_grads(0, flat)
-            self._release(0)
+        done[u] = 0
+        if backward:
+            e.add_unit_grads(u, self.grads.pop(u))
+        self._release(u)
 
     # --- gather / free ---
     def _prefetch(self, i: int) -> None:
@@ -155,7 +247,7 @@ class Gatherer:
         if i in self.work:
             return
         e = self.e
-        self.work[i] = e._all_gather(e.p_shard[i], async_op=True)
+        self.work[i] = e._all_gather(e.shards[i].data, async_op=True)
         held = sum(e.units[u].padded for u in self.work) * e.dtype.itemsize
         e._note_peak("gathered_params", held)
 
@@ -181,8 +273,8 @@ class Gatherer:
     def _new_grad_buffer(self, i: int) -> np.ndarray:
         e = self.e
         flat = np.zeros(e.units[i].padded, e.dtype)
-        held = flat.nbytes + sum(g.nbytes for g in e.g_acc if g is not None) + (
-            self.root_grad.nbytes if self.root_grad is not None else 0)
+        held = flat.nbytes + sum(g.nbytes for g in e.g_acc if g is not None) + sum(
+            g.nbytes for g in self.grads.values())
         e._note_peak("unsharded_grads", held)
         return flat
 

@@ -3,6 +3,7 @@ parameters over W ranks trains exactly like one process, and holds exactly the p
 bytes."""
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,8 +11,9 @@ import pytest
 from minidist.baseline import model_config_for, train_single_process
 from minidist.data import DataConfig
 from minidist.nn import GPT
-from minidist.parallel.flat import split_units
-from minidist.parallel.zero import ZeroEngine
+from minidist.optim import SGD, AdamW
+from minidist.parallel.flat import FlatShard, split_units
+from minidist.parallel.zero import ZeroEngine, algorithms
 from minidist.parallel.zero_memory import comm_elements, exact_bytes
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
@@ -157,3 +159,29 @@ def _moe_stage3(ctx):
 def test_stage3_refuses_moe():
     with pytest.raises(Exception, match="MoE blocks return an auxiliary loss"):
         spawn(1, _moe_stage3)
+
+
+def _group(rank=0, size=3, shared=True):
+    """Enough of a group to build an engine (the constructor communicates nothing)."""
+    return SimpleNamespace(rank=rank, size=size, supports_shared=shared, name="dp")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_engine_steps_ddps_optimizer_over_flat_shards(stage, optimizer):
+    """One optimizer code path: the AdamW / SGD object DDP uses, one FlatShard per unit."""
+    e = ZeroEngine(GPT(TINY), _group(rank=1), stage, optimizer=optimizer, momentum=0.9)
+    assert type(e.opt) is {"adamw": AdamW, "sgd": SGD}[optimizer]
+    assert e.opt.params == e.shards and all(isinstance(s, FlatShard) for s in e.shards)
+    state = e.opt.m + e.opt.v if optimizer == "adamw" else e.opt.buffers
+    assert [a.shape for a in state] == [(u.shard,) for u in e.units] * (len(state) //
+                                                                         len(e.units))
+
+
+def test_zero_reduces_with_ring_where_the_group_has_no_shared_memory():
+    assert algorithms("auto", _group(shared=True)) == ("direct", "ring")
+    assert algorithms("auto", _group(shared=False)) == ("ring", "ring")      # MPI
+    assert algorithms("halving", _group(shared=False)) == ("halving", "halving")
+    assert ZeroEngine(GPT(TINY), _group(shared=False), 3).rs_algo == "ring"
+    with pytest.raises(ValueError, match="algo='direct' sums through shared memory"):
+        ZeroEngine(GPT(TINY), _group(shared=False), 1, algo="direct")

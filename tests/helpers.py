@@ -107,3 +107,24 @@ def dist_gradcheck(fn, x, group, *, x_placement: str, loss_placement: str, what:
                 numeric.reshape(-1)[k] = (shifted[0] - shifted[1]) / (2 * eps)
     assert_close(analytic, numeric, atol=atol, rtol=1e-6, what=f"{what} (rank {rank})")
     return True
+
+
+def assert_runs_match(runs, ref, what: str, atol: float = 1e-12) -> None:
+    """Every rank's RankResult equals the single-process TrainResult `ref` within atol (loss
+    and norm per step, lrs, every parameter, the gathered optimizer state), and the ranks'
+    parameters are bitwise identical to each other: any drift between replicas would grow
+    silently over a long run."""
+    for rank, run in enumerate(runs):
+        tag = f"{what}, rank {rank}"
+        assert_close(run.losses, ref.losses, atol=atol, what=f"{tag}: loss per step")
+        assert_close(run.grad_norms, ref.grad_norms, atol=atol, what=f"{tag}: grad norm")
+        assert run.lrs == ref.lrs, f"{tag}: learning rates"
+        assert run.params.keys() == ref.params.keys(), f"{tag}: parameter names"
+        for name, p in ref.params.items():
+            assert_close(run.params[name], p, atol=atol, what=f"{tag}: param {name}")
+        assert run.optimizer_state.keys() == ref.optimizer_state.keys(), f"{tag}: state keys"
+        for key, s in ref.optimizer_state.items():
+            assert_close(run.optimizer_state[key], s, atol=atol, what=f"{tag}: state {key}")
+    for rank, run in enumerate(runs[1:], start=1):
+        for name, p in runs[0].params.items():
+            assert np.array_equal(run.params[name], p), f"{what}: rank {rank} drifted in {name}"

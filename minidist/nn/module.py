@@ -134,7 +134,10 @@ class ModuleList(Module):
     def __len__(self) -> int:
         return sum(1 for _ in self.named_children())
 
-    def __getitem__(self, i: int) -> Module:
+    def __getitem__(self, i: int | slice) -> "Module | list[Module]":
+        """The i-th module, or a list of them for a slice (model.blocks[1:])."""
+        if isinstance(i, slice):
+            return [getattr(self, str(k)) for k in range(len(self))[i]]
         return getattr(self, str(range(len(self))[i]))
 
     def __iter__(self) -> Iterator[Module]:

@@ -60,3 +60,10 @@ def test_train_eval_propagates_and_zero_grad_clears():
         p.grad = np.ones(p.shape)
     net.zero_grad()
     assert all(p.grad is None for p in net.parameters())
+
+
+def test_module_list_indexes_and_slices_like_a_list():
+    mods = [Linear(2, 2), LayerNorm(2), Linear(2, 3)]
+    ml = ModuleList(mods)
+    assert ml[0] is mods[0] and ml[-1] is mods[2]
+    assert ml[1:] == mods[1:] and ml[::2] == mods[::2] and ml[5:] == []

@@ -12,7 +12,7 @@ from minidist.data import DataConfig
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
-from tests.helpers import assert_close
+from tests.helpers import assert_runs_match
 
 DATA = DataConfig(task="sort", length=6, seed=2)   # V = 11 (divisible by no tp > 1), T = 12
 STEPS, M, LR, CLIP = 3, 2, 1e-2, 0.05
@@ -32,16 +32,7 @@ def _reference(tp: int, batch: int):
 
 def _check(runs, ref, what):
     assert max(ref.grad_norms) > CLIP                         # clipping really happened
-    for rank, run in enumerate(runs):
-        tag = f"{what}, rank {rank}"
-        assert_close(run.losses, ref.losses, atol=1e-12, what=f"{tag}: loss per step")
-        assert_close(run.grad_norms, ref.grad_norms, atol=1e-12, what=f"{tag}: grad norm")
-        assert run.params.keys() == ref.params.keys()
-        for name, p in ref.params.items():
-            assert_close(run.params[name], p, atol=1e-12, what=f"{tag}: param {name}")
-        assert run.optimizer_state.keys() == ref.optimizer_state.keys()
-        for key, s in ref.optimizer_state.items():
-            assert_close(run.optimizer_state[key], s, atol=1e-12, what=f"{tag}: {key}")
+    assert_runs_match(runs, ref, what)
 
 
 def _run(dp, tp, zero, sp):

@@ -16,7 +16,7 @@ from minidist.parallel.data_buckets import BucketedDataParallel
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
-from tests.helpers import assert_close
+from tests.helpers import assert_close, assert_runs_match
 
 DATA = DataConfig(task="sort", length=4)
 TINY = model_config_for(DATA, n_layer=2, n_embd=16, n_head=2, dtype="float64")
@@ -30,26 +30,6 @@ CASES = [  # (W, micro_batches, extra Plan fields)
 ]
 
 
-def _check_against_reference(runs, ref, what):
-    # float64 throughout: the only difference is the order of additions (~1e-16).
-    for rank, run in enumerate(runs):
-        tag = f"{what}, rank {rank}"
-        assert_close(run.losses, ref.losses, atol=1e-12, what=f"{tag}: loss per step")
-        assert_close(run.grad_norms, ref.grad_norms, atol=1e-12, what=f"{tag}: grad norm")
-        assert run.lrs == ref.lrs
-        assert run.params.keys() == ref.params.keys()
-        for name, p in ref.params.items():
-            assert_close(run.params[name], p, atol=1e-12, what=f"{tag}: param {name}")
-        assert run.optimizer_state.keys() == ref.optimizer_state.keys()
-        for key, s in ref.optimizer_state.items():
-            assert_close(run.optimizer_state[key], s, atol=1e-12, what=f"{tag}: state {key}")
-    # Replicas must be identical to each other, not merely close to the reference:
-    # any drift between them would grow silently over a long run.
-    for rank, run in enumerate(runs[1:], start=1):
-        for name, p in runs[0].params.items():
-            assert np.array_equal(run.params[name], p), f"{what}: rank {rank} drifted in {name}"
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("W, M, extra", CASES)
 def test_dp_training_matches_single_process(W, M, extra):
@@ -58,7 +38,7 @@ def test_dp_training_matches_single_process(W, M, extra):
     plan = Plan(**{"dp": W, "micro_batches": M, "bucket_bytes": SMALL_BUCKET, **extra})
     runs = spawn(W, train_on_rank, TINY, DATA, plan, steps=STEPS, global_batch=GLOBAL_BATCH,
                  lr=LR, weight_decay=WD)
-    _check_against_reference(runs, ref, f"W={W} M={M} {extra}")
+    assert_runs_match(runs, ref, f"W={W} M={M} {extra}")
 
 
 @pytest.mark.multiproc
@@ -68,7 +48,7 @@ def test_dp_on_8_ranks_with_clipping_and_a_schedule():
     ref = train_single_process(TINY, DATA, **kw)
     runs = spawn(8, train_on_rank, TINY, DATA, Plan(dp=8, bucket_bytes=SMALL_BUCKET), **kw)
     assert max(ref.grad_norms) > 0.5                     # clipping really happened
-    _check_against_reference(runs, ref, "W=8 clip 0.5, cosine")
+    assert_runs_match(runs, ref, "W=8 clip 0.5, cosine")
 
 
 def _shares(n, W):

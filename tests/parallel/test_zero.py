@@ -17,7 +17,7 @@ from minidist.parallel.zero import ZeroEngine, algorithms
 from minidist.parallel.zero_memory import comm_elements, exact_bytes
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
-from tests.helpers import assert_close
+from tests.helpers import assert_close, assert_runs_match
 
 DATA = DataConfig(task="sort", length=4, seed=1)
 TINY = model_config_for(DATA, n_layer=2, n_head=2, n_embd=16)                 # float64
@@ -40,29 +40,13 @@ def _numels(cfg, W):
     return [u.numel for u in split_units(GPT(cfg, seed=None), W)]
 
 
-def _check_against_reference(runs, ref, what):
-    for rank, run in enumerate(runs):
-        tag = f"{what}, rank {rank}"
-        assert_close(run.losses, ref.losses, atol=1e-12, what=f"{tag}: loss per step")
-        assert_close(run.grad_norms, ref.grad_norms, atol=1e-12, what=f"{tag}: grad norm")
-        assert run.params.keys() == ref.params.keys()
-        for name, p in ref.params.items():
-            assert_close(run.params[name], p, atol=1e-12, what=f"{tag}: param {name}")
-        assert run.optimizer_state.keys() == ref.optimizer_state.keys()
-        for key, value in ref.optimizer_state.items():
-            assert_close(run.optimizer_state[key], value, atol=1e-12, what=f"{tag}: {key}")
-    for rank, run in enumerate(runs[1:], start=1):          # replicas, not merely close
-        for name, p in runs[0].params.items():
-            assert np.array_equal(run.params[name], p), f"{what}: rank {rank} drifted in {name}"
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("M", [1, 2])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("W", [1, 2, 3, 4])
 def test_zero_matches_single_process_and_memory_formula(W, stage, M):
     runs = _run(W, stage, M)
-    _check_against_reference(runs, _reference(M=M), f"W={W} stage={stage} M={M}")
+    assert_runs_match(runs, _reference(M=M), f"W={W} stage={stage} M={M}")
     expected = exact_bytes(stage, _numels(TINY, W), W, itemsize=8, micro_batches=M)
     for rank, run in enumerate(runs):                        # measured == formula, exactly
         assert run.memory == expected, f"rank {rank}: memory {run.memory} != {expected}"
@@ -72,7 +56,7 @@ def test_zero_matches_single_process_and_memory_formula(W, stage, M):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_eight_ranks(stage):
     runs = _run(8, stage, M=2, B=16)
-    _check_against_reference(runs, _reference(M=2, B=16), f"W=8 stage={stage}")
+    assert_runs_match(runs, _reference(M=2, B=16), f"W=8 stage={stage}")
     assert runs[0].memory == exact_bytes(stage, _numels(TINY, 8), 8, 8, micro_batches=2)
 
 
@@ -107,7 +91,7 @@ def test_gradient_clipping_uses_the_global_norm(stage):
     kw = dict(clip_grad=0.05, weight_decay=0.1)           # 0.05 is below every step's norm
     ref = _reference(M=2, **kw)
     assert min(ref.grad_norms) > 0.05
-    _check_against_reference(_run(3, stage, 2, **kw), ref, f"clip stage={stage}")
+    assert_runs_match(_run(3, stage, 2, **kw), ref, f"clip stage={stage}")
 
 
 @pytest.mark.multiproc
@@ -115,7 +99,7 @@ def test_gradient_clipping_uses_the_global_norm(stage):
 def test_sgd_with_momentum(stage):
     kw = dict(optimizer="sgd", momentum=0.9, weight_decay=0.01)
     runs = _run(3, stage, 1, **kw)
-    _check_against_reference(runs, _reference(**kw), f"sgd stage={stage}")
+    assert_runs_match(runs, _reference(**kw), f"sgd stage={stage}")
     expected = exact_bytes(stage, _numels(TINY, 3), 3, 8, state_arrays=1)
     assert runs[0].memory == expected
 

@@ -36,13 +36,15 @@ from minidist.train import Plan, train_on_rank                          # noqa: 
 TP, STEPS, GLOBAL_BATCH, SHOW_BATCH, LR, SEED = 2, 3, 8, 2, 3e-3, 0
 N_LAYER, N_EMBD, N_HEAD, LENGTH = 2, 48, 12, 6   # T = 2 * LENGTH = 12: tp 2, 3, 4, 6 divide it
 GRAD = "blocks.0.ln_1.weight"                     # the LayerNorm gain whose gradient we follow
-STAGES = ("LN", "all-gather", "column", "inside", "row @", "reduce-scatter", "+ residual")
+STAGES = ("LN", "all-gather, column", "inside", "row @", "reduce-scatter", "+ residual")
 LEGEND = """  LN              LayerNorm of my positions only (no communication)
-  all-gather      along T, ring: B·T·C (W-1)/W numbers sent per rank (backward: reduce-scatter)
-  column, inside, row @   as in demo 08 (tensor parallelism): on all T positions
-  reduce-scatter  along T: sum the partial sums over tp, keep my positions (backward:
-                  all-gather), the same bytes as the all-gather
-  + residual      dropout and residual add on my positions only"""
+  all-gather, column  along T, ring: B·T·C (W-1)/W numbers sent per rank, fused with the
+                      column-parallel matmul: its backward keeps only my positions and
+                      all-gathers them again (then reduce-scatters dx)
+  inside, row @       as in demo 08 (tensor parallelism): on all T positions
+  reduce-scatter      along T: sum the partial sums over tp, keep my positions (backward:
+                      all-gather), the same bytes as the all-gather
+  + residual          dropout and residual add on my positions only"""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,12 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @dataclass(frozen=True)
 class TracedTP(TensorParallel):
-    """TensorParallel that writes down (input, output) of the all-gather (enter) and the
-    reduce-scatter (exit); traced() adds a layer's forward to the same log."""
+    """TensorParallel that writes down (input, output) of the all-gather fused with the
+    column matmul and of the reduce-scatter (exit); traced() adds a layer's forward."""
     log: list = field(default_factory=list, compare=False)
 
-    def enter(self, x):
-        self.log.append((x, super().enter(x)))
+    def matmul(self, x, w):
+        self.log.append((x, super().matmul(x, w)))
         return self.log[-1][1]
 
     def exit(self, y):
@@ -97,10 +99,9 @@ def region(tp, part: str, ln, body, x, lo: int) -> tuple:
     tp.log.clear()
     a = ln(x)                                              # (B, T_tp, C)
     out = x + body(a)                                      # (B, T_tp, C)
-    (g_in, g_out), (_, col), (s_in, s_out), (row_in, _) = tp.log     # order of return
-    ends = [(x, a), (g_in, g_out), (g_out, col), (col, row_in), (row_in, s_in), (s_in, s_out),
-            (s_out, out)]
-    return out, [f"  {part if i == 0 else '':4s} {STAGES[i]:14s} {desc(i_, lo)} -> "
+    (g_in, _), (_, col), (s_in, s_out), (row_in, _) = tp.log         # order of return
+    ends = [(x, a), (g_in, col), (col, row_in), (row_in, s_in), (s_in, s_out), (s_out, out)]
+    return out, [f"  {part if i == 0 else '':4s} {STAGES[i]:18s} {desc(i_, lo)} -> "
                  f"{desc(o, lo)}".rstrip() for i, (i_, o) in enumerate(ends)]
 
 

@@ -1,4 +1,4 @@
-"""Benchmark: training throughput of data parallelism (and ZeRO) against one rank.
+"""Benchmark: training throughput of data (and ZeRO) and tensor parallelism against one rank.
 
 Weak scaling: every rank keeps the same batch (`--batch-per-rank`), so dp ranks process
 dp times the tokens of one rank per step; on dp idle cores the ideal is dp x the tokens/s
@@ -26,10 +26,26 @@ machine shared with other jobs it can be far below W); dp=W with overlap, dp=W w
 (Plan(zero=k), parallel/zero.py). dp=W against "W x dp=1" is the cost of data
 parallelism itself.
 
+Tensor parallelism (--tp T > 1) is strong scaling instead: every row trains the SAME global
+batch (`--batch`), so ratio = speed-up over one rank. Rows: dp=1; dp=D (with --dp D > 1);
+the layout dp=D x tp=T; with --sp the same with sequence parallelism. Defaults are a model
+where matmuls dominate: C=256, 4 layers, T=128, float32, batch 8. Columns besides the times:
+    dp sent, 2(D-1)/D Ψ  bytes rank 0 sent per step over dp, and DDP's figure for its shard
+    tp sent, formula     bytes rank 0 sent per step over tp (bytes_by_axis["tp"]) and
+                         parallel/tensor_memory.step_bytes (exact, algorithm by algorithm)
+    act/layer, formula   bytes one rank keeps for the backward of one block (block 0 of the
+                         same sharded model, autograd/saved.py, parameters excluded) and
+                         tensor_memory.activation_bytes
+Placement checks are off in every run: their digests would be traffic too.
+
 Run:  python -m minidist bench train --dp 2 [--zero 1,2,3] [--steps 30] [--warmup 5]
       [--repeats 3] [--batch-per-rank 32] [--overlap | --no-overlap] [--n-layer 2]
       [--n-embd 64] [--dtype float32] [--bucket-bytes 64K]       (default: about 25 s)
-Reference: Li et al. 2020, arXiv:2006.15704, Sec. 5 (DDP overlap and bucket size).
+      python -m minidist bench train --tp 2 [--dp 2] [--sp] [--batch 8] [--steps 10]
+      [--warmup 2] [--n-layer 4] [--n-embd 256] [--length 64]    (T = 128; a minute or two)
+Reference: Li et al. 2020, arXiv:2006.15704, Sec. 5 (DDP overlap and bucket size);
+    Shoeybi et al. 2019, arXiv:1909.08053 (tp); Korthikanti et al. 2022, arXiv:2205.05198
+    (SP; Table 2, activation memory, printed under the tp table).
 Read next: bench/collectives.py
 """
 
@@ -52,6 +68,9 @@ from minidist.baseline import model_config_for  # noqa: E402
 from minidist.bench.collectives import parse_bytes  # noqa: E402
 from minidist.data import DataConfig           # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
+from minidist.parallel import placement as pl  # noqa: E402
+from minidist.parallel import tensor_memory as tm  # noqa: E402
+from minidist.parallel.tensor import expected_placement  # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402
 from minidist.train import Plan, train_on_rank  # noqa: E402
 
@@ -68,6 +87,9 @@ class Row:
     comm_wait: float
     cpu: float
     sent: int
+    sent_by_axis: dict | None = None            # rank 0's {"dp": B, "tp": B} per step
+    plan: Plan | None = None
+    act: int = 0                                # activation bytes per layer, measured
 
 
 @dataclass
@@ -85,25 +107,28 @@ def _on_rank(ctx, model_cfg, data_cfg, plan: Plan, steps: int, batch: int, alone
         ctx = _Alone(mine[ctx.rank])
     r = train_on_rank(ctx, model_cfg, data_cfg, plan, steps=steps, global_batch=batch,
                       lr=1e-3)
-    return r.timing, [b["sent"] for b in r.bytes_per_step]
+    return r.timing, [b["sent"] for b in r.bytes_per_step], r.bytes_by_axis
 
 
 def measure(name: str, model_cfg, data_cfg, plan: Plan, steps: int, warmup: int,
-            batch_per_rank: int, alone: int = 0) -> Row:
-    """Spawn plan.dp ranks (or `alone` ranks training by themselves), train
-    `warmup + steps` steps, reduce the timings to a Row."""
-    ranks = alone or plan.dp
-    batch = batch_per_rank * ranks
-    runs = spawn(ranks, _on_rank, model_cfg, data_cfg, plan, warmup + steps,
-                 batch_per_rank * plan.dp, bool(alone))
+            global_batch: int, alone: int = 0) -> Row:
+    """Spawn plan.world_size ranks training `global_batch` (or `alone` ranks, each training
+    its own `global_batch`), train `warmup + steps` steps, reduce the timings to a Row."""
+    ranks = alone or plan.world_size
+    runs = spawn(ranks, _on_rank, model_cfg, data_cfg, plan, warmup + steps, global_batch,
+                 bool(alone))
     keep = slice(warmup, warmup + steps)
-    slowest = [max(t) for t in zip(*(timing["step"][keep] for timing, _ in runs))]
+    slowest = [max(t) for t in zip(*(timing["step"][keep] for timing, _, _ in runs))]
     mean = lambda key: [float(np.mean(t)) for t in                       # noqa: E731
-                        zip(*(timing[key][keep] for timing, _ in runs))]
+                        zip(*(timing[key][keep] for timing, _, _ in runs))]
     step = statistics.median(slowest)
-    return Row(name, ranks if not alone else 1, batch * data_cfg.block_size / step, step,
+    by_axis = {a: int(statistics.median(b[a] for b in runs[0][2][keep]))
+               for a in runs[0][2][0]} if steps else {}
+    return Row(name, ranks if not alone else 1,
+               global_batch * (alone or 1) * data_cfg.block_size / step, step,
                statistics.median(mean("compute")), statistics.median(mean("comm_wait")),
-               statistics.median(mean("cpu")), int(statistics.median(runs[0][1][keep])))
+               statistics.median(mean("cpu")), int(statistics.median(runs[0][1][keep])),
+               by_axis, plan)
 
 
 def _zero_available() -> str | None:
@@ -118,10 +143,10 @@ def run_table(a: argparse.Namespace) -> list[Row]:
     data_cfg = DataConfig(task="sort", length=a.length)
     cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
                            dtype=a.dtype)
-    common = dict(model_cfg=cfg, data_cfg=data_cfg, steps=a.steps, warmup=a.warmup,
-                  batch_per_rank=a.batch_per_rank)
+    common = dict(model_cfg=cfg, data_cfg=data_cfg, steps=a.steps, warmup=a.warmup)
     modes = [True, False] if a.overlap is None else [a.overlap]
-    plan = lambda dp, **kw: Plan(dp=dp, bucket_bytes=a.bucket_bytes, **kw)  # noqa: E731
+    plan = lambda dp, **kw: Plan(dp=dp, bucket_bytes=a.bucket_bytes,     # noqa: E731
+                                 check_placements=False, **kw)
     runs = [("dp=1", plan(1, overlap=modes[0]), 0)]
     if a.dp > 1:
         runs.append((f"{a.dp} x dp=1", plan(1, overlap=modes[0]), a.dp))
@@ -133,13 +158,20 @@ def run_table(a: argparse.Namespace) -> list[Row]:
             print(f"zero-{k}: skipped, the ZeRO engine is not importable ({missing})")
         else:
             runs.append((f"dp={a.dp} zero-{k}", plan(a.dp, zero=k), 0))
+    batch = lambda p: a.batch_per_rank * p.dp                            # noqa: E731
+    return _best_of(a.repeats, [(n, p, alone, batch(p)) for n, p, alone in runs], common)
+
+
+def _best_of(repeats: int, runs: list, common: dict) -> list[Row]:
+    """Each run (name, plan, alone, global batch) `repeats` times, interleaved so that the
+    machine's load hits all alike; each keeps its fastest repeat."""
     best: dict[str, Row] = {}
-    for _ in range(a.repeats):                         # interleaved: load hits all alike
-        for name, p, alone in runs:
-            row = measure(name, plan=p, alone=alone, **common)
+    for _ in range(repeats):
+        for name, p, alone, batch in runs:
+            row = measure(name, plan=p, alone=alone, global_batch=batch, **common)
             if name not in best or row.tokens_per_s > best[name].tokens_per_s:
                 best[name] = row
-    return [best[name] for name, _, _ in runs]
+    return [best[name] for name, *_ in runs]
 
 
 def render(rows: list[Row], psi: int, itemsize: int) -> str:
@@ -164,32 +196,139 @@ def _stages(text: str) -> list[int]:
     return stages
 
 
+# --- tensor parallelism: strong scaling, bytes and activations against the formulas ------
+
+def _act_on_rank(ctx, cfg, rows: int, sp: bool) -> int:
+    return tm.measure_layer_activations(ctx.world, cfg, rows, sp)
+
+
+def _local_params(cfg, tp: int) -> int:
+    """Elements of one tp rank's shard of GPT(cfg): what DDP all-reduces over dp."""
+    total = 0
+    for name, p in GPT(cfg, seed=None).named_parameters():
+        shape, place = list(p.shape), expected_placement(name) if tp > 1 else pl.Replicate()
+        if isinstance(place, pl.Shard):
+            d = place.dim % len(shape)
+            shape[d] = place.blocks * pl.piece_length(shape[d], tp, place.blocks)
+        total += int(np.prod(shape))
+    return total
+
+
+def run_tp_table(a: argparse.Namespace, cfg, data_cfg) -> list[Row]:
+    """dp=1, dp=D, dp=D x tp=T (and with SP), all on the same global batch a.batch."""
+    def plan(**kw) -> Plan:
+        return Plan(check_placements=False, overlap=a.overlap is not False,
+                    bucket_bytes=a.bucket_bytes, **kw)
+
+    layout = f"dp={a.dp} tp={a.tp}" if a.dp > 1 else f"tp={a.tp}"
+    runs = [("dp=1", plan(dp=1))] + ([(f"dp={a.dp}", plan(dp=a.dp))] if a.dp > 1 else [])
+    runs.append((layout, plan(dp=a.dp, tp=a.tp)))
+    if a.sp:
+        runs.append((layout + " sp", plan(dp=a.dp, tp=a.tp, sequence_parallel=True)))
+    common = dict(model_cfg=cfg, data_cfg=data_cfg, steps=a.steps, warmup=a.warmup)
+    rows = _best_of(a.repeats, [(n, q, 0, a.batch) for n, q in runs], common)
+    out = []
+    for r in rows:                                         # untimed: one block's graph
+        act = spawn(r.plan.tp, _act_on_rank, cfg, a.batch // r.plan.dp,
+                    r.plan.sequence_parallel)
+        out.append(Row(**{**r.__dict__, "act": act[0]}))
+    return out
+
+
+def render_tp(rows: list[Row], cfg, batch: int) -> str:
+    b, T, C, H = np.dtype(cfg.dtype).itemsize, cfg.block_size, cfg.n_embd, cfg.n_head
+    base = rows[0].tokens_per_s
+    head = [("run", 20), ("ranks", 6), ("tokens/s", 10), ("ratio", 7), ("step ms", 9),
+            ("compute ms", 12), ("cpu ms", 8), ("dp sent", 12), ("2(D-1)/D Ψ", 12),
+            ("tp sent", 12), ("formula", 12), ("act/layer", 12), ("formula", 12)]
+    lines = ["".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(head))]
+    for r in rows:
+        q = r.plan
+        rows_mb = batch // q.dp                                 # sequences per dp rank
+        dp_formula = int(round(2 * (q.dp - 1) / q.dp * _local_params(cfg, q.tp) * b))
+        tp_formula = tm.step_bytes(cfg, rows_mb, T, q.tp, q.sequence_parallel)
+        act_formula = tm.activation_bytes(rows_mb, T, C, H, cfg.mlp_ratio * C, tp=q.tp,
+                                          sp=q.sequence_parallel, itemsize=b,
+                                          dropout=cfg.dropout > 0)
+        cells = [f"{r.name:<20}", f"{r.dp:>6}", f"{r.tokens_per_s:>10.0f}",
+                 f"{r.tokens_per_s / base:>7.2f}", f"{r.step * 1e3:>9.2f}",
+                 f"{r.compute * 1e3:>12.2f}", f"{r.cpu * 1e3:>8.2f}"]
+        cells += [f"{v:>12,d}" for v in (r.sent_by_axis.get("dp", 0), dp_formula,
+                                          r.sent_by_axis.get("tp", 0), tp_formula, r.act,
+                                          act_formula)]
+        lines.append("".join(cells))
+    return "\n".join(lines)
+
+
+def paper_line(cfg, rows_mb: int, tp: int) -> str:
+    """Korthikanti et al.'s Table 2 for this model (16-bit activations, with dropout)."""
+    s, h, a = cfg.block_size, cfg.n_embd, cfg.n_head
+    per = [("t=1", tm.paper_activation_bytes(s, rows_mb, h, a)),
+           (f"t={tp}", tm.paper_activation_bytes(s, rows_mb, h, a, tp)),
+           (f"t={tp} sp", tm.paper_activation_bytes(s, rows_mb, h, a, tp, True))]
+    return ("Korthikanti et al. 2022, Table 2, per layer and rank at 16 bits with dropout "
+            f"(s={s}, b={rows_mb}, h={h}, a={a}): " + ", ".join(f"{n} {v:,.0f} B" for n, v in per))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minidist bench train`: tokens/s of dp ranks vs one, comm wait per step."""
+    """`python -m minidist bench train`: tokens/s of dp ranks vs one, comm wait per step;
+    with --tp: dp x tp layouts vs one rank on the same batch, bytes and activations."""
     p = argparse.ArgumentParser(prog="python -m minidist bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default 2)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel ranks (default 2; with --tp: 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: the tp table")
+    p.add_argument("--sp", action="store_true", help="add sequence-parallel rows (--tp > 1)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="global batch of every tp-table row (strong scaling; default 8)")
     p.add_argument("--zero", type=_stages, default=[], help="ZeRO stages to add, e.g. 1,2,3")
-    p.add_argument("--steps", type=int, default=30, help="measured steps (after warm-up)")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=None,
+                   help="measured steps after warm-up (default 30; with --tp: 10)")
+    p.add_argument("--warmup", type=int, default=None, help="default 5; with --tp: 2")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs; best kept")
     p.add_argument("--batch-per-rank", type=int, default=32, help="sequences per rank")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="only with (--overlap) or without (--no-overlap); default both")
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=None, help="default 2; with --tp: 4")
+    p.add_argument("--n-embd", type=int, default=None, help="default 64; with --tp: 256")
     p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--length", type=int, default=8, help="prompt length: T = 2 x length")
+    p.add_argument("--length", type=int, default=None,
+                   help="prompt length, T = 2 x length (default 8; with --tp: 64)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--bucket-bytes", type=parse_bytes, default=64 << 10,
                    help="DDP bucket size (default 64K: several buckets, so overlap matters)")
     a = p.parse_args(argv)
-    if a.dp < 1 or a.steps < 1 or a.warmup < 0 or a.batch_per_rank < 1 or a.repeats < 1:
-        p.error("need --dp, --steps, --repeats, --batch-per-rank >= 1 and --warmup >= 0")
-    cfg = model_config_for(DataConfig(task="sort", length=a.length), n_layer=a.n_layer,
-                           n_embd=a.n_embd, n_head=a.n_head, dtype=a.dtype)
+    tp_mode = a.tp > 1
+    defaults = dict(dp=1, steps=10, warmup=2, n_layer=4, n_embd=256, length=64) if tp_mode \
+        else dict(dp=2, steps=30, warmup=5, n_layer=2, n_embd=64, length=8)
+    for key, value in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.dp < 1 or a.tp < 1 or a.steps < 1 or a.warmup < 0 or a.batch_per_rank < 1 \
+            or a.repeats < 1 or a.batch < 1:
+        p.error("need --dp, --tp, --steps, --repeats, --batch, --batch-per-rank >= 1 and "
+                "--warmup >= 0")
+    if a.sp and not tp_mode or tp_mode and (a.zero or a.batch % a.dp):
+        p.error("--sp needs --tp > 1; with --tp, --batch must divide by --dp and --zero is "
+                "not part of the tp table")
+    data_cfg = DataConfig(task="sort", length=a.length)
+    cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
+                           dtype=a.dtype)
     psi = GPT(cfg).num_parameters()
     print("$ python -m minidist bench train " + shlex.join(sys.argv[1:] if argv is None else argv))
+    if tp_mode:
+        try:
+            Plan(dp=a.dp, tp=a.tp, sequence_parallel=a.sp).validate(cfg, a.batch,
+                                                                   cfg.block_size)
+        except ValueError as e:
+            p.error(str(e))
+        print(f"GPT {cfg.n_layer} layers, C={cfg.n_embd}, H={cfg.n_head}, T={cfg.block_size}, "
+              f"Ψ={psi:,} params, {cfg.dtype}; global batch {a.batch} in every row (strong "
+              f"scaling); medians over {a.steps} steps after {a.warmup} warm-up, best of "
+              f"{a.repeats} runs; {os.cpu_count()} CPU cores; bytes and act per rank (rank 0)")
+        print(render_tp(run_tp_table(a, cfg, data_cfg), cfg, a.batch))
+        print(paper_line(cfg, a.batch // a.dp, a.tp))
+        return 0
     print(f"GPT {cfg.n_layer} layers, C={cfg.n_embd}, T={cfg.block_size}, Ψ={psi:,} params, "
           f"{cfg.dtype}; {a.batch_per_rank} sequences per rank (weak scaling); medians over "
           f"{a.steps} steps after {a.warmup} warm-up, best of {a.repeats} runs; "

@@ -13,11 +13,16 @@ edges of a tensor-parallel region change to keep the same total volume:
 An all-reduce is a reduce-scatter followed by an all-gather, so SP moves the same bytes
 (Korthikanti et al. 2022, Sec. 4.2.2) and saves the activation memory of everything
 outside the regions: per layer 34 B T C / W_tp bytes instead of 10 B T C + 24 B T C / W_tp
-(their Table 2, 16-bit activations; memory/ measures ours).
+(their Table 2, 16-bit activations; parallel/tensor_memory.py gives ours, measured).
+The price: the backward all-gathers each column-parallel layer's input once more.
 
 The conjugate pairs, as autograd Functions (forward / backward):
     GatherFromSequenceRegion      all-gather along T   /  reduce-scatter along T
     ReduceScatterToSequenceRegion reduce-scatter along T / all-gather along T
+The column-parallel layers fuse the first with their matmul (AllGatherMatmul), so that
+they keep only the shard x[B, T_tp, C] for the backward and all-gather it again there
+(as Megatron-LM does): without that, each would keep the gathered x[B, T, C] and SP would
+not split the memory of the matmul inputs.
 
 The parameters used on sequence shards (LayerNorm gains and shifts, the position
 embedding, the bias of each row-parallel layer) are replicated, but each rank computes
@@ -94,6 +99,45 @@ class ReduceScatterToSequenceRegion(Function):
     @staticmethod
     def backward(ctx, dy):
         return (all_gather_sequence(dy, ctx.tp),)
+
+
+class AllGatherMatmul(Function):
+    """y = all_gather_T(x) @ w, keeping only this rank's x[B, T_tp, C] for the backward.
+
+    The column-parallel layers under SP (qkv, fc, the LM head) need the whole sequence in
+    their matmul, but saving the gathered x[B, T, C] would keep W times the activation
+    that SP set out to split. So, as Megatron-LM does, the backward all-gathers x again:
+        forward   x_all = all_gather_T(x);  y = x_all @ w                (B, T, F_tp)
+        backward  x_all = all_gather_T(x);  dw = x_all^T dy;  dx = reduce_scatter_T(dy w^T)
+    One more all-gather of B T_tp C per call, in exchange for 1/W of the saved input.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, *, tp):
+        ctx.tp = tp
+        ctx.save_for_backward(x, w)
+        x_all = all_gather_sequence(x, tp)                              # (B, T, C)
+        return (x_all.reshape(-1, x_all.shape[-1]) @ w).reshape(x_all.shape[:-1] + (-1,))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, dy.shape[-1])                              # (B T, F_tp)
+        dx = dw = None
+        if need_w:
+            x_all = all_gather_sequence(x, ctx.tp)                      # gathered again
+            dw = x_all.reshape(-1, x_all.shape[-1]).T @ dy2             # (C, F_tp)
+        if need_x:
+            dx_all = (dy2 @ w.T).reshape(dy.shape[:-1] + (w.shape[0],))  # (B, T, C) {U_tp}
+            dx = reduce_scatter_sequence(dx_all, ctx.tp)                # (B, T_tp, C)
+        return dx, dw
+
+
+def all_gather_matmul(x: Tensor, w: Tensor, tp) -> Tensor:
+    """x[B, T_tp, C] @ w[C, F_tp] over the whole sequence -> y[B, T, F_tp] Shard(2)."""
+    pl.expect(x, "tp", pl.Shard(1), name="x", where="all-gather into the tp region (SP)")
+    return pl.tag(AllGatherMatmul.apply(x, w, tp=tp), "tp", pl.Shard(2))
 
 
 def gather_from_sequence_region(x: Tensor, tp) -> Tensor:

@@ -103,9 +103,17 @@ class TensorParallel:
         return getattr(self.group, "prefix", "")
 
     def enter(self, x: Tensor) -> Tensor:
-        """Into a column-parallel layer: f, or the all-gather along T under SP."""
+        """Into a tensor-parallel region: f, or the all-gather along T under SP (which the
+        column-parallel layers fuse with their matmul instead: see `matmul`)."""
         return sp.gather_from_sequence_region(x, self) if self.sequence_parallel \
             else copy_to_tensor_region(x, self)
+
+    def matmul(self, x: Tensor, w: Tensor) -> Tensor:
+        """A column-parallel matmul: f(x) @ w, or under SP the all-gather along T fused with
+        the matmul (sequence.AllGatherMatmul keeps only the shard for the backward)."""
+        if self.sequence_parallel:
+            return sp.all_gather_matmul(x, w, self)
+        return pl.tag(self.enter(x) @ w, "tp", pl.Shard(2))
 
     def exit(self, y: Tensor) -> Tensor:
         """Out of a row-parallel layer: g, or the reduce-scatter along T under SP."""
@@ -137,7 +145,7 @@ class ColumnParallelLinear(Module):
                                                                    pl.Shard(0, blocks), tp)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.tp.enter(x) @ self.weight                      # (B, T, C) @ (C, F_tp)
+        y = self.tp.matmul(x, self.weight)                      # (B, T, C) @ (C, F_tp)
         y = y if self.bias is None else y + self.bias
         return pl.tag(y, "tp", pl.Shard(2))
 
@@ -229,7 +237,7 @@ class TensorParallelLayout(GPTLayout):
                 f"{self.tp.prefix} the LM head weight is {pl.placement_of(self.head_param, 'tp')}"
                 " over tp, but a tensor-parallel GPT must shard it by vocabulary (Shard); an "
                 "unsharded head computes all V logits on every rank (picotron #23).")
-        return pl.tag(self.tp.enter(x) @ w, "tp", pl.Shard(2))     # (B, T, C) @ (C, V_tp)
+        return self.tp.matmul(x, w)                                # (B, T, C) @ (C, V_tp)
 
     def loss_sum(self, logits: Tensor, targets) -> Tensor:
         return vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size)

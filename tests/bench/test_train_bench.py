@@ -1,5 +1,7 @@
 """The training benchmark: a tiny run prints the command, the dp=1 reference, both overlap
-modes and (when an engine is importable) the ZeRO rows; bytes match the DP formula."""
+modes and (when an engine is importable) the ZeRO rows; bytes match the DP formula. With
+--tp: the same global batch on every row, and bytes per axis and activations per layer
+equal to parallel/tensor_memory.py's formulas."""
 
 import sys
 import types
@@ -56,7 +58,52 @@ def test_zero_rows_use_plan_zero(capsys, monkeypatch):
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(SystemExit):
-        bench.main(["--zero", "4"])
-    with pytest.raises(SystemExit):
-        bench.main(["--steps", "0"])
+    for args in (["--zero", "4"], ["--steps", "0"], ["--sp"], ["--tp", "2", "--zero", "1"],
+                 ["--tp", "2", "--dp", "2", "--batch", "3"], ["--tp", "3"]):   # 4 heads
+        with pytest.raises(SystemExit):
+            bench.main(args)
+
+
+TP_ARGS = ["--steps", "2", "--warmup", "1", "--repeats", "1", "--batch", "4", "--n-layer", "2",
+           "--n-embd", "16", "--n-head", "2", "--length", "3", "--dtype", "float64"]
+TP_HEADER = ["run", "ranks", "tokens/s", "ratio", "step", "ms", "compute", "ms", "cpu", "ms",
+             "dp", "sent", "2(D-1)/D", "Ψ", "tp", "sent", "formula", "act/layer", "formula"]
+
+
+def _tp_rows(out: str) -> dict[str, list[int]]:
+    """{run: [ranks, dp sent, its formula, tp sent, formula, act/layer, formula]}."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("run "))
+    assert lines[start].split() == TP_HEADER
+    rows = {}
+    for line in lines[start + 1:]:
+        if line.startswith("Korthikanti"):
+            break
+        cells = line[20:].split()
+        tokens, ratio, step, compute, cpu = map(float, cells[1:6])
+        assert tokens > 0 and compute <= step and cpu > 0, line
+        rows[line[:20].strip()] = [int(c.replace(",", "")) for c in [cells[0]] + cells[6:]]
+    assert rows and lines[start + 1][20:].split()[2] == "1.00"          # dp=1: the reference
+    return rows
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("extra, names", [
+    (["--tp", "2", "--sp"], ["dp=1", "tp=2", "tp=2 sp"]),
+    (["--tp", "2", "--dp", "2"], ["dp=1", "dp=2", "dp=2 tp=2"])])
+def test_tiny_tp_run_prints_bytes_and_activations_next_to_the_formulas(capsys, extra, names):
+    args = extra + TP_ARGS
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "$ python -m minidist bench train " + " ".join(args)
+    assert "Korthikanti et al. 2022, Table 2" in out
+    rows = _tp_rows(out)
+    assert list(rows) == names
+    for name, (ranks, dp, dp_f, tp, tp_f, act, act_f) in rows.items():
+        assert (dp, tp, act) == (dp_f, tp_f, act_f), f"{name}: measured != formula"
+        assert ranks == (2 if "dp=2" in name else 1) * (2 if "tp=2" in name else 1), name
+        assert (tp > 0) == ("tp=2" in name) and (dp > 0) == ("dp=2" in name), name
+    acts = [cells[5] for cells in rows.values()]
+    assert acts[1] < acts[0] and acts[2] < acts[0]            # splitting keeps less per rank
+    if "--sp" in extra:
+        assert acts[2] < acts[1]                              # SP: LayerNorms on T / tp

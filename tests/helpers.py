@@ -21,6 +21,16 @@ def assert_close(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, what
                              f"(got {a[i]!r}, expected {e[i]!r}; atol={atol}, rtol={rtol})")
 
 
+def run_demo(name: str, *args: str, timeout: float = 60) -> tuple[int, list[str]]:
+    """Run demos/<name> as a user would; return (exit code, output lines, stderr last)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "demos", name), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=root)
+    return done.returncode, (done.stdout + done.stderr).strip().splitlines()
+
+
 def child_pids(pid: int | None = None) -> list[int]:
     """PIDs whose parent is `pid` (this process by default), from /proc."""
     pid = os.getpid() if pid is None else pid

@@ -1,35 +1,27 @@
 """The parallel-layout demos run as a user runs them and end with their OK line."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_demo
+
 pytestmark = pytest.mark.multiproc
 DEMOS = ["06_data_parallel.py", "07_zero.py"]
 
 
-def _run(name: str, *args: str) -> tuple[int, list[str]]:
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "demos", name), *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    return done.returncode, (done.stdout + done.stderr).strip().splitlines()
-
-
 @pytest.mark.parametrize("name", DEMOS)
 def test_demo_ends_with_ok(name):
-    rc, out = _run(name)
+    rc, out = run_demo(name)
     assert rc == 0 and out[-1].startswith("OK: "), "\n".join(out)
 
 
 @pytest.mark.parametrize("name", DEMOS)
 def test_demo_output_is_deterministic(name):
-    assert _run(name, "--steps", "2") == _run(name, "--steps", "2")
+    assert run_demo(name, "--steps", "2") == run_demo(name, "--steps", "2")
 
 
 def test_data_parallel_demo_with_accumulation_ring_and_3_ranks():
-    rc, out = _run("06_data_parallel.py", "--world-size", "3", "--micro-batches", "2",
+    rc, out = run_demo("06_data_parallel.py", "--world-size", "3", "--micro-batches", "2",
                    "--global-batch", "12", "--algo", "ring", "--steps", "3")
     assert rc == 0, "\n".join(out)
     assert out[-1].startswith("OK: 3-rank loss curve matches 1-process run")

@@ -1,25 +1,17 @@
 """Demos 01-03 (ranks, collectives, ring trace) run as a user runs them and end with OK."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_demo
+
 pytestmark = pytest.mark.multiproc
-
-
-def _run(name: str, *args: str) -> tuple[int, list[str]]:
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "demos", name), *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    return done.returncode, (done.stdout + done.stderr).strip().splitlines()
 
 
 @pytest.mark.parametrize("args", [[], ["--world-size", "6", "--dp", "3"]])
 def test_hello_ranks(args):
-    rc, out = _run("01_hello_ranks.py", *args)
+    rc, out = run_demo("01_hello_ranks.py", *args)
     assert rc == 0 and out[-1].startswith("OK: "), "\n".join(out)
     W = int(args[1]) if args else 4
     assert sum(line.startswith("rank ") and " pid " in line for line in out) == W
@@ -27,7 +19,7 @@ def test_hello_ranks(args):
 
 @pytest.mark.parametrize("W, n", [(4, 4), (3, 5)])
 def test_collectives_demo_matches_the_oracle(W, n):
-    rc, out = _run("02_collectives.py", "--world-size", str(W), "--n", str(n))
+    rc, out = run_demo("02_collectives.py", "--world-size", str(W), "--n", str(n))
     assert rc == 0, "\n".join(out)
     assert out[-1].startswith(f"OK: every collective matches the oracle on {W} ranks")
     blocks = [line for line in out if line.startswith("== ")]
@@ -37,13 +29,13 @@ def test_collectives_demo_matches_the_oracle(W, n):
 
 
 def test_collectives_demo_output_is_deterministic():
-    assert _run("02_collectives.py", "--world-size", "3") == \
-        _run("02_collectives.py", "--world-size", "3")
+    assert run_demo("02_collectives.py", "--world-size", "3") == \
+        run_demo("02_collectives.py", "--world-size", "3")
 
 
 def test_ring_trace_demo_writes_a_perfetto_trace(tmp_path):
     path = tmp_path / "ring.json"
-    rc, out = _run("03_ring_trace.py", "--world-size", "3", "--n", "5", "--trace", str(path))
+    rc, out = run_demo("03_ring_trace.py", "--world-size", "3", "--n", "5", "--trace", str(path))
     assert rc == 0 and out[-1].startswith("OK: ring all_reduce on 3 ranks"), "\n".join(out)
     steps = [line for line in out if line.startswith("[rank ")]
     assert len(steps) == 3 * 2 * (3 - 1)                           # W lines per step

@@ -1,37 +1,29 @@
 """The tensor- and sequence-parallel demos run as a user runs them and end with their OK line."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_demo
+
 pytestmark = pytest.mark.multiproc
 DEMOS = ["08_tensor_parallel.py", "09_sequence_parallel.py"]
-
-
-def _run(name: str, *args: str) -> tuple[int, list[str]]:
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "demos", name), *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    return done.returncode, (done.stdout + done.stderr).strip().splitlines()
 
 
 @pytest.mark.parametrize("name", DEMOS)
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_demo_ends_with_ok(name, tp):
-    rc, out = _run(name, "--tp", str(tp))
+    rc, out = run_demo(name, "--tp", str(tp))
     assert rc == 0 and out[-1].startswith(f"OK: tp={tp} "), "\n".join(out)
     assert out[0].startswith(f"demo 0{name[1]} · ") and f"tp={tp}" in out[0]
 
 
 @pytest.mark.parametrize("name", DEMOS)
 def test_demo_output_is_deterministic(name):
-    assert _run(name, "--steps", "2") == _run(name, "--steps", "2")
+    assert run_demo(name, "--steps", "2") == run_demo(name, "--steps", "2")
 
 
 def test_tensor_parallel_demo_shows_shards_flow_and_padded_vocabulary():
-    rc, out = _run("08_tensor_parallel.py", "--tp", "3", "--steps", "1")
+    rc, out = run_demo("08_tensor_parallel.py", "--tp", "3", "--steps", "1")
     assert rc == 0, "\n".join(out)
     text = "\n".join(out)
     assert "rank 1: columns q 16-31, k 64-79, v 112-127" in text        # fused qkv, C=48
@@ -43,7 +35,7 @@ def test_tensor_parallel_demo_shows_shards_flow_and_padded_vocabulary():
 
 
 def test_sequence_parallel_demo_shows_positions_and_summed_layernorm_grad():
-    rc, out = _run("09_sequence_parallel.py", "--tp", "4", "--steps", "1")
+    rc, out = run_demo("09_sequence_parallel.py", "--tp", "4", "--steps", "1")
     assert rc == 0, "\n".join(out)
     text = "\n".join(out)
     for r in range(4):

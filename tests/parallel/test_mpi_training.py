@@ -2,10 +2,12 @@
 
 Over MPI (runtime/mpi.py) a group has no shared memory, so DataParallel is the plain engine
 (one all-reduce per parameter, parallel/data.py) and every collective takes a message-based
-algorithm, where the spawn runtime runs the bucketed fast path and algo "direct". DDP and
-ZeRO-1 on 2 ranks must still give the single-process numbers, within float64 rounding.
+algorithm, where the spawn runtime runs the bucketed fast path and algo "direct". DDP,
+ZeRO-1 and tensor + sequence parallelism on 2 ranks must still give the single-process
+numbers, within float64 rounding.
 """
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -27,8 +29,10 @@ DATA = DataConfig(task="sort", length=4)
 TINY = model_config_for(DATA, n_layer=2, n_embd=16, n_head=2, dtype="float64")
 RUN = dict(steps=3, global_batch=8, lr=1e-2)
 
-# argv: ZeRO stage, output .npz; keep the model and run in step with DATA, TINY and RUN
+# argv: the Plan's fields as JSON, output .npz; keep the model and run in step with DATA,
+# TINY and RUN
 SCRIPT = textwrap.dedent("""
+    import json
     import sys
     import numpy as np
     import minidist
@@ -36,33 +40,34 @@ SCRIPT = textwrap.dedent("""
     from minidist.data import DataConfig
     from minidist.train import Plan, train_on_rank
 
-    zero, out = int(sys.argv[1]), sys.argv[2]
+    plan, out = Plan(**json.loads(sys.argv[1])), sys.argv[2]
     ctx = minidist.init()
     data = DataConfig(task="sort", length=4)
     cfg = model_config_for(data, n_layer=2, n_embd=16, n_head=2, dtype="float64")
-    run = train_on_rank(ctx, cfg, data, Plan(dp=2, zero=zero), steps=3, global_batch=8,
-                        lr=1e-2)
+    run = train_on_rank(ctx, cfg, data, plan, steps=3, global_batch=8, lr=1e-2)
     if ctx.rank == 0:
         np.savez(out, transport=type(ctx).__name__, losses=np.array(run.losses),
                  **{"param:" + name: p for name, p in run.params.items()})
 """)
 
 
-@pytest.mark.parametrize("zero", [0, 1], ids=["ddp", "zero1"])
-def test_training_under_mpiexec_matches_the_shared_memory_run(tmp_path, zero):
+@pytest.mark.parametrize("fields", [dict(dp=2), dict(dp=2, zero=1),
+                                    dict(tp=2, sequence_parallel=True)],
+                         ids=["ddp", "zero1", "tp2-sp"])
+def test_training_under_mpiexec_matches_the_shared_memory_run(tmp_path, fields):
     script, out = tmp_path / "mpi_train.py", tmp_path / "rank0.npz"
     script.write_text(SCRIPT)
-    res = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), str(zero), str(out)],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), json.dumps(fields),
+                          str(out)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     with np.load(out) as f:
         assert str(f["transport"]) == "MpiContext"       # really over MPI, not a 1-rank job
         losses = f["losses"]
         params = {k.split(":", 1)[1]: f[k] for k in f.files if k.startswith("param:")}
 
-    shm = spawn(2, train_on_rank, TINY, DATA, Plan(dp=2, zero=zero), **RUN)[0]
+    shm = spawn(2, train_on_rank, TINY, DATA, Plan(**fields), **RUN)[0]
     ref = train_single_process(TINY, DATA, **RUN)
-    what = f"ZeRO-{zero} under mpiexec"
+    what = f"{fields} under mpiexec"
     # float64: the runs add the same numbers, only the grouping over ranks may differ.
     assert_close(losses, shm.losses, atol=1e-12, what=f"{what} vs shared memory: loss")
     assert_close(losses, ref.losses, atol=1e-12, what=f"{what} vs 1 process: loss")

@@ -1,9 +1,10 @@
 """Command line: `python -m minidist run|train|demo|bench ...`.
 
-    python -m minidist run -n 4 script.py [args]   run script.py on 4 ranks (minidist.init())
-    python -m minidist train [--dp 2 --tp 2 --sp --zero 1]   train the tiny GPT (the main job)
-    python -m minidist demo [name]                 list the demos, or run one by name or number
-    python -m minidist bench collectives|autograd|train   benchmarks (medians, as tables)
+    python -m minidist run -n 4 script.py [args]     run script.py on 4 ranks
+    python -m minidist train [--dp 2 --tp 2 --sp]    train the tiny GPT (the main job;
+                             [--zero 1] [--check]    --check: against one process)
+    python -m minidist demo [name]                   list the demos, or run one
+    python -m minidist bench collectives|autograd|train   benchmarks (medians, tables)
 """
 
 from __future__ import annotations

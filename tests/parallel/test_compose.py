@@ -125,3 +125,29 @@ def test_tp_is_the_fastest_mesh_axis():
     assert got[4] == ((1, 4), (3, 4, 5))                    # rank 4 = (dp 1, tp 1)
     assert [tp for _, tp in got] == [(0, 1, 2)] * 3 + [(3, 4, 5)] * 3
     assert all(np.array_equal(got[r][0], (r % 3, r % 3 + 3)) for r in range(6))
+
+
+def _local_numels(cfg, tp):
+    """Elements per ZeRO unit (root, then each block) of one tp rank's shard of the GPT."""
+    from minidist.nn import GPT
+    from minidist.parallel import placement as pl
+    from minidist.parallel.tensor import expected_placement
+    numels: dict[str, int] = {"root": 0}
+    for name, p in GPT(cfg, seed=None).named_parameters():
+        placement = expected_placement(name) if tp > 1 else pl.Replicate()
+        unit = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "root"
+        numels[unit] = numels.get(unit, 0) + pl.shard(np.zeros(p.shape), placement, tp, 0).size
+    return list(numels.values())
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_memory_over_dp_of_tp_shards_equals_the_formula(zero):
+    from minidist.parallel.zero_memory import exact_bytes
+    dp, tp, cfg = 2, 2, _cfg(2)
+    plan = Plan(dp=dp, tp=tp, zero=zero, micro_batches=M)
+    runs = spawn(dp * tp, train_on_rank, cfg, DATA, plan, steps=1, global_batch=dp * M * 2,
+                 lr=LR)
+    expected = exact_bytes(zero, _local_numels(cfg, tp), dp, itemsize=8, micro_batches=M)
+    for rank, run in enumerate(runs):                 # every rank holds the same bytes
+        assert run.memory == expected, f"rank {rank}: {run.memory} != {expected}"

@@ -41,7 +41,14 @@ def _embedding(ctx):
     assert_close(y.data, y_full.data, atol=1e-12, what="lookup")
     assert_close(part.weight.grad, padded[lo:hi], atol=1e-12, what="dW rows (padding: 0)")
     assert pl.placement_tag(y, "tp") == pl.Replicate()
-    return lo, hi, part.weight.data[max(0, V - lo):].tolist()     # the padding rows
+    padding = part.weight.data[max(0, V - lo):].tolist()
+
+    def lookup(w):                                   # the layer with w as its table shard
+        part.weight = w
+        return part(IDS)
+    dist_gradcheck(lookup, part.weight.data, ctx.world, x_placement="shard",
+                   loss_placement="replicate", what="VocabParallelEmbedding dW")
+    return lo, hi, padding
 
 
 @pytest.mark.multiproc

@@ -83,8 +83,9 @@ class Dropout(Module):
     dotted name. Element (b, i1, i2, ...) of the GLOBAL activation (sample_ids[b], full
     sizes n1, n2, ...) draws counter ((sample_ids[b] n1 + i1) n2 + i2) ...: its row-major
     index. A rank that holds only a slice of an axis (heads under tensor parallelism,
-    positions under sequence parallelism) passes `shards={axis: (start, full size)}`, and
-    draws exactly the mask elements the single process draws for that slice.
+    positions under sequence parallelism) passes `shards={axis: (start, full size)}`, or
+    `{axis: (global indices, full size)}` for a slice that is not contiguous (zig-zag
+    context parallelism), and draws exactly the mask elements the single process draws.
     Identity when p == 0 or in eval mode; training with p > 0 needs a key.
     """
 
@@ -102,11 +103,16 @@ class Dropout(Module):
             raise ValueError(f"Dropout {self.name}: training with p={self.p} needs a DropoutKey "
                              f"with one sample id per row ({x.shape[0]} rows, got {got}). Pass "
                              "dropout_key=DropoutKey(seed, step, ids) or call model.eval().")
-        counters = global_counters(x.shape, key.sample_ids, shards or {})
+        return x * backend.xp.asarray(self.scale(x.shape, x.dtype, key, shards))
+
+    def scale(self, shape: tuple[int, ...], dtype, key: DropoutKey,
+              shards: dict | None = None) -> np.ndarray:
+        """The mask times 1/(1-p), (shape): 0 where dropped. For code that applies dropout
+        inside its own Function (ring attention drops one block of scores at a time)."""
+        counters = global_counters(shape, key.sample_ids, shards or {})
         keep = seeding.counter_uniform(key.seed, ("dropout", key.step, self.name),
                                        counters) >= self.p
-        scale = keep.astype(x.dtype) / (1.0 - self.p)
-        return x * backend.xp.asarray(scale)
+        return keep.astype(dtype) / (1.0 - self.p)
 
 
 def global_counters(shape: tuple[int, ...], sample_ids, shards: dict[int, tuple[int, int]]
@@ -114,13 +120,18 @@ def global_counters(shape: tuple[int, ...], sample_ids, shards: dict[int, tuple[
     """Row-major index of every element of a local block (shape) in the global tensor.
 
     Axis 0 holds the rows sample_ids; axis a >= 1 holds elements start .. start+shape[a]-1
-    of a global axis of size full, with (start, full) = shards.get(a, (0, shape[a])).
+    of a global axis of size full, with (start, full) = shards.get(a, (0, shape[a])), or
+    the elements at the given global indices when `start` is an array of them.
     """
     counters = np.asarray(sample_ids, dtype=np.int64).reshape((-1,) + (1,) * (len(shape) - 1))
     for a in range(1, len(shape)):
         start, full = shards.get(a, (0, shape[a]))
-        local = np.arange(start, start + shape[a]).reshape((-1,) + (1,) * (len(shape) - 1 - a))
-        counters = counters * full + local                                   # broadcasts
+        index = np.asarray(start, np.int64) if np.ndim(start) else \
+            np.arange(start, start + shape[a])
+        if index.shape != (shape[a],):
+            raise ValueError(f"dropout: axis {a} has {shape[a]} elements but {index.size} "
+                             "global indices were given for it.")
+        counters = counters * full + index.reshape((-1,) + (1,) * (len(shape) - 1 - a))
     return counters
 
 

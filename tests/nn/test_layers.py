@@ -81,3 +81,15 @@ def test_dropout_masks_are_addressed_by_global_row():
         drop(x, None)
     with pytest.raises(ValueError, match="p=1.0"):
         Dropout(1.0)
+
+
+def test_dropout_of_a_non_contiguous_slice_draws_the_single_process_mask():
+    d = Dropout(0.5, name="d")
+    key = DropoutKey(3, 1, (4, 9))
+    full = d.scale((2, 6, 5), np.float64, key)                       # (B, T, C)
+    picked = np.array([0, 5, 2])                                      # a zig-zag-like slice
+    part = d.scale((2, 3, 5), np.float64, key, {1: (picked, 6)})
+    assert np.array_equal(part, full[:, picked])
+    assert np.array_equal(d.scale((2, 2, 5), np.float64, key, {1: (4, 6)}), full[:, 4:6])
+    with pytest.raises(ValueError, match="axis 1 has 3 elements but 2 global indices"):
+        d.scale((2, 3, 5), np.float64, key, {1: (np.array([0, 1]), 6)})

@@ -11,6 +11,11 @@ whole heads with no communication until the projection's partial sums (see
 parallel/tensor.py). Sequence and context parallelism split T instead, which the causal
 mask makes uneven: position i attends to i + 1 keys.
 
+`attention_core` is the part every layout shares: softmax(q k^T / sqrt(D) + M) v for any
+set of heads and any set of query and key positions, the mask and the dropout masks taken
+from GLOBAL positions, so context parallelism (ring attention, Ulysses) can run it on the
+blocks it holds and still draw the single process's numbers.
+
 Shapes (B batch, T positions, C = H * D width):
     x (B, T, C) -> qkv (B, T, 3C) -> q, k, v (B, H, T, D) -> A (B, H, T, T)
     -> y (B, H, T, D) -> (B, T, C) -> proj -> (B, T, C)
@@ -23,11 +28,34 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from minidist import backend
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
 from minidist.nn.layers import STD, Dropout, DropoutKey, Linear
 from minidist.nn.module import Module
+
+
+def attention_core(q: Tensor, k: Tensor, v: Tensor, q_pos, k_pos, drop: Dropout,
+                   key: DropoutKey | None, first_head: int, n_head: int, T: int,
+                   causal: bool = True) -> Tensor:
+    """softmax(q k^T / sqrt(D) + M) v for h heads: q (B, h, Tq, D), k, v (B, h, Tk, D).
+
+    q_pos (Tq,), k_pos (Tk,): the global positions of the queries and keys (M masks the
+    keys after each query); first_head, n_head, T: where these heads and positions sit in
+    the global (B, H, T, T) attention matrix, so dropout draws the single process's mask.
+    Returns y (B, h, Tq, D).
+    """
+    D = q.shape[-1]
+    scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(D))        # (B, h, Tq, Tk)
+    if causal:
+        future = backend.xp.asarray(np.asarray(k_pos)[None, :] > np.asarray(q_pos)[:, None])
+        scores = F.masked_fill(scores, future, -math.inf)
+    att = F.softmax(scores, axis=-1)                                       # (B, h, Tq, Tk)
+    att = drop(att, key, {1: (first_head, n_head), 2: (np.asarray(q_pos), T),
+                          3: (np.asarray(k_pos), T)})
+    return att @ v                                            # (B, h, Tq, Tk) @ (B, h, Tk, D)
 
 
 class CausalSelfAttention(Module):
@@ -36,7 +64,11 @@ class CausalSelfAttention(Module):
     `attend` is the part between the two projections: it takes qkv (B, T, 3 h D) for any
     number h of whole heads, so a tensor-parallel rank (parallel/tensor.py) runs the same
     code on its h = H / W_tp heads, telling dropout where its heads sit among all H.
+    `context` (None: the whole sequence is here) is set by context parallelism, which
+    then runs the attention of this rank's positions over the cp group.
     """
+
+    context = None
 
     def __init__(self, n_embd: int, n_head: int, bias: bool = True, dropout: float = 0.0,
                  dtype: str = "float64", proj_std: float = STD) -> None:
@@ -54,7 +86,7 @@ class CausalSelfAttention(Module):
         return self.resid_drop(self.proj(y), key)               # (B, T, C)
 
     def attend(self, qkv: Tensor, key: DropoutKey | None, first_head: int = 0) -> Tensor:
-        """softmax(q k^T / sqrt(D) + M) v for the h heads in qkv (B, T, 3 h D) -> (B, T, h D).
+        """Attention of the h heads in qkv (B, T, 3 h D) -> (B, T, h D).
 
         first_head: the global index of qkv's first head (dropout draws by global head).
         """
@@ -65,9 +97,10 @@ class CausalSelfAttention(Module):
         q = q.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
         k = k.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
         v = v.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
-        scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(D))   # (B, h, T, T)
-        future = backend.xp.triu(backend.xp.ones((T, T), dtype=bool), k=1)   # j > i
-        att = F.softmax(F.masked_fill(scores, future, -math.inf), axis=-1)  # (B, h, T, T)
-        att = self.attn_drop(att, key, {1: (first_head, self.n_head)})
-        y = att @ v                                             # (B, h, T, T) @ (B, h, T, D)
+        if self.context is None:
+            pos = np.arange(T)
+            y = attention_core(q, k, v, pos, pos, self.attn_drop, key, first_head,
+                               self.n_head, T)                   # (B, h, T, D)
+        else:
+            y = self.context.attention(q, k, v, self.attn_drop, key, first_head, self.n_head)
         return y.transpose(0, 2, 1, 3).reshape(B, T, h * D)     # (B, T, h, D) -> (B, T, h D)

@@ -188,7 +188,11 @@ def show_samples(cfg: GPTConfig, data_cfg: DataConfig, params: dict[str, np.ndar
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minidist train`: train the tiny GPT and show it solving held-out prompts."""
-    a = train_arguments("python -m minidist train").parse_args(argv)
+    return run(train_arguments("python -m minidist train").parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
+    """The main job for parsed train_arguments (train.py passes its own, with more fields)."""
     cfg, data_cfg = configs_from(a)
     t0 = time.perf_counter()
 

@@ -2,30 +2,33 @@
 
 `train_on_rank(ctx, ...)` runs on every rank (spawn it). It is baseline.train_single_process
 with these changes, and nothing else may differ:
-    1. parallel/compose.py builds the layout of the Plan: one DeviceMesh (dp x tp), this
-       rank's shard of the model (tp) and its gradient-sync engine (dp: DDP or ZeRO);
-    2. this rank reads only the rows of its dp coordinate, cut into plan.micro_batches
-       micro-batches (parallel/schedules.py); the loss is still divided by the token count
-       of the WHOLE global batch, so local losses and gradients simply add up across ranks;
+    1. parallel/compose.py builds the layout of the Plan: one DeviceMesh (dp x cp x tp),
+       this rank's shard of the model (tp; attention over cp) and its gradient-sync engine
+       (over dp x cp: DDP or ZeRO);
+    2. this rank reads only the rows of its dp coordinate (under context parallelism only
+       its positions of them), cut into plan.micro_batches micro-batches
+       (parallel/schedules.py); the loss is still divided by the token count of the WHOLE
+       global batch, so local losses and gradients simply add up across ranks;
     3. the step schedule (gradient accumulation) runs forward and backward; the engine
        owns the gradient communication and the optimizer;
-    4. the loss of a step is the sum over dp ranks of their micro-batch losses, all-reduced
-       once after the loop (so the per-step byte counts hold training traffic only).
+    4. the loss of a step is the sum over dp x cp ranks of their micro-batch losses,
+       all-reduced once after the loop (so the per-step byte counts hold training traffic).
 
-One rank's view of step s (dp rank d of dp, tp rank t of tp, M micro-batches):
-    1. batches, n = schedules.micro_batches(data, s, B, dp, d, M, seed)
+One rank's view of step s (dp rank d of dp, cp rank c, tp rank t, M micro-batches):
+    1. batches, n = schedules.micro_batches(data, s, B, dp, d, M, seed, my positions)
     2. (check mode) schedules.check_token_count: n is the global count of targets
     3. loss_s = schedules.grad_accumulation(engine, batches, n)
     4. engine.step(lr_s, clip_grad): wait, clip by the GLOBAL norm, update; returns the norm
-Shapes: x, y (B/(dp M), T) per micro-batch, the same on every tp rank of a dp rank.
+Shapes: x, y (B/(dp M), T/cp) per micro-batch, the same on every tp rank.
 Result (RankResult): losses (global), grad_norms, lrs, full params and optimizer state
 (gathered over dp under ZeRO and over tp), bytes sent/received per step (group.stats deltas
-around the step: "sent", "recv" over both axes; bytes_by_axis: sent per axis), memory
+around the step: "sent", "recv" over all axes; bytes_by_axis: sent per axis, "dp" being
+the gradient sync over dp x cp), memory
 (engine.memory()) and timing per step in seconds: "compute" (forward + backward),
 "comm_wait" (engine.comm_wait_s: what step() waited for communication), "step" (wall
 time of the whole step) and "cpu" (this process's CPU time in the step, all threads).
 
-CLI: `python -m minidist train --dp 2 --tp 2 [--sp] [--zero 1] [--check]` (see `main`).
+CLI: `python -m minidist train --dp 2 --cp 2 --tp 2 [--sp] [--zero 1] [--check]` (`main`).
 Read next: parallel/compose.py, parallel/schedules.py, parallel/sharding.py.
 """
 
@@ -96,19 +99,22 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     placement.set_checking(plan.checks)
     lay = build(ctx, plan, model_cfg, seed, optimizer=optimizer, lr=lr,
                 weight_decay=weight_decay, betas=betas, momentum=momentum)
-    engine, dp, data = lay.engine, lay.dp_group, SyntheticData(data_cfg)
-    canonical = "direct" if getattr(dp, "supports_shared", False) else "auto"   # MPI: no shm
-    groups = {"dp": lay.dp_group, "tp": lay.tp_group} if lay.mesh is not None \
-        else {"dp": lay.dp_group}
+    engine, grad, data = lay.engine, lay.grad_group, SyntheticData(data_cfg)
+    canonical = "direct" if getattr(grad, "supports_shared", False) else "auto"  # MPI: no shm
+    groups = {"dp": grad}                     # the gradient sync: dp (x cp)
+    if lay.mesh is not None:
+        groups.update({"tp": lay.tp_group, **({"cp": lay.cp_group} if plan.cp > 1 else {})})
+    positions = None if lay.context is None else lay.context.positions(data_cfg.block_size)
     local, norms, lrs, traffic, by_axis = [], [], [], [], []
     timing: dict[str, list[float]] = {"compute": [], "comm_wait": [], "step": [], "cpu": []}
     for step in range(steps):
         lr_s = lr if lr_schedule == "constant" else optim.lr_at(
             step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr=min_lr)
-        batches, n_tokens = schedules.micro_batches(data, step, global_batch, plan.dp, dp.rank,
-                                                    plan.micro_batches, seed)
+        batches, n_tokens = schedules.micro_batches(data, step, global_batch, plan.dp,
+                                                    lay.dp_group.rank, plan.micro_batches,
+                                                    seed, positions)
         if plan.checks:
-            schedules.check_token_count(batches, n_tokens, dp)
+            schedules.check_token_count(batches, n_tokens, grad)
         before = _traffic(groups)
         t0, c0 = time.perf_counter(), time.process_time()
         local.append(schedules.grad_accumulation(engine, batches, n_tokens))
@@ -124,9 +130,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         timing["step"].append(t2 - t0)
         timing["cpu"].append(time.process_time() - c0)
         if on_step is not None:
-            loss = C.all_reduce(np.array([local[-1]]), group=dp, algo=canonical)[0]
+            loss = C.all_reduce(np.array([local[-1]]), group=grad, algo=canonical)[0]
             on_step(step, float(loss))
-    losses = C.all_reduce(np.array(local, np.float64), group=dp, algo=canonical)
+    losses = C.all_reduce(np.array(local, np.float64), group=grad, algo=canonical)
     return RankResult(losses=tuple(float(v) for v in losses), grad_norms=tuple(norms),
                       lrs=tuple(lrs), params=engine.full_params(),
                       optimizer_state=engine.full_optimizer_state(),
@@ -136,15 +142,20 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minidist train [--dp D] [--tp T [--sp]] [--zero K] [--check]`: train the
-    tiny GPT on D x T ranks (one process each; D = T = 1 and K = 0 is the single-process
-    baseline), print progress and held-out samples; --check also trains the single-process
-    baseline and compares the loss curves and final parameters."""
+    """`python -m minidist train [--dp D] [--cp C] [--tp T [--sp]] [--zero K] [--check]`:
+    train the tiny GPT on D x C x T ranks (one process each; all 1 and K = 0 is the
+    single-process baseline), print progress and held-out samples; --check also trains the
+    single-process baseline and compares the loss curves and final parameters."""
     ap = baseline.train_arguments("python -m minidist train")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Megatron)")
     ap.add_argument("--sp", action="store_true",
                     help="sequence parallelism over the tp ranks (needs --tp > 1)")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks (sequence)")
+    ap.add_argument("--cp-algo", default="ring", choices=["ring", "ulysses"],
+                    help="attention across the cp ranks")
+    ap.add_argument("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"],
+                    help="which positions each cp rank holds")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     ap.add_argument("--check", action="store_true",
                     help="also run the single-process baseline and compare")
@@ -152,17 +163,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="assert the placement of every activation crossing a parallel "
                          "boundary (also MINIDIST_CHECK_PLACEMENTS=1)")
     a = ap.parse_args(argv)
-    if a.dp == 1 and a.tp == 1 and a.zero == 0 and not a.check:
-        return baseline.main([x for x in (argv if argv is not None else sys.argv[1:])
-                              if x != "--check-placements"])
+    if a.dp == 1 and a.tp == 1 and a.cp == 1 and a.zero == 0 and not a.check:
+        return baseline.run(a)
     if a.check and a.dtype != "float64":
         print("--check trains in float64: in float32 the layouts' different rounding grows "
               "over hundreds of Adam steps, so only float64 can show they compute the same.")
         a.dtype = "float64"
     cfg, data_cfg = baseline.configs_from(a)
     try:                                              # a bad plan fails here, before spawning
-        plan = Plan(dp=a.dp, tp=a.tp, zero=a.zero, micro_batches=a.grad_accum,
-                    sequence_parallel=a.sp, check_placements=a.check_placements or None)
+        plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, zero=a.zero, micro_batches=a.grad_accum,
+                    sequence_parallel=a.sp, cp_algo=a.cp_algo, cp_layout=a.cp_layout,
+                    check_placements=a.check_placements or None)
         plan.validate(cfg, a.batch, data_cfg.block_size)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -182,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_on_rank(ctx, cfg, data_cfg, plan, steps=a.steps, global_batch=a.batch,
                              lr=a.lr, seed=a.seed, optimizer=a.optimizer, on_step=show)
 
-    layout = f"dp={a.dp} x tp={a.tp}{' (SP)' if a.sp else ''}, ZeRO-{a.zero}"
+    layout = f"{plan.describe()}, ZeRO-{a.zero}"
     print(f"task {a.task} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, {cfg.dtype} · batch "
           f"{a.batch} on {layout} = {plan.world_size} ranks · {a.optimizer} lr {a.lr}")
     run = spawn(plan.world_size, rank_main)[0]

@@ -118,8 +118,10 @@ class GPTLayout:
     The GPT asks its layout the four questions that change when the model is split over
     ranks; parallel/tensor.py's TensorParallelLayout answers them for tensor (and sequence)
     parallelism, and later axes (context parallelism) answer them again:
-        positions(T)        the positions of this rank's tokens          arange(T) here
-        sequence_shards(T)  for dropout: {1: (first position, T)} of this rank's slice
+        positions(T)        the global positions of this rank's embedded tokens, for an
+                            input of T tokens                            arange(T) here
+        sequence_shards(n)  for dropout: where an activation of n positions on this rank
+                            sits, {1: (first position or positions, T)}  {} here
         logits(x, w)        the LM head: x (B, T, C) @ w (C, V)          -> (B, T, V)
         loss_sum(z, y)      sum over counted tokens of CE(z, y)          -> scalar
     """
@@ -127,7 +129,7 @@ class GPTLayout:
     def positions(self, T: int):
         return backend.xp.arange(T)
 
-    def sequence_shards(self, T: int) -> dict[int, tuple[int, int]]:
+    def sequence_shards(self, rows: int) -> dict:
         return {}
 
     def logits(self, x: Tensor, w: Tensor) -> Tensor:
@@ -155,6 +157,8 @@ class GPT(Module):
             self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=cfg.dtype)
         self.layout = GPTLayout()               # not a Module: holds no parameters
         name_dropouts(self)
+        for d in self.activation_dropouts():
+            d.sequence = self.sequence_shards
         if seed is not None:
             seeding.init_parameters(self, seed)
 
@@ -181,7 +185,21 @@ class GPT(Module):
             raise ValueError(f"GPT: sequence length T={T} exceeds block_size="
                              f"{self.cfg.block_size}; crop the input or raise block_size.")
         x = self.wte(backend.xp.asarray(idx)) + self.wpe(self.layout.positions(T))
-        return self.drop(x, dropout_key, self.layout.sequence_shards(T))
+        return self.drop(x, dropout_key)
+
+    def sequence_shards(self, rows: int) -> dict:
+        """Where an activation of `rows` positions on this rank sits in the sequence (the
+        layout decides; the dropouts of the residual stream ask)."""
+        return self.layout.sequence_shards(rows)
+
+    def activation_dropouts(self) -> list[Dropout]:
+        """The dropouts on the residual stream (B, T, C): embedding, attention, MLP."""
+        out = [self.drop]
+        for b in self.blocks:
+            out.append(b.attn.resid_drop)
+            if hasattr(b, "mlp"):
+                out.append(b.mlp.drop)
+        return out
 
     def head(self, x: Tensor) -> Tensor:
         """logits = LN_f(x) @ W_head, W_head = wte^T when tied: (B, T, C) -> (B, T, V)."""

@@ -89,6 +89,11 @@ class Dropout(Module):
     Identity when p == 0 or in eval mode; training with p > 0 needs a key.
     """
 
+    # sequence(rows) -> shards: where an activation of `rows` positions on this rank sits in
+    # the global sequence; the GPT points it at its layout (sequence and context
+    # parallelism split the positions), and forward uses it when no shards are given
+    sequence = None
+
     def __init__(self, p: float, name: str = "dropout") -> None:
         if not 0.0 <= p < 1.0:
             raise ValueError(f"Dropout: p={p} must be in [0, 1).")
@@ -98,6 +103,8 @@ class Dropout(Module):
                 shards: dict[int, tuple[int, int]] | None = None) -> Tensor:
         if self.p == 0.0 or not self.training:
             return x
+        if shards is None and self.sequence is not None:
+            shards = self.sequence(x.shape[1])
         if key is None or len(key.sample_ids) != x.shape[0]:
             got = None if key is None else len(key.sample_ids)
             raise ValueError(f"Dropout {self.name}: training with p={self.p} needs a DropoutKey "

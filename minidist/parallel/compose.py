@@ -1,24 +1,32 @@
-"""Composition: a Plan lays W = dp x tp ranks out on one device mesh and builds the three jobs.
+"""Composition: a Plan lays W = dp x cp x tp ranks out on one mesh and builds the three jobs.
 
 A training step is three separate jobs, each with its own module and its own groups
 (DESIGN.md, "Composition"):
-    1. model sharding   parallel/sharding.py   which slice of each parameter I hold (tp)
-    2. gradient sync    parallel/data.py, zero.py   sum gradients over the replicas (dp)
+    1. model sharding   parallel/sharding.py   which slice of each parameter I hold (tp),
+                                               which positions I hold (cp, context.py)
+    2. gradient sync    parallel/data.py, zero.py   sum gradients over the replicas: every
+                                               rank holding the same shard, dp x cp
     3. step schedule    parallel/schedules.py  who runs forward/backward of which micro-batch
-`Plan` says how many ranks each axis gets; `build` makes one DeviceMesh with tp as the
-fastest axis (neighbouring ranks, as Megatron places tp inside a node) and hands each
-job only the group it needs.
+`Plan` says how many ranks each axis gets; `build` makes one DeviceMesh with axes
+(dp, cp, tp), tp the fastest (neighbouring ranks, as Megatron places tp inside a node,
+then cp), and hands each job only the group it needs.
 
     mesh (dp=2, tp=2):   tp ->  0  1          tp groups {0,1} {2,3}: split each layer
                          dp     2  3          dp groups {0,2} {1,3}: same shard, other rows
+With cp = 2 as well (8 ranks, coordinates (d, c, t), rank = 4 d + 2 c + t), the cp groups
+{0,2} {1,3} {4,6} {5,7} hold the same rows at other positions, and the gradient-sync
+groups dp x cp {0,2,4,6} {1,3,5,7} every replica of one tp shard (DeviceMesh.flatten).
 
-One rank's view (global rank q, coordinates (d, t) = divmod(q, tp)):
+One rank's view (global rank q, coordinates (d, c, t)):
     1. validate the Plan against the model and the batch (before any process starts);
-    2. mesh = DeviceMesh(("dp", "tp"), (dp, tp)): my dp group and my tp group;
-    3. sharding = ModelSharding(cfg, seed, TensorParallel(tp group, sp)): my shards;
-    4. engine = DataParallel or ZeroEngine over the dp group, on my shards;
-    5. my rows of every global batch are those of dp rank d (tp ranks share them).
-The axes pp, cp and ep are part of the Plan's shape so later layouts plug in here; until
+    2. mesh = DeviceMesh(("dp", "cp", "tp"), (dp, cp, tp)): my dp, cp and tp groups, and
+       the dp x cp group for the gradient sync;
+    3. sharding = ModelSharding(cfg, seed, TensorParallel(tp group, sp), ContextParallel(cp
+       group, algo, layout)): my shards, my attention over cp;
+    4. engine = DataParallel or ZeroEngine over the dp x cp group, on my shards;
+    5. my rows of every global batch are those of dp rank d (cp ranks keep their positions
+       of them, tp ranks share them).
+The axes pp and ep are part of the Plan's shape so later layouts plug in here; until
 their issues land, a Plan with one of them > 1 is refused with a ValueError.
 Read next: parallel/schedules.py, then train.py.
 """
@@ -31,6 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist.nn import GPTConfig
+from minidist.parallel.context import ALGOS as CP_ALGOS
+from minidist.parallel.context import LAYOUTS as CP_LAYOUTS
+from minidist.parallel.context import ContextParallel
 from minidist.parallel.data import ALGOS, DataParallel
 from minidist.parallel.sharding import ModelSharding
 from minidist.parallel.tensor import TensorParallel
@@ -44,7 +55,7 @@ def _positive_int(value, minimum: int) -> bool:
 
 @dataclass(frozen=True)
 class Plan:
-    """How one training job is laid out over W = dp * tp ranks (pp, cp, ep: later axes)."""
+    """How one training job is laid out over W = dp * cp * tp ranks (pp, ep: later axes)."""
 
     dp: int = 1
     tp: int = 1
@@ -54,6 +65,8 @@ class Plan:
     zero: int = 0
     micro_batches: int = 1
     sequence_parallel: bool = False
+    cp_algo: str = "ring"                     # context parallelism: "ring" or "ulysses"
+    cp_layout: str = "zigzag"                 # "zigzag" (balanced causal work) or "contiguous"
     bucket_bytes: int = 1 << 20
     algo: str = "auto"
     overlap: bool = True
@@ -67,11 +80,14 @@ class Plan:
             if not _positive_int(getattr(self, field), minimum):
                 raise ValueError(f"Plan: {field}={getattr(self, field)!r} must be an int >= "
                                  f"{minimum}.")
-        for axis in ("pp", "cp", "ep"):
+        for axis in ("pp", "ep"):
             if getattr(self, axis) != 1:
                 raise ValueError(f"Plan: {axis}={getattr(self, axis)} is not built yet; this "
-                                 f"minidist composes dp, ZeRO and tp (+ sequence parallelism)."
-                                 f" Set {axis}=1.")
+                                 f"minidist composes dp, ZeRO, tp (+ sequence parallelism) "
+                                 f"and cp. Set {axis}=1.")
+        if self.cp_algo not in CP_ALGOS or self.cp_layout not in CP_LAYOUTS:
+            raise ValueError(f"Plan: cp_algo={self.cp_algo!r} must be one of {CP_ALGOS} and "
+                             f"cp_layout={self.cp_layout!r} one of {CP_LAYOUTS}.")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ValueError(f"Plan: zero={self.zero!r} must be 0 (plain DDP), 1 (shard the "
                              "optimizer state), 2 (+ gradients) or 3 (+ parameters).")
@@ -92,8 +108,13 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Ranks the Plan needs: dp * tp."""
-        return self.dp * self.tp
+        """Ranks the Plan needs: dp * cp * tp."""
+        return self.dp * self.cp * self.tp
+
+    def describe(self) -> str:
+        """'dp=2 x cp=2 x tp=2 (SP)': the axes (cp only when > 1)."""
+        cp = f" x cp={self.cp} ({self.cp_algo})" if self.cp > 1 else ""
+        return f"dp={self.dp}{cp} x tp={self.tp}{' (SP)' if self.sequence_parallel else ''}"
 
     @property
     def checks(self) -> bool:
@@ -132,10 +153,25 @@ class Plan:
         if tp > 1 and cfg.moe_every:
             raise ValueError(f"Plan: tp={tp} with MoE blocks (moe_every={cfg.moe_every}) is "
                              "not built; use tp=1 for a MoE model.")
-        if self.sequence_parallel and seq_len % tp:
-            raise ValueError(f"Plan: sequence parallelism splits the T={seq_len} positions "
-                             f"over tp={tp} ranks, which does not divide; use a sequence "
-                             f"length that is a multiple of {tp}, or sequence_parallel=False.")
+        cp, chunks = self.cp, 2 * self.cp if self.cp_layout == "zigzag" else self.cp
+        if cp > 1 and seq_len % chunks:
+            raise ValueError(f"Plan: context parallelism ({self.cp_layout}) cuts the T="
+                             f"{seq_len} positions into {chunks} equal chunks, which does not "
+                             f"divide; use a sequence length that is a multiple of {chunks}"
+                             + (", or cp_layout='contiguous'" if chunks > cp else "") + ".")
+        if self.sequence_parallel and (seq_len // cp) % tp:
+            raise ValueError(f"Plan: sequence parallelism splits the T={seq_len // cp} "
+                             f"positions{' of each cp rank' if cp > 1 else ''} over tp={tp} "
+                             "ranks, which does not divide; use a sequence length that is a "
+                             f"multiple of {tp * cp}, or sequence_parallel=False.")
+        if cp > 1 and self.cp_algo == "ulysses" and (cfg.n_head // tp) % cp:
+            raise ValueError(f"Plan: Ulysses gives each cp rank n_head / (tp cp) heads, but "
+                             f"n_head={cfg.n_head} does not split over tp={tp} x cp={cp}; "
+                             "use cp_algo='ring', or an n_head that is a multiple of "
+                             f"{tp * cp}.")
+        if cp > 1 and cfg.moe_every:
+            raise ValueError("Plan: context parallelism of MoE blocks is not built (their "
+                             "capacity is decided over the tokens a rank holds); use cp=1.")
         if self.zero == 3 and cfg.moe_every:
             raise ValueError("Plan: ZeRO-3 of MoE blocks is not built (their auxiliary loss "
                              "does not cross the gathered units); use zero <= 2.")
@@ -147,9 +183,12 @@ class Layout:
 
     mesh: DeviceMesh | None                   # None on a one-rank job
     dp_group: object
+    cp_group: object
     tp_group: object
+    grad_group: object                        # gradient sync: dp x cp (dp when cp = 1)
     sharding: ModelSharding
     engine: object
+    context: ContextParallel | None = None    # cp > 1: the cp group, algorithm and layout
 
     @property
     def model(self):
@@ -161,27 +200,31 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
     """COLLECTIVE over the world: the mesh, this rank's model shard and its engine."""
     W = getattr(ctx, "world_size", None)
     if W != plan.world_size:
-        raise ValueError(f"Plan: dp={plan.dp} x tp={plan.tp} = {plan.world_size} ranks, but "
-                         f"the job has {W}. Spawn {plan.world_size} ranks or change the Plan.")
+        raise ValueError(f"Plan: {plan.describe()} = {plan.world_size} ranks, but the job "
+                         f"has {W}. Spawn {plan.world_size} ranks or change the Plan.")
     if plan.world_size == 1:                      # one rank: its world is every axis
-        mesh, dp, tp = None, ctx.world, ctx.world
+        mesh, dp, cp, tp, grad = None, ctx.world, ctx.world, ctx.world, ctx.world
     else:
-        mesh = DeviceMesh(getattr(ctx, "job", ctx), ("dp", "tp"), (plan.dp, plan.tp))
-        dp, tp = mesh.group("dp"), mesh.group("tp")
+        mesh = DeviceMesh(getattr(ctx, "job", ctx), ("dp", "cp", "tp"),
+                          (plan.dp, plan.cp, plan.tp))
+        dp, cp, tp = mesh.group("dp"), mesh.group("cp"), mesh.group("tp")
+        grad = dp if plan.cp == 1 else cp if plan.dp == 1 else mesh.flatten(("dp", "cp"),
+                                                                            "dp_cp")
+    context = ContextParallel(cp, plan.cp_algo, plan.cp_layout) if plan.cp > 1 else None
     algo = "direct" if plan.algo == "auto" and getattr(tp, "supports_shared", False) \
         else plan.algo
     tensor_parallel = TensorParallel(tp, plan.sequence_parallel,
-                                     algo=algo if algo != "tree" else "ring")
-    sharding = ModelSharding(cfg, seed, tensor_parallel, check=plan.checks)
+                                     algo=algo if algo != "tree" else "ring", context=context)
+    sharding = ModelSharding(cfg, seed, tensor_parallel, check=plan.checks, context=context)
     opt = dict(optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
                momentum=momentum)
     if plan.zero == 0:
-        engine = DataParallel(sharding.model, dp, bucket_bytes=plan.bucket_bytes,
+        engine = DataParallel(sharding.model, grad, bucket_bytes=plan.bucket_bytes,
                               algo=plan.algo, overlap=plan.overlap,
                               replica_check_every=plan.replica_check_every,
                               sharding=sharding, **opt)
     else:
         from minidist.parallel.zero import ZeroEngine
-        engine = ZeroEngine(sharding.model, dp, plan.zero, algo=plan.algo, sharding=sharding,
-                            **opt)
-    return Layout(mesh, dp, tp, sharding, engine)
+        engine = ZeroEngine(sharding.model, grad, plan.zero, algo=plan.algo,
+                            sharding=sharding, **opt)
+    return Layout(mesh, dp, cp, tp, grad, sharding, engine, context)

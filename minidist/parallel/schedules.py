@@ -8,7 +8,7 @@ of a step and the trivial schedule, gradient accumulation: a pipeline schedule (
 Micro-batches. Step s reads the global batch ids = data.global_indices(s, B). Its B rows
 are cut into dp * M equal parts; dp rank d takes parts d M .. d M + M - 1, so micro-batch
 m of dp rank d holds global rows (d M + m) B/(dp M) ... (every tp rank of dp rank d holds
-the same rows). Each micro-batch carries its global sample ids (for dropout) and
+the same rows; under context parallelism each cp rank keeps its positions of them). Each micro-batch carries its global sample ids (for dropout) and
 aux_weight = rows / B (for a MoE auxiliary loss).
 
 The loss of every micro-batch is divided by the number of counted targets in the WHOLE
@@ -57,16 +57,23 @@ def global_token_count(y_all: np.ndarray) -> int:
 
 
 def micro_batches(data: SyntheticData, step: int, global_batch: int, dp: int, dp_rank: int,
-                  M: int, seed: int) -> tuple[list[MicroBatch], int]:
-    """(this dp rank's M micro-batches of `step`, n_tokens of the global batch)."""
+                  M: int, seed: int, positions: np.ndarray | None = None
+                  ) -> tuple[list[MicroBatch], int]:
+    """(this dp rank's M micro-batches of `step`, n_tokens of the global batch).
+
+    positions: under context parallelism, the global positions this cp rank holds; the
+    micro-batches then carry only those columns, x, y (rows, T_cp).
+    """
     rows = global_batch // (dp * M)
     ids = data.global_indices(step, global_batch)                        # (B,)
     x_all, y_all = data.batch(ids)                                       # (B, T) each
+    cols = slice(None) if positions is None else np.asarray(positions)
     out = []
     for m in range(M):
         part = slice((dp_rank * M + m) * rows, (dp_rank * M + m + 1) * rows)
         key = DropoutKey(seed, step, tuple(int(i) for i in ids[part]))
-        out.append(MicroBatch(m, x_all[part], y_all[part], key, rows / global_batch))
+        out.append(MicroBatch(m, x_all[part][:, cols], y_all[part][:, cols], key,
+                              rows / global_batch))
     return out, global_token_count(y_all)
 
 
@@ -85,7 +92,8 @@ def grad_accumulation(engine, batches: list[MicroBatch], n_tokens: int) -> float
 
 
 def check_token_count(batches: list[MicroBatch], n_tokens: int, dp_group) -> None:
-    """COLLECTIVE over dp: PlacementError unless n_tokens = the targets all dp ranks used."""
+    """COLLECTIVE over dp (x cp): PlacementError unless n_tokens = the targets that all the
+    ranks holding different tokens used."""
     mine = sum(int((mb.y != IGNORE_INDEX).sum()) for mb in batches)
     used = int(C.all_reduce(np.array([mine], np.int64), group=dp_group)[0])
     if used != n_tokens:

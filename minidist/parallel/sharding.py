@@ -38,6 +38,7 @@ from minidist import backend
 from minidist import collectives as C
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel import placement as pl
+from minidist.parallel.context import parallelize_context
 from minidist.parallel.tensor import TensorParallel, parallelize
 
 
@@ -45,11 +46,13 @@ class ModelSharding:
     """This rank's shard of GPT(cfg, seed) under tp (tp None or of size 1: the whole model)."""
 
     def __init__(self, cfg: GPTConfig, seed: int, tp: TensorParallel | None = None,
-                 check: bool = False) -> None:
+                 check: bool = False, context=None) -> None:
         self.tp = tp if tp is not None and tp.group.size > 1 else None
         self.model = GPT(cfg, seed)
         if self.tp is not None:
             parallelize(self.model, self.tp)
+        if context is not None:                 # every rank holds the whole weights
+            parallelize_context(self.model, context)
         named = list(self.model.named_parameters())
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.tp_rank = 0 if self.tp is None else self.tp.group.rank

@@ -48,6 +48,7 @@ from minidist.nn.layers import MLP, Linear
 from minidist.nn.module import Module
 from minidist.parallel import placement as pl
 from minidist.parallel import sequence as sp
+from minidist.parallel.context import sequence_positions
 from minidist.parallel.vocab import VocabParallelEmbedding, shard_parameter, vocab_range
 from minidist.parallel.vocab import vocab_parallel_cross_entropy
 
@@ -97,6 +98,7 @@ class TensorParallel:
     sequence_parallel: bool = False
     algo: str = "auto"              # all-reduce / reduce-scatter ("direct": canonical order)
     gather_algo: str = "auto"
+    context: object = None          # parallel/context.ContextParallel when cp > 1
 
     @property
     def prefix(self) -> str:
@@ -124,11 +126,18 @@ class TensorParallel:
         """A replicated parameter used on sequence shards: f, so its grad is summed over tp."""
         return f.apply(p, tp=self) if self.sequence_parallel else p
 
-    def sequence_shards(self, T_local: int) -> dict[int, tuple[int, int]]:
-        """For dropout on x[B, T_tp, C]: {1: (first position, T)} under SP, else {}."""
-        if not self.sequence_parallel:
+    def sequence_shards(self, rows: int) -> dict:
+        """For dropout on this rank's x[B, rows, C] outside the tp regions: {1: (global
+        positions, T)} under SP or context parallelism, else {} (the whole sequence)."""
+        if not self.sequence_parallel and self.context is None:
             return {}
-        return {1: (self.group.rank * T_local, self.group.size * T_local)}
+        return {1: self.positions(rows)}
+
+    def positions(self, rows: int) -> tuple:
+        """(global positions, T) of the `rows` positions this rank holds outside the tp
+        regions: its SP slice of its context-parallel tokens."""
+        W, r = (self.group.size, self.group.rank) if self.sequence_parallel else (1, 0)
+        return sequence_positions(rows, r, W, self.context)
 
 
 class ColumnParallelLinear(Module):
@@ -186,7 +195,7 @@ class TensorParallelAttention(CausalSelfAttention):
         first = self.tp.group.rank * (self.n_head // self.tp.group.size)
         y = self.attend(self.qkv(x), key, first_head=first)        # (B, T, C_tp)
         y = self.proj(pl.tag(y, "tp", pl.Shard(2)))                 # (B, T, C) or T_tp
-        return self.resid_drop(y, key, self.tp.sequence_shards(y.shape[1]))
+        return self.resid_drop(y, key)
 
 
 class TensorParallelMLP(MLP):
@@ -205,7 +214,7 @@ class TensorParallelMLP(MLP):
     def forward(self, x: Tensor, key=None) -> Tensor:
         h = F.gelu(self.fc(x), approximate="tanh")                 # (B, T, F_tp)
         y = self.proj(h)                                            # (B, T, C) or T_tp
-        return self.drop(y, key, self.tp.sequence_shards(y.shape[1]))
+        return self.drop(y, key)
 
 
 class TensorParallelLayout(GPTLayout):
@@ -221,14 +230,12 @@ class TensorParallelLayout(GPTLayout):
         return m.wte.weight if m.cfg.tie_weights else m.lm_head.weight
 
     def positions(self, T: int):
-        if not self.tp.sequence_parallel:
-            return backend.xp.arange(T)
-        lo, _ = self.sequence_shards(T)[1]
-        return backend.xp.arange(lo, lo + T // self.tp.group.size)
+        """Global positions of the embedded tokens: T input tokens, my SP slice of them."""
+        rows = T // self.tp.group.size if self.tp.sequence_parallel else T
+        return backend.xp.asarray(self.tp.positions(rows)[0])
 
-    def sequence_shards(self, T: int) -> dict[int, tuple[int, int]]:
-        return self.tp.sequence_shards(T // self.tp.group.size) \
-            if self.tp.sequence_parallel else {}
+    def sequence_shards(self, rows: int) -> dict:
+        return self.tp.sequence_shards(rows)
 
     def logits(self, x: Tensor, w: Tensor) -> Tensor:
         """Column-parallel LM head: logits[B, T, V_tp] (SP: after the all-gather along T)."""

@@ -43,7 +43,7 @@ class DeviceMesh:
         if any(s < 1 for s in shape) or int(np.prod(shape)) != W:
             raise ValueError(f"DeviceMesh: shape {shape} has {int(np.prod(shape))} ranks but "
                              f"the world has {W}; choose sizes whose product is {W}.")
-        self.axes, self.shape, self.rank = axes, shape, job.rank
+        self.axes, self.shape, self.rank, self._job = axes, shape, job.rank, job
         self.grid = np.arange(W).reshape(shape)                     # grid[coords] = global rank
         self.coords = dict(zip(axes, (int(c) for c in np.argwhere(self.grid == job.rank)[0])))
         self._groups: dict[str, ProcessGroup] = {}
@@ -53,6 +53,23 @@ class DeviceMesh:
                 g = job.new_group(tuple(int(r) for r in ranks), name=f"{axis}{i}")
                 if g is not None:
                     self._groups[axis] = g
+
+    def flatten(self, axes: tuple[str, ...], name: str) -> ProcessGroup:
+        """COLLECTIVE over the world (same arguments on every rank): this rank's group of
+        every rank that differs from it only along `axes`, e.g. ("dp", "cp"): all ranks
+        holding a replica of the same tensor-parallel shard. Ranks in row-major order."""
+        if not axes or any(a not in self.axes for a in axes) or len(set(axes)) != len(axes):
+            raise ValueError(f"DeviceMesh.flatten: axes {axes} must be distinct axes of "
+                             f"{self.axes}")
+        picked = [self.axes.index(a) for a in axes]
+        rest = [i for i in range(len(self.axes)) if i not in picked]
+        size = int(np.prod([self.shape[i] for i in picked]))
+        mine = None
+        for i, ranks in enumerate(np.transpose(self.grid, rest + picked).reshape(-1, size)):
+            g = self._job.new_group(tuple(int(r) for r in ranks), name=f"{name}{i}")
+            if g is not None:
+                mine = g
+        return mine
 
     def group(self, axis: str) -> ProcessGroup:
         if axis not in self._groups:

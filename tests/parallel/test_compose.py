@@ -1,6 +1,7 @@
-"""Every layout on the mesh must be invisible in the numbers: dp x tp ranks, with or without
-sequence parallelism, with ZeRO 0-3 over dp, train exactly like one process (float64, 3
-AdamW steps with gradient accumulation, clipping and dropout)."""
+"""Every layout on the mesh must be invisible in the numbers: dp x cp x tp ranks, with or
+without sequence parallelism, ring attention or Ulysses over cp, ZeRO 0-3 over dp x cp,
+train exactly like one process (float64, 3 AdamW steps with gradient accumulation,
+clipping and dropout)."""
 
 import functools
 
@@ -18,16 +19,21 @@ DATA = DataConfig(task="sort", length=6, seed=2)   # V = 11 (divisible by no tp 
 STEPS, M, LR, CLIP = 3, 2, 1e-2, 0.05
 
 
-def _cfg(tp: int):
-    heads = tp if tp > 2 else 2                      # n_head a multiple of tp, D = 4 or 8
-    return model_config_for(DATA, n_layer=2, n_head=heads, n_embd=4 * heads if tp > 2 else 16,
-                            dropout=0.1)
+def _data(cp: int = 1) -> DataConfig:
+    """T = 12, or T = 2 cp where 12 does not split into 2 cp zig-zag chunks."""
+    return DATA if 12 % (2 * cp) == 0 else DataConfig(task="sort", length=cp, seed=2)
+
+
+def _cfg(tp: int, cp: int = 1):
+    heads = tp * cp if tp * cp > 2 else 2            # n_head a multiple of tp x cp (Ulysses)
+    return model_config_for(_data(cp), n_layer=2, n_head=heads,
+                            n_embd=4 * heads if heads > 2 else 16, dropout=0.1)
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(tp: int, batch: int):
-    return train_single_process(_cfg(tp), DATA, steps=STEPS, global_batch=batch, lr=LR,
-                                grad_accum=M, clip_grad=CLIP, weight_decay=0.01)
+def _reference(tp: int, batch: int, cp: int = 1):
+    return train_single_process(_cfg(tp, cp), _data(cp), steps=STEPS, global_batch=batch,
+                                lr=LR, grad_accum=M, clip_grad=CLIP, weight_decay=0.01)
 
 
 def _check(runs, ref, what):
@@ -35,29 +41,40 @@ def _check(runs, ref, what):
     assert_runs_match(runs, ref, what)
 
 
-def _run(dp, tp, zero, sp):
+def _run(dp, tp, zero, sp, cp=1, algo="ring", layout="zigzag"):
     batch = dp * M * 2
-    plan = Plan(dp=dp, tp=tp, zero=zero, micro_batches=M, sequence_parallel=sp)
-    runs = spawn(dp * tp, train_on_rank, _cfg(tp), DATA, plan, steps=STEPS,
+    plan = Plan(dp=dp, tp=tp, cp=cp, zero=zero, micro_batches=M, sequence_parallel=sp,
+                cp_algo=algo, cp_layout=layout)
+    runs = spawn(dp * cp * tp, train_on_rank, _cfg(tp, cp), _data(cp), plan, steps=STEPS,
                  global_batch=batch, lr=LR, clip_grad=CLIP, weight_decay=0.01)
-    _check(runs, _reference(tp, batch), f"dp={dp} tp={tp} zero={zero} sp={sp}")
+    _check(runs, _reference(tp, batch, cp), f"dp={dp} cp={cp} ({algo}, {layout}) tp={tp} "
+                                            f"zero={zero} sp={sp}")
 
 
-FACTORISATIONS = [(W // tp, tp) for W in range(1, 9) for tp in range(1, W + 1) if W % tp == 0]
+FACTORISATIONS = [(dp, cp, tp) for W in range(1, 9) for dp in range(1, W + 1)
+                  for cp in range(1, W + 1) for tp in range(1, W + 1) if dp * cp * tp == W]
 
 
-def _default_case(i, dp, tp):
-    """One ZeRO stage per factorisation, cycling; SP wherever T = 12 splits over tp."""
-    return dp, tp, i % 4, tp > 1 and 12 % tp == 0 and i % 2 == 0
+def _sp_splits(cp, tp):
+    return tp > 1 and (_data(cp).block_size // cp) % tp == 0
 
 
-DEFAULT = [_default_case(i, dp, tp) for i, (dp, tp) in enumerate(FACTORISATIONS)]
+def _default_case(i, dp, cp, tp):
+    """One ZeRO stage per factorisation, cycling; SP wherever it splits, every other time;
+    Ulysses every third cp case, the contiguous layout every fifth."""
+    algo = "ulysses" if i % 3 == 0 else "ring"
+    layout = "contiguous" if i % 5 == 0 else "zigzag"
+    return dp, cp, tp, i % 4, _sp_splits(cp, tp) and i % 2 == 0, algo, layout
+
+
+DEFAULT = [_default_case(i, *f) for i, f in enumerate(FACTORISATIONS)]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("dp, tp, zero, sp", DEFAULT)
-def test_every_factorisation_of_up_to_8_ranks_matches_single_process(dp, tp, zero, sp):
-    _run(dp, tp, zero, sp)
+@pytest.mark.parametrize("dp, cp, tp, zero, sp, algo, layout", DEFAULT)
+def test_every_factorisation_of_up_to_8_ranks_matches_single_process(dp, cp, tp, zero, sp,
+                                                                      algo, layout):
+    _run(dp, tp, zero, sp, cp, algo, layout)
 
 
 @pytest.mark.multiproc
@@ -69,15 +86,17 @@ def test_vocabulary_not_divisible_by_tp_is_exact(tp, sp):
     _run(1, tp, 0, sp)
 
 
-SWEEP = [(dp, tp, zero, sp) for dp, tp in FACTORISATIONS for zero in range(4)
-         for sp in ([False, True] if tp > 1 and 12 % tp == 0 else [False])]
+SWEEP = [(dp, cp, tp, zero, sp, algo, "zigzag") for dp, cp, tp in FACTORISATIONS
+         for zero in range(4) for sp in ([False, True] if _sp_splits(cp, tp) else [False])
+         for algo in (["ring", "ulysses"] if cp > 1 else ["ring"])]
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("dp, tp, zero, sp", [c for c in SWEEP if c not in DEFAULT])
-def test_full_sweep_of_layouts(dp, tp, zero, sp):
-    _run(dp, tp, zero, sp)
+@pytest.mark.parametrize("dp, cp, tp, zero, sp, algo, layout",
+                         [c for c in SWEEP if c not in DEFAULT])
+def test_full_sweep_of_layouts(dp, cp, tp, zero, sp, algo, layout):
+    _run(dp, tp, zero, sp, cp, algo, layout)
 
 
 @pytest.mark.parametrize("plan, match", [
@@ -97,8 +116,9 @@ def test_sequence_length_must_split_over_tp_under_sp():
     Plan(tp=5).validate(cfg, 8, DATA.block_size)                # without SP: fine
 
 
-@pytest.mark.parametrize("field, bad", [("tp", 0), ("pp", 2), ("cp", 2), ("ep", 2),
-                                        ("sequence_parallel", 1), ("check_placements", 1)])
+@pytest.mark.parametrize("field, bad", [("tp", 0), ("pp", 2), ("cp", 0), ("ep", 2),
+                                        ("sequence_parallel", 1), ("check_placements", 1),
+                                        ("cp_algo", "star"), ("cp_layout", "random")])
 def test_plan_refuses_bad_or_unbuilt_axes(field, bad):
     with pytest.raises(ValueError, match=field):
         Plan(**{field: bad})

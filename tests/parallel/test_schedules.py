@@ -26,8 +26,9 @@ def test_micro_batches_are_the_dp_ranks_global_rows():
         assert all(mb.aux_weight == 2 / 12 for mb in batches)
 
 
-def _local_count(data, step, B, dp, dp_rank, M, seed, real=schedules.micro_batches):
-    batches, _ = real(data, step, B, dp, dp_rank, M, seed)
+def _local_count(data, step, B, dp, dp_rank, M, seed, positions=None,
+                 real=schedules.micro_batches):
+    batches, _ = real(data, step, B, dp, dp_rank, M, seed, positions)
     return batches, int(sum((mb.y != -100).sum() for mb in batches))     # the bug
 
 

@@ -65,7 +65,8 @@ def _ring_on_rank(ctx, cases):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("W", [1, 2, 3, 4])
-def test_output_and_gradients_match_single_process(W):
+def test_ring_attention_output_and_dq_dk_dv_equal_single_process(W):
+    # Megatron-LM #1465: context-parallel dQ/dK/dV off by up to 1.2 (relative) in a framework
     runs = spawn(W, _ring_on_rank, CASES)
     for i, (layout, causal, p) in enumerate(CASES):
         ref = _reference(causal, p)

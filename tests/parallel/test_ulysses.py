@@ -76,7 +76,8 @@ def _reference(T, causal, p, n_head):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("W", [1, 2, 3, 4])
-def test_ulysses_matches_single_process_attention(W):
+def test_ulysses_output_and_dq_dk_dv_equal_single_process(W):
+    # Megatron-LM #1465: context-parallel dQ/dK/dV off by up to 1.2 (relative) in a framework
     cases = _cases(W)
     runs = spawn(W, _on_rank, cases)
     h = 2 * W

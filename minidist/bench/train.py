@@ -1,4 +1,4 @@
-"""Benchmark: training throughput of data (and ZeRO) and tensor parallelism against one rank.
+"""Benchmark: training throughput of data (ZeRO), tensor and context parallelism vs one rank.
 
 Weak scaling: every rank keeps the same batch (`--batch-per-rank`), so dp ranks process
 dp times the tokens of one rank per step; on dp idle cores the ideal is dp x the tokens/s
@@ -26,16 +26,8 @@ machine shared with other jobs it can be far below W); dp=W with overlap, dp=W w
 (Plan(zero=k), parallel/zero.py). dp=W against "W x dp=1" is the cost of data
 parallelism itself.
 
-Tensor parallelism (--tp T > 1) is strong scaling instead: every row trains the SAME global
-batch (`--batch`), so ratio = speed-up over one rank. Rows: dp=1; dp=D (with --dp D > 1);
-the layout dp=D x tp=T; with --sp the same with sequence parallelism. Defaults are a model
-where matmuls dominate: C=256, 4 layers, T=128, float32, batch 8. Columns besides the times:
-    dp sent, 2(D-1)/D Ψ  bytes rank 0 sent per step over dp, and DDP's figure for its shard
-    tp sent, formula     bytes rank 0 sent per step over tp (bytes_by_axis["tp"]) and
-                         parallel/tensor_memory.step_bytes (exact, algorithm by algorithm)
-    act/layer, formula   bytes one rank keeps for the backward of one block (block 0 of the
-                         same sharded model, autograd/saved.py, parameters excluded) and
-                         tensor_memory.activation_bytes
+Tensor (--tp T > 1) and context parallelism (--cp C > 1) are strong scaling instead:
+bench/train_layouts.py builds and prints those tables.
 Placement checks are off in every run: their digests would be traffic too.
 
 Run:  python -m minidist bench train --dp 2 [--zero 1,2,3] [--steps 30] [--warmup 5]
@@ -43,9 +35,11 @@ Run:  python -m minidist bench train --dp 2 [--zero 1,2,3] [--steps 30] [--warmu
       [--n-embd 64] [--dtype float32] [--bucket-bytes 64K]       (default: about 25 s)
       python -m minidist bench train --tp 2 [--dp 2] [--sp] [--batch 8] [--steps 10]
       [--warmup 2] [--n-layer 4] [--n-embd 256] [--length 64]    (T = 128; a minute or two)
+      python -m minidist bench train --cp 2 [--cp-algo ulysses] [--dp 2]  (T = 512; ~1 min)
 Reference: Li et al. 2020, arXiv:2006.15704, Sec. 5 (DDP overlap and bucket size);
     Shoeybi et al. 2019, arXiv:1909.08053 (tp); Korthikanti et al. 2022, arXiv:2205.05198
-    (SP; Table 2, activation memory, printed under the tp table).
+    (SP; Table 2, printed under the tp table); Liu et al. 2023, arXiv:2310.01889 (ring
+    attention); Jacobs et al. 2023, arXiv:2309.14509 (Ulysses).
 Read next: bench/collectives.py
 """
 
@@ -68,9 +62,7 @@ from minidist.baseline import model_config_for  # noqa: E402
 from minidist.bench.collectives import parse_bytes  # noqa: E402
 from minidist.data import DataConfig           # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
-from minidist.parallel import placement as pl  # noqa: E402
-from minidist.parallel import tensor_memory as tm  # noqa: E402
-from minidist.parallel.tensor import expected_placement  # noqa: E402
+from minidist.parallel import ring_attention as ra  # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402
 from minidist.train import Plan, train_on_rank  # noqa: E402
 
@@ -90,6 +82,7 @@ class Row:
     sent_by_axis: dict | None = None            # rank 0's {"dp": B, "tp": B} per step
     plan: Plan | None = None
     act: int = 0                                # activation bytes per layer, measured
+    hidden: float = float("nan")                # ring: share of the send time hidden
 
 
 @dataclass
@@ -105,9 +98,13 @@ def _on_rank(ctx, model_cfg, data_cfg, plan: Plan, steps: int, batch: int, alone
     if alone:                                  # every rank creates every group, in order
         mine = [ctx.new_group((r,), name=f"alone{r}") for r in range(ctx.world_size)]
         ctx = _Alone(mine[ctx.rank])
+    marks = [(0.0, 0.0)]                       # ring (send, wait) seconds after each step
+    ra.RING_TIMES.reset()
+    snap = lambda step, loss: marks.append((ra.RING_TIMES.send_s, ra.RING_TIMES.wait_s))  # noqa
     r = train_on_rank(ctx, model_cfg, data_cfg, plan, steps=steps, global_batch=batch,
-                      lr=1e-3)
-    return r.timing, [b["sent"] for b in r.bytes_per_step], r.bytes_by_axis
+                      lr=1e-3, on_step=snap if plan.cp > 1 else None)
+    ring = [(s1 - s0, w1 - w0) for (s0, w0), (s1, w1) in zip(marks, marks[1:])]
+    return r.timing, [b["sent"] for b in r.bytes_per_step], r.bytes_by_axis, ring
 
 
 def measure(name: str, model_cfg, data_cfg, plan: Plan, steps: int, warmup: int,
@@ -118,9 +115,11 @@ def measure(name: str, model_cfg, data_cfg, plan: Plan, steps: int, warmup: int,
     runs = spawn(ranks, _on_rank, model_cfg, data_cfg, plan, warmup + steps, global_batch,
                  bool(alone))
     keep = slice(warmup, warmup + steps)
-    slowest = [max(t) for t in zip(*(timing["step"][keep] for timing, _, _ in runs))]
+    slowest = [max(t) for t in zip(*(run[0]["step"][keep] for run in runs))]
     mean = lambda key: [float(np.mean(t)) for t in                       # noqa: E731
-                        zip(*(timing[key][keep] for timing, _, _ in runs))]
+                        zip(*(run[0][key][keep] for run in runs))]
+    ring = [np.sum(per_rank, axis=0) for per_rank in zip(*(run[3][keep] for run in runs))]
+    hidden = [1 - wait / send for send, wait in ring if send > 0]       # all ranks, per step
     step = statistics.median(slowest)
     by_axis = {a: int(statistics.median(b[a] for b in runs[0][2][keep]))
                for a in runs[0][2][0]} if steps else {}
@@ -128,7 +127,7 @@ def measure(name: str, model_cfg, data_cfg, plan: Plan, steps: int, warmup: int,
                global_batch * (alone or 1) * data_cfg.block_size / step, step,
                statistics.median(mean("compute")), statistics.median(mean("comm_wait")),
                statistics.median(mean("cpu")), int(statistics.median(runs[0][1][keep])),
-               by_axis, plan)
+               by_axis, plan, hidden=statistics.median(hidden) if hidden else float("nan"))
 
 
 def _zero_available() -> str | None:
@@ -139,10 +138,7 @@ def _zero_available() -> str | None:
     return None
 
 
-def run_table(a: argparse.Namespace) -> list[Row]:
-    data_cfg = DataConfig(task="sort", length=a.length)
-    cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
-                           dtype=a.dtype)
+def run_table(a: argparse.Namespace, cfg, data_cfg) -> list[Row]:
     common = dict(model_cfg=cfg, data_cfg=data_cfg, steps=a.steps, warmup=a.warmup)
     modes = [True, False] if a.overlap is None else [a.overlap]
     plan = lambda dp, **kw: Plan(dp=dp, bucket_bytes=a.bucket_bytes,     # noqa: E731
@@ -196,143 +192,77 @@ def _stages(text: str) -> list[int]:
     return stages
 
 
-# --- tensor parallelism: strong scaling, bytes and activations against the formulas ------
-
-def _act_on_rank(ctx, cfg, rows: int, sp: bool) -> int:
-    return tm.measure_layer_activations(ctx.world, cfg, rows, sp)
-
-
-def _local_params(cfg, tp: int) -> int:
-    """Elements of one tp rank's shard of GPT(cfg): what DDP all-reduces over dp."""
-    total = 0
-    for name, p in GPT(cfg, seed=None).named_parameters():
-        shape, place = list(p.shape), expected_placement(name) if tp > 1 else pl.Replicate()
-        if isinstance(place, pl.Shard):
-            d = place.dim % len(shape)
-            shape[d] = place.blocks * pl.piece_length(shape[d], tp, place.blocks)
-        total += int(np.prod(shape))
-    return total
-
-
-def run_tp_table(a: argparse.Namespace, cfg, data_cfg) -> list[Row]:
-    """dp=1, dp=D, dp=D x tp=T (and with SP), all on the same global batch a.batch."""
-    def plan(**kw) -> Plan:
-        return Plan(check_placements=False, overlap=a.overlap is not False,
-                    bucket_bytes=a.bucket_bytes, **kw)
-
-    layout = f"dp={a.dp} tp={a.tp}" if a.dp > 1 else f"tp={a.tp}"
-    runs = [("dp=1", plan(dp=1))] + ([(f"dp={a.dp}", plan(dp=a.dp))] if a.dp > 1 else [])
-    runs.append((layout, plan(dp=a.dp, tp=a.tp)))
-    if a.sp:
-        runs.append((layout + " sp", plan(dp=a.dp, tp=a.tp, sequence_parallel=True)))
-    common = dict(model_cfg=cfg, data_cfg=data_cfg, steps=a.steps, warmup=a.warmup)
-    rows = _best_of(a.repeats, [(n, q, 0, a.batch) for n, q in runs], common)
-    out = []
-    for r in rows:                                         # untimed: one block's graph
-        act = spawn(r.plan.tp, _act_on_rank, cfg, a.batch // r.plan.dp,
-                    r.plan.sequence_parallel)
-        out.append(Row(**{**r.__dict__, "act": act[0]}))
-    return out
-
-
-def render_tp(rows: list[Row], cfg, batch: int) -> str:
-    b, T, C, H = np.dtype(cfg.dtype).itemsize, cfg.block_size, cfg.n_embd, cfg.n_head
-    base = rows[0].tokens_per_s
-    head = [("run", 20), ("ranks", 6), ("tokens/s", 10), ("ratio", 7), ("step ms", 9),
-            ("compute ms", 12), ("cpu ms", 8), ("dp sent", 12), ("2(D-1)/D Ψ", 12),
-            ("tp sent", 12), ("formula", 12), ("act/layer", 12), ("formula", 12)]
-    lines = ["".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(head))]
-    for r in rows:
-        q = r.plan
-        rows_mb = batch // q.dp                                 # sequences per dp rank
-        dp_formula = int(round(2 * (q.dp - 1) / q.dp * _local_params(cfg, q.tp) * b))
-        tp_formula = tm.step_bytes(cfg, rows_mb, T, q.tp, q.sequence_parallel)
-        act_formula = tm.activation_bytes(rows_mb, T, C, H, cfg.mlp_ratio * C, tp=q.tp,
-                                          sp=q.sequence_parallel, itemsize=b,
-                                          dropout=cfg.dropout > 0)
-        cells = [f"{r.name:<20}", f"{r.dp:>6}", f"{r.tokens_per_s:>10.0f}",
-                 f"{r.tokens_per_s / base:>7.2f}", f"{r.step * 1e3:>9.2f}",
-                 f"{r.compute * 1e3:>12.2f}", f"{r.cpu * 1e3:>8.2f}"]
-        cells += [f"{v:>12,d}" for v in (r.sent_by_axis.get("dp", 0), dp_formula,
-                                          r.sent_by_axis.get("tp", 0), tp_formula, r.act,
-                                          act_formula)]
-        lines.append("".join(cells))
-    return "\n".join(lines)
-
-
-def paper_line(cfg, rows_mb: int, tp: int) -> str:
-    """Korthikanti et al.'s Table 2 for this model (16-bit activations, with dropout)."""
-    s, h, a = cfg.block_size, cfg.n_embd, cfg.n_head
-    per = [("t=1", tm.paper_activation_bytes(s, rows_mb, h, a)),
-           (f"t={tp}", tm.paper_activation_bytes(s, rows_mb, h, a, tp)),
-           (f"t={tp} sp", tm.paper_activation_bytes(s, rows_mb, h, a, tp, True))]
-    return ("Korthikanti et al. 2022, Table 2, per layer and rank at 16 bits with dropout "
-            f"(s={s}, b={rows_mb}, h={h}, a={a}): " + ", ".join(f"{n} {v:,.0f} B" for n, v in per))
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m minidist bench train`: tokens/s of dp ranks vs one, comm wait per step;
-    with --tp: dp x tp layouts vs one rank on the same batch, bytes and activations."""
+    with --tp (--cp): dp x tp (dp x cp) vs one rank on the same batch, bytes and memory."""
     p = argparse.ArgumentParser(prog="python -m minidist bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel ranks (default 2; with --tp: 1)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: the tp table")
     p.add_argument("--sp", action="store_true", help="add sequence-parallel rows (--tp > 1)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks: the cp table")
+    p.add_argument("--cp-algo", default="ring", choices=["ring", "ulysses"])
+    p.add_argument("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"])
     p.add_argument("--batch", type=int, default=8,
-                   help="global batch of every tp-table row (strong scaling; default 8)")
+                   help="global batch of every tp/cp-table row (strong scaling; default 8)")
     p.add_argument("--zero", type=_stages, default=[], help="ZeRO stages to add, e.g. 1,2,3")
     p.add_argument("--steps", type=int, default=None,
-                   help="measured steps after warm-up (default 30; with --tp: 10)")
-    p.add_argument("--warmup", type=int, default=None, help="default 5; with --tp: 2")
+                   help="measured steps after warm-up (default 30; --tp, --cp: 10)")
+    p.add_argument("--warmup", type=int, default=None, help="default 5; --tp, --cp: 2")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs; best kept")
     p.add_argument("--batch-per-rank", type=int, default=32, help="sequences per rank")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="only with (--overlap) or without (--no-overlap); default both")
-    p.add_argument("--n-layer", type=int, default=None, help="default 2; with --tp: 4")
-    p.add_argument("--n-embd", type=int, default=None, help="default 64; with --tp: 256")
+    p.add_argument("--n-layer", type=int, default=None, help="default 2; --tp: 4")
+    p.add_argument("--n-embd", type=int, default=None, help="default 64; --tp: 256; --cp: 128")
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--length", type=int, default=None,
-                   help="prompt length, T = 2 x length (default 8; with --tp: 64)")
+                   help="prompt length, T = 2 x length (default 8; --tp: 64; --cp: 256)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--bucket-bytes", type=parse_bytes, default=64 << 10,
                    help="DDP bucket size (default 64K: several buckets, so overlap matters)")
     a = p.parse_args(argv)
-    tp_mode = a.tp > 1
+    tp_mode, cp_mode = a.tp > 1, a.cp > 1
     defaults = dict(dp=1, steps=10, warmup=2, n_layer=4, n_embd=256, length=64) if tp_mode \
+        else dict(dp=1, steps=10, warmup=2, n_layer=2, n_embd=128, length=256) if cp_mode \
         else dict(dp=2, steps=30, warmup=5, n_layer=2, n_embd=64, length=8)
     for key, value in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    if a.dp < 1 or a.tp < 1 or a.steps < 1 or a.warmup < 0 or a.batch_per_rank < 1 \
+    if a.dp < 1 or a.tp < 1 or a.cp < 1 or a.steps < 1 or a.warmup < 0 or a.batch_per_rank < 1 \
             or a.repeats < 1 or a.batch < 1:
-        p.error("need --dp, --tp, --steps, --repeats, --batch, --batch-per-rank >= 1 and "
-                "--warmup >= 0")
-    if a.sp and not tp_mode or tp_mode and (a.zero or a.batch % a.dp):
-        p.error("--sp needs --tp > 1; with --tp, --batch must divide by --dp and --zero is "
-                "not part of the tp table")
+        p.error("need --dp, --tp, --cp, --steps, --repeats, --batch, --batch-per-rank >= 1 "
+                "and --warmup >= 0")
+    if a.sp and not tp_mode or (tp_mode or cp_mode) and (a.zero or a.batch % a.dp) \
+            or tp_mode and cp_mode:
+        p.error("--sp needs --tp > 1; with --tp or --cp, --batch must divide by --dp and "
+                "--zero is not in the table; --tp with --cp: see python -m minidist train")
     data_cfg = DataConfig(task="sort", length=a.length)
     cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
                            dtype=a.dtype)
     psi = GPT(cfg).num_parameters()
     print("$ python -m minidist bench train " + shlex.join(sys.argv[1:] if argv is None else argv))
-    if tp_mode:
+    if tp_mode or cp_mode:
         try:
-            Plan(dp=a.dp, tp=a.tp, sequence_parallel=a.sp).validate(cfg, a.batch,
-                                                                   cfg.block_size)
+            Plan(dp=a.dp, tp=a.tp, cp=a.cp, cp_algo=a.cp_algo, cp_layout=a.cp_layout,
+                 sequence_parallel=a.sp).validate(cfg, a.batch, cfg.block_size)
         except ValueError as e:
             p.error(str(e))
         print(f"GPT {cfg.n_layer} layers, C={cfg.n_embd}, H={cfg.n_head}, T={cfg.block_size}, "
               f"Ψ={psi:,} params, {cfg.dtype}; global batch {a.batch} in every row (strong "
               f"scaling); medians over {a.steps} steps after {a.warmup} warm-up, best of "
               f"{a.repeats} runs; {os.cpu_count()} CPU cores; bytes and act per rank (rank 0)")
-        print(render_tp(run_tp_table(a, cfg, data_cfg), cfg, a.batch))
-        print(paper_line(cfg, a.batch // a.dp, a.tp))
+        from minidist.bench import train_layouts as lay
+        rows = lay.run_strong_table(a, cfg, data_cfg)
+        print(lay.render_cp(rows, cfg, a.batch) if cp_mode
+              else lay.render_tp(rows, cfg, a.batch))
+        print(lay.cp_notes(rows) if cp_mode else lay.paper_line(cfg, a.batch // a.dp, a.tp))
         return 0
     print(f"GPT {cfg.n_layer} layers, C={cfg.n_embd}, T={cfg.block_size}, Ψ={psi:,} params, "
           f"{cfg.dtype}; {a.batch_per_rank} sequences per rank (weak scaling); medians over "
           f"{a.steps} steps after {a.warmup} warm-up, best of {a.repeats} runs; "
           f"{os.cpu_count()} CPU cores")
-    rows = run_table(a)
+    rows = run_table(a, cfg, data_cfg)
     print(render(rows, psi, np.dtype(cfg.dtype).itemsize))
     return 0

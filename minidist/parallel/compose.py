@@ -208,8 +208,9 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
         mesh = DeviceMesh(getattr(ctx, "job", ctx), ("dp", "cp", "tp"),
                           (plan.dp, plan.cp, plan.tp))
         dp, cp, tp = mesh.group("dp"), mesh.group("cp"), mesh.group("tp")
-        grad = dp if plan.cp == 1 else cp if plan.dp == 1 else mesh.flatten(("dp", "cp"),
-                                                                            "dp_cp")
+        # the gradient sync gets a group of its own even when dp = 1, so that the cp
+        # group's traffic (bytes_by_axis["cp"]) is attention and nothing else
+        grad = dp if plan.cp == 1 else mesh.flatten(("dp", "cp"), "dp_cp")
     context = ContextParallel(cp, plan.cp_algo, plan.cp_layout) if plan.cp > 1 else None
     algo = "direct" if plan.algo == "auto" and getattr(tp, "supports_shared", False) \
         else plan.algo

@@ -10,7 +10,9 @@ acc = sum_j exp(s_j - m) v_j, and rescale them by exp(m_old - m_new) when a bloc
 max. The result is exactly softmax(q k^T / sqrt(D) + M) v, never an approximation.
 
 The pass of the next block is started (on the group's worker thread) before the compute on
-the current one, so communication hides behind compute. The backward is a second ring:
+the current one, so communication hides behind compute; RING_TIMES records, per pass, the
+worker's sendrecv time and how long compute then waited for it (1 - wait/send is the share
+hidden; `python -m minidist bench train --cp 2` prints it). The backward is a second ring:
 p is recomputed per block from the saved log-sum-exp, dQ accumulates here, and the dK/dV
 accumulator of each block travels with it and arrives back at its owner after W steps.
 
@@ -60,7 +62,9 @@ Read next: parallel/sequence.py (Megatron sequence parallelism), nn/attention.py
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -161,10 +165,60 @@ def _pass_right(group, block: np.ndarray, step: int, phase: str) -> np.ndarray:
         return group.sendrecv(block, dst=(rank + 1) % W, src=(rank - 1) % W)
 
 
-def _start_pass(group, block: np.ndarray, step: int, phase: str):
+@dataclass
+class RingTimes:
+    """This process's ring passes: per pass, the seconds the worker spent in the sendrecv
+    (`send`, measured on the worker) and the seconds the compute thread then waited for it
+    in wait() (`wait`). Totals since reset(), and the last 4096 passes as
+    (phase, ring step, send, wait). hidden() = 1 - wait / send: the share of the send time
+    that compute covered. Timing only: it never touches the numbers of the ring."""
+
+    send_s: float = 0.0
+    wait_s: float = 0.0
+    passes: int = 0
+    last: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def add(self, phase: str, step: int, send: float, wait: float) -> None:
+        self.send_s, self.wait_s, self.passes = self.send_s + send, self.wait_s + wait, \
+            self.passes + 1
+        self.last.append((phase, step, send, wait))
+
+    def hidden(self) -> float:
+        """1 - wait/send over the passes since reset() (nan before any pass)."""
+        return 1.0 - self.wait_s / self.send_s if self.send_s > 0 else float("nan")
+
+    def reset(self) -> None:
+        self.send_s, self.wait_s, self.passes = 0.0, 0.0, 0
+        self.last.clear()
+
+
+RING_TIMES = RingTimes()         # per process: every rank is a process (bench/train.py reads it)
+
+
+class _TimedPass:
+    """The handle _start_pass returns: wait() gives the received block and records the
+    pass's send and wait seconds in RING_TIMES."""
+
+    __slots__ = ("work", "step", "phase")
+
+    def __init__(self, work, step: int, phase: str) -> None:
+        self.work, self.step, self.phase = work, step, phase
+
+    def wait(self) -> np.ndarray:
+        t0 = time.perf_counter()
+        block, send = self.work.wait()
+        RING_TIMES.add(self.phase, self.step, send, time.perf_counter() - t0)
+        return block
+
+
+def _start_pass(group, block: np.ndarray, step: int, phase: str) -> _TimedPass:
     """Work whose wait() is _pass_right(...): runs on the group's worker, overlapping compute.
     (Looked up at call time, so a test can replace _pass_right.)"""
-    return group.submit(lambda: _pass_right(group, block, step, phase))
+    def timed():
+        t0 = time.perf_counter()
+        got = _pass_right(group, block, step, phase)
+        return got, time.perf_counter() - t0
+    return _TimedPass(group.submit(timed), step, phase)
 
 
 # --- the blocks -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The training benchmark: a tiny run prints the command, the dp=1 reference, both overlap
 modes and (when an engine is importable) the ZeRO rows; bytes match the DP formula. With
 --tp: the same global batch on every row, and bytes per axis and activations per layer
-equal to parallel/tensor_memory.py's formulas."""
+equal to parallel/tensor_memory.py's formulas; with --cp: bytes over cp and activations equal
+to parallel/context_memory.py's, attention work per layout, the ring's hidden send time."""
 
 import sys
 import types
@@ -59,7 +60,9 @@ def test_zero_rows_use_plan_zero(capsys, monkeypatch):
 
 def test_bad_arguments_are_refused():
     for args in (["--zero", "4"], ["--steps", "0"], ["--sp"], ["--tp", "2", "--zero", "1"],
-                 ["--tp", "2", "--dp", "2", "--batch", "3"], ["--tp", "3"]):   # 4 heads
+                 ["--tp", "2", "--dp", "2", "--batch", "3"], ["--tp", "3"],   # 4 heads
+                 ["--cp", "2", "--tp", "2"], ["--cp", "2", "--zero", "1"],
+                 ["--cp", "3"], ["--cp", "0"]):                    # T = 512 is not 6 chunks
         with pytest.raises(SystemExit):
             bench.main(args)
 
@@ -107,3 +110,41 @@ def test_tiny_tp_run_prints_bytes_and_activations_next_to_the_formulas(capsys, e
     assert acts[1] < acts[0] and acts[2] < acts[0]            # splitting keeps less per rank
     if "--sp" in extra:
         assert acts[2] < acts[1]                              # SP: LayerNorms on T / tp
+
+
+CP_HEADER = ["run", "ranks", "tokens/s", "ratio", "step", "ms", "cpu", "ms", "cp", "sent",
+             "formula", "hidden", "GF", "zz", "max/mean", "GF", "ct", "max/mean", "act/layer",
+             "formula", "1", "process"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("extra, names", [
+    (["--cp", "2"], ["dp=1", "cp=2 ring"]),
+    (["--cp", "2", "--dp", "2", "--cp-algo", "ulysses"], ["dp=1", "dp=2", "dp=2 cp=2 ulysses"])])
+def test_tiny_cp_run_prints_bytes_work_and_memory_next_to_the_formulas(capsys, extra, names):
+    args = extra + TP_ARGS[:-3] + ["4", "--dtype", "float64"]              # T = 8: 4 chunks
+    assert bench.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "$ python -m minidist bench train " + " ".join(args)
+    start = next(i for i, line in enumerate(lines) if line.startswith("run "))
+    assert lines[start].split() == CP_HEADER
+    end = start + 1 + len(names)
+    rows = {line[:20].strip(): line[20:].split() for line in lines[start + 1:end]}
+    assert list(rows) == names and rows["dp=1"][2] == "1.00"
+    num = lambda c: int(c.replace(",", ""))                                 # noqa: E731
+    for name, cells in rows.items():
+        tokens, ratio, step, cpu = map(float, cells[1:5])
+        assert tokens > 0 and step > 0 and cpu > 0, name
+        sent, formula, act, act_formula = num(cells[5]), num(cells[6]), num(cells[12]), \
+            num(cells[13])
+        assert (sent, act) == (formula, act_formula), f"{name}: measured != formula"
+        assert (sent > 0) == ("cp=2" in name), name
+        zz, ct = float(cells[9]), float(cells[11])                         # max/mean
+        if "ring" in name:
+            assert cells[7].endswith("%") and zz == 1.0 and ct == pytest.approx(4 / 3, abs=1e-3)
+        else:
+            assert cells[7] == "-" and zz == ct == 1.0, name
+        if "cp=2" in name:
+            assert act < num(cells[14]), f"{name}: a cp rank keeps less than one process"
+    notes = "\n".join(lines[end:])
+    assert "targets (issue 8" in notes

@@ -8,8 +8,9 @@ of a step and the trivial schedule, gradient accumulation: a pipeline schedule (
 Micro-batches. Step s reads the global batch ids = data.global_indices(s, B). Its B rows
 are cut into dp * M equal parts; dp rank d takes parts d M .. d M + M - 1, so micro-batch
 m of dp rank d holds global rows (d M + m) B/(dp M) ... (every tp rank of dp rank d holds
-the same rows; under context parallelism each cp rank keeps its positions of them). Each micro-batch carries its global sample ids (for dropout) and
-aux_weight = rows / B (for a MoE auxiliary loss).
+the same rows; under context parallelism each cp rank keeps its positions of them). Each
+micro-batch carries its global sample ids (for dropout) and aux_weight = rows / B (for a
+MoE auxiliary loss).
 
 The loss of every micro-batch is divided by the number of counted targets in the WHOLE
 global batch, n_tokens, so the micro-batch losses (and gradients) of all ranks simply add

@@ -4,6 +4,9 @@ The first of a training step's three jobs (DESIGN.md, "Composition"). Every rank
 whole GPT from (seed, name), exactly as the single process does, and keeps its slice:
 under tensor parallelism parallel/tensor.py replaces the layers by their sharded twins,
 and every parameter records its placement over each mesh axis (parallel/placement.py).
+Under context parallelism (parallel/context.py) every cp rank keeps the whole (tp-local)
+weights; only its attention is told to cross the cp group, and its layout which positions
+it holds.
 Everything that needs the GLOBAL model is then written once, from the placements, for
 every layout (the engines add what the dp axis does; zero.py shards over dp as well):
 
@@ -22,8 +25,9 @@ digest of its .grad over tp and raises PlacementError naming it if they differ, 
 what happens when the LayerNorm gradients under sequence parallelism are not summed over
 tp (each rank would keep the part from its own positions).
 
-One rank's view: build GPT(cfg, seed) -> parallelize(model, tp) (tp > 1) -> hand the
-model to the gradient-sync engine of the dp group (parallel/data.py, parallel/zero.py).
+One rank's view: build GPT(cfg, seed) -> parallelize(model, tp) (tp > 1) ->
+parallelize_context(model, cp) (cp > 1) -> hand the model to the gradient-sync engine of
+the dp x cp group (parallel/data.py, parallel/zero.py).
 Communication: none to shard; full_values all-gathers each sharded parameter over tp.
 Read next: parallel/data.py.
 """

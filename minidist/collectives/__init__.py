@@ -13,7 +13,7 @@ Reading order:
 """
 
 from minidist.collectives.api import (all_gather, all_reduce, all_to_all, barrier, broadcast,
-                                      gather, reduce, reduce_scatter, scatter)
+                                      gather, recv, reduce, reduce_scatter, scatter, send)
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "gather", "reduce",
-           "reduce_scatter", "scatter"]
+__all__ = ["all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "gather", "recv",
+           "reduce", "reduce_scatter", "scatter", "send"]

@@ -33,6 +33,8 @@ Contract shared by all calls:
     scatter(xs, root)         -> xs[rank] of the root's (W, ...) array
     all_to_all(x, split_sizes)-> rows addressed to this rank, in source-rank order
     barrier()                 -> None, once every rank has arrived
+    send(x, dst, tag)         -> None (or a Work): x goes to group rank dst
+    recv(out, src, tag)       -> out, filled with the message of the matching send
 
 Algorithms (cost.ALGOS): ring.py, tree.py, halving_doubling.py ("halving"),
 direct.py (canonical rank order, bitwise reproducible), all_to_all.py ("pairwise").
@@ -122,13 +124,15 @@ def _sizes(sizes: Any, W: int, what: str, total: int | None = None) -> list[int]
 
 
 def _run(group, op: str, header_x, body: Callable[[], Any], async_op: bool, *,
-         root: int | None = None, reduce_op: str | None = None, algo: str = ""):
+         root: int | None = None, reduce_op: str | None = None, algo: str = "",
+         p2p: tuple[int, int, int] | None = None):
     """Run body() inside the one header scope of this call, now or on the async worker."""
     if not isinstance(async_op, bool):
         raise ValueError(f"{op}: async_op must be True or False, got {async_op!r}.")
 
     def call():
-        with group.collective(op, header_x, root=root, reduce_op=reduce_op, algo=algo):
+        with group.collective(op, header_x, root=root, reduce_op=reduce_op, algo=algo,
+                              p2p=p2p):
             return body()
 
     if async_op:
@@ -267,3 +271,60 @@ def barrier(group=None, async_op: bool = False):
     """Return None once every rank of the group has called barrier."""
     g = _group(group)
     return _run(g, "barrier", None, g.barrier, async_op)
+
+
+# --- point to point ---------------------------------------------------------------------
+#
+# send and recv are called by two ranks of a group, not by all of them. Each is numbered
+# in the group like a collective (its own sequence number, its record in the flight
+# recorder, "send #4 on 'pp.act0>1' (float64 (2, 8, 16), group rank 0 -> 1, tag 3)"),
+# so a hung receive names the message it waits for. The k-th send to a rank must match
+# that rank's k-th recv from this one: same tag, dtype and shape, or CollectiveMismatch.
+# Use them on a group whose other ranks make no calls in between (e.g. a 2-rank group
+# per direction, as parallel/pipeline.py does): sequence numbers count every call.
+
+def _tag(tag: Any, what: str) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or tag < 0:
+        raise ValueError(f"{what}: tag={tag!r} must be an int >= 0 (it labels the message, "
+                         "e.g. a micro-batch index).")
+    return int(tag)
+
+
+def _other_rank(peer: Any, group, what: str, name: str) -> int:
+    W, gname = group.size, getattr(group, "name", "?")
+    if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) \
+            or not 0 <= peer < W or peer == group.rank:
+        raise ValueError(f"{what}: {name}={peer!r} must be another rank of group '{gname}' "
+                         f"(group ranks 0..{W - 1}; this rank is {group.rank}).")
+    return int(peer)
+
+
+def send(x: np.ndarray, dst: int, group=None, tag: int = 0, async_op: bool = False):
+    """Send x to group rank `dst`, whose matching recv(out, src=this rank, tag) gets a copy.
+
+    Blocks until x has left this rank's buffer (the receiver's mailbox may hold a few
+    slots: runtime/p2p.py); async_op=True returns at once with a Work, sends on this
+    group's worker in program order (do not modify x before wait()).
+    Cost: x.nbytes sent, one copy in and one out.
+    """
+    g = _group(group)
+    x = _array(x, "send")
+    dst = _other_rank(dst, g, "send", "dst")
+    tag = _tag(tag, "send")
+    return _run(g, "send", x, lambda: g.send(x, dst), async_op, p2p=(g.rank, dst, tag))
+
+
+def recv(out: np.ndarray, src: int, group=None, tag: int = 0) -> np.ndarray:
+    """Fill `out` (and return it) with the message of group rank src's matching send.
+
+    Blocks until it has arrived or the group's timeout passes (CollectiveTimeout naming
+    this recv and the flight recorder); a different tag, dtype or shape is a
+    CollectiveMismatch naming both calls.
+    """
+    g = _group(group)
+    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous:
+        raise ValueError("recv: out must be a C-contiguous NumPy array to receive into "
+                         f"(got {type(out).__name__}); make one with np.empty(shape, dtype).")
+    src = _other_rank(src, g, "recv", "src")
+    tag = _tag(tag, "recv")
+    return _run(g, "recv", out, lambda: g.recv(src, out), False, p2p=(src, g.rank, tag))

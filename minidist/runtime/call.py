@@ -13,6 +13,9 @@ Layout (int64 each):
     8 ndim   9-12 dims (the fifth and later dims fold into dim 12)
     13 state (STARTED, DONE, FAILED)   14 t_start_ns   15 t_end_ns
 Fields 1..12 are the identity of a call: equal on every rank, or a mismatch.
+A point-to-point pair (collectives `send` / `recv`) keeps the sender's group rank in
+the algo field, the receiver's in root and the message tag in redop, on both sides; a
+recv's identity is that of the send it expects (`identity`), so the pair matches.
 
 Read next: runtime/wait.py
 """
@@ -35,6 +38,7 @@ _NAMES = ["", "p2p", "barrier", "broadcast", "reduce", "all_reduce", "reduce_sca
           "ring", "tree", "direct", "halving", "pairwise", "auto", "shared", "exit",
           "new_group", "send", "recv"]
 _CODE = {name: i for i, name in enumerate(_NAMES)}
+_P2P_OPS = (_CODE["send"], _CODE["recv"])
 _SEEN: dict[int, str] = {}                   # other names this process has encoded
 _DTYPES = [np.dtype(t) for t in ("bool", "int8", "uint8", "int16", "uint16", "int32",
                                  "uint32", "int64", "uint64", "float16", "float32",
@@ -72,12 +76,16 @@ def dtype_name(code: int) -> str:
 
 
 def pack(gid: int, seq: int, op: str, x: np.ndarray | None, root: int | None = None,
-         redop: str | None = None, algo: str | None = None) -> np.ndarray:
-    """The record of one call; `x` gives dtype and shape (None for barrier)."""
+         redop: str | None = None, algo: str | None = None,
+         p2p: tuple[int, int, int] | None = None) -> np.ndarray:
+    """The record of one call; `x` gives dtype and shape (None for barrier); p2p =
+    (src, dst, tag) of a send or recv (group ranks), kept in the algo, root, redop fields."""
     rec = np.zeros(NFIELDS, np.int64)
     rec[GID], rec[SEQ], rec[OP] = gid, seq, encode(op)
     rec[ROOT] = -1 if root is None else root
     rec[REDOP], rec[ALGO] = encode(redop), encode(algo)
+    if p2p is not None:
+        rec[ALGO], rec[ROOT], rec[REDOP] = p2p
     if x is not None:
         shape = x.shape if len(x.shape) <= 4 else x.shape[:3] + (int(np.prod(x.shape[3:])),)
         rec[DTYPE], rec[NBYTES], rec[NDIM] = dtype_code(x.dtype), x.nbytes, x.ndim
@@ -86,7 +94,8 @@ def pack(gid: int, seq: int, op: str, x: np.ndarray | None, root: int | None = N
 
 
 def describe(rec: np.ndarray, group_names: dict[int, str] | None = None) -> str:
-    """Human text for a record: "all_reduce #5 on 'world' (float32 (4, 3), op sum, algo ring)"."""
+    """Human text for a record: "all_reduce #5 on 'world' (float32 (4, 3), op sum, algo ring)",
+    "recv #2 on 'pp0' (float64 (2, 8), group rank 0 -> 1, tag 3)"."""
     gid = int(rec[GID])
     gname = (group_names or {}).get(gid, f"group#{gid}")
     parts = []
@@ -94,16 +103,27 @@ def describe(rec: np.ndarray, group_names: dict[int, str] | None = None) -> str:
         ndim = int(rec[NDIM])
         dims = tuple(int(d) for d in rec[9:9 + min(ndim, 4)])
         parts.append(f"{dtype_name(int(rec[DTYPE]))} {dims}")
-    if rec[ROOT] >= 0:
+    if rec[OP] in _P2P_OPS:
+        parts.append(f"group rank {int(rec[ALGO])} -> {int(rec[ROOT])}, tag {int(rec[REDOP])}")
+    elif rec[ROOT] >= 0:
         parts.append(f"root {int(rec[ROOT])}")
-    if rec[REDOP]:
+    if rec[REDOP] and rec[OP] not in _P2P_OPS:
         parts.append(f"op {decode(int(rec[REDOP]))}")
-    if rec[ALGO]:
+    if rec[ALGO] and rec[OP] not in _P2P_OPS:
         parts.append(f"algo {decode(int(rec[ALGO]))}")
     detail = f" ({', '.join(parts)})" if parts else ""
     return f"{decode(int(rec[OP]))} #{int(rec[SEQ])} on '{gname}'{detail}"
 
 
+def identity(rec: np.ndarray) -> bytes:
+    """The bytes two ranks must agree on (fields 1..12); a recv's are its send's."""
+    if rec[OP] != _CODE["recv"]:
+        return rec[IDENTITY].tobytes()
+    ident = rec[IDENTITY].copy()
+    ident[OP - 1] = _CODE["send"]
+    return ident.tobytes()
+
+
 def same_call(a: np.ndarray, b: np.ndarray) -> bool:
-    """True when two records name the same call (fields 1..12 equal)."""
-    return a[IDENTITY].tobytes() == b[IDENTITY].tobytes()
+    """True when two records name the same call (or the two ends of one message)."""
+    return identity(a) == identity(b)

@@ -163,7 +163,7 @@ class ProcessGroup:
         for r, peer in enumerate(self.ranks):
             theirs = self.board.read_call(peer, self.gid)
             if theirs is not None and theirs[call.SEQ] == seq and \
-                    theirs[call.IDENTITY].tobytes() != ident:
+                    call.identity(theirs) != ident:
                 names = self.group_names
                 raise CollectiveMismatch(
                     f"{self.prefix} this rank is in [{call.describe(rec, names)}] but rank "
@@ -193,14 +193,16 @@ class ProcessGroup:
 
     # --- the header scope of one collective call ---
     def collective(self, op: str, x: np.ndarray | None, *, root: int | None = None,
-                   reduce_op: str | None = None, algo: str = "") -> "CallScope":
-        """`with group.collective(...)`: the scope of one call (see the module docstring)."""
-        key = (op, None if x is None else (x.dtype, x.shape), root, reduce_op, algo)
+                   reduce_op: str | None = None, algo: str = "",
+                   p2p: tuple[int, int, int] | None = None) -> "CallScope":
+        """`with group.collective(...)`: the scope of one call (see the module docstring);
+        p2p = (src, dst, tag) for a send or recv."""
+        key = (op, None if x is None else (x.dtype, x.shape), root, reduce_op, algo, p2p)
         template = self._templates.get(key)
         if template is None:                     # pack once per distinct call, reuse after
             if len(self._templates) > 4096:
                 self._templates.clear()
-            template = call.pack(self.gid, 0, op, x, root, reduce_op, algo)
+            template = call.pack(self.gid, 0, op, x, root, reduce_op, algo, p2p)
             template[call.STATE] = call.STARTED
             self._templates[key] = template
         return CallScope(self, template)
@@ -257,7 +259,7 @@ class CallScope:
         rec[call.SEQ] = g.seq
         version[0] = g._writes
         g._recorder.start(rec)
-        g.record, g.ident, g._verified = rec, rec[call.IDENTITY].tobytes(), False
+        g.record, g.ident, g._verified = rec, call.identity(rec), False
         return g
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -86,7 +86,7 @@ class MpiGroup:
         wait_until(req.Test, _Deadline(self, peer, what), self.timeout, spin=False)
 
     def _check(self, h: np.ndarray, src: int, out: np.ndarray) -> None:
-        same = h[call.IDENTITY].tobytes() == self.record[call.IDENTITY].tobytes()
+        same = h[call.IDENTITY].tobytes() == call.identity(self.record)
         if same and h[MSG_NBYTES] == out.nbytes and h[MSG_DTYPE] == call.dtype_code(out.dtype):
             return
         raise CollectiveMismatch(
@@ -151,8 +151,9 @@ class MpiGroup:
             "between its ranks. Use algo='ring', 'tree' or 'halving' instead of 'direct'.")
 
     def collective(self, op: str, x: np.ndarray | None, *, root: int | None = None,
-                   reduce_op: str | None = None, algo: str = "") -> "_MpiScope":
-        return _MpiScope(self, call.pack(self.gid, 0, op, x, root, reduce_op, algo))
+                   reduce_op: str | None = None, algo: str = "",
+                   p2p: tuple[int, int, int] | None = None) -> "_MpiScope":
+        return _MpiScope(self, call.pack(self.gid, 0, op, x, root, reduce_op, algo, p2p))
 
     def submit(self, fn):
         from minidist.runtime.group import Work

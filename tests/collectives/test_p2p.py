@@ -1,0 +1,88 @@
+"""Public send / recv: numbered like collectives, so a wrong message is named, a missing one
+is a timeout naming the pending recv, and bad arguments fail before anything is sent."""
+
+import numpy as np
+import pytest
+
+from minidist import collectives as C
+from minidist.runtime import call
+from minidist.runtime.launch import spawn
+
+
+def _pair(ctx):
+    g = ctx.world
+    if g.rank == 0:
+        w = C.send(np.arange(6.0).reshape(2, 3), 1, group=g, tag=3, async_op=True)
+        C.send(np.ones(4, np.int32), 1, group=g, tag=4)
+        w.wait()
+        return g.stats["bytes_sent"]
+    a = C.recv(np.empty((2, 3)), 0, group=g, tag=3)
+    b = C.recv(np.empty(4, np.int32), 0, group=g, tag=4)
+    return a.tolist(), b.tolist(), g.stats["bytes_recv"]
+
+
+@pytest.mark.multiproc
+def test_send_and_recv_deliver_in_order_and_count_bytes():
+    sent, (a, b, received) = spawn(2, _pair)
+    assert a == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and b == [1, 1, 1, 1]
+    assert sent == received == 48 + 16
+
+
+def _wrong_tag(ctx):
+    g = ctx.world
+    if g.rank == 0:
+        C.send(np.ones(2), 1, group=g, tag=5)
+    else:
+        C.recv(np.empty(2), 0, group=g, tag=4)
+
+
+@pytest.mark.multiproc
+def test_a_message_with_another_tag_is_a_mismatch_naming_both():
+    with pytest.raises(Exception, match=r"send #1 .*group rank 0 -> 1, tag 5.*"
+                                        r"recv #1 .*group rank 0 -> 1, tag 4"):
+        spawn(2, _wrong_tag)
+
+
+def _nobody_sends(ctx):
+    if ctx.rank == 1:
+        C.recv(np.empty(2), 0, group=ctx.world, tag=7)
+
+
+@pytest.mark.multiproc
+def test_a_recv_nobody_answers_times_out_naming_it(monkeypatch):
+    monkeypatch.setenv("MINIDIST_TIMEOUT", "2")
+    with pytest.raises(Exception, match=r"recv #1 on 'world' \(float64 \(2,\), group rank "
+                                        r"0 -> 1, tag 7\)"):
+        spawn(2, _nobody_sends)
+
+
+def _bad_arguments(ctx):
+    g, errors = ctx.world, []
+    if g.rank == 1:
+        return errors
+    for fn in (lambda: C.send(np.ones(2), 0, group=g), lambda: C.send(np.ones(2), 2, group=g),
+               lambda: C.send(np.ones(2), 1, group=g, tag=-1),
+               lambda: C.recv(np.ones((2, 2)).T, 1, group=g)):
+        try:
+            fn()
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.multiproc
+def test_bad_peers_tags_and_buffers_are_refused():
+    errors = spawn(2, _bad_arguments)[0]
+    assert len(errors) == 4
+    assert "another rank" in errors[0] and "0..1" in errors[1] and "tag" in errors[2]
+    assert "C-contiguous" in errors[3]
+
+
+def test_a_recv_record_matches_the_send_it_expects():
+    x = np.zeros((2, 3))
+    s = call.pack(4, 9, "send", x, p2p=(0, 1, 3))
+    r = call.pack(4, 9, "recv", x, p2p=(0, 1, 3))
+    assert call.same_call(s, r) and not call.same_call(s, call.pack(4, 9, "recv", x,
+                                                                    p2p=(0, 1, 2)))
+    assert call.describe(r, {4: "pp0"}) == \
+        "recv #9 on 'pp0' (float64 (2, 3), group rank 0 -> 1, tag 3)"

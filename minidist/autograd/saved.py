@@ -65,10 +65,12 @@ def ctx_arrays(ctx: Any) -> list:
     return out
 
 
-def graph_nodes(root: Tensor) -> list[tuple[str, Any]]:
-    """(operation name, ctx) of every node reachable from root, root first (the nodes
-    Tensor.backward visits). The name is the Function class, e.g. "MatMul"."""
-    out, seen, stack = [], set(), [root]
+def graph_nodes(root: Tensor | list[Tensor]) -> list[tuple[str, Any]]:
+    """(operation name, ctx) of every node reachable from root (or from any of a list of
+    roots, each node once), root first: the nodes Tensor.backward visits. The name is the
+    Function class, e.g. "MatMul"."""
+    out, seen = [], set()
+    stack = list(root) if isinstance(root, (list, tuple)) else [root]
     while stack:
         t = stack.pop()
         if id(t) in seen or t._node is None:
@@ -89,7 +91,7 @@ def _excluded(exclude: Iterable[Any]) -> set[int]:
     return ids
 
 
-def saved_by_op(root: Tensor, exclude: Iterable[Any] = ()) -> dict[str, int]:
+def saved_by_op(root: Tensor | list[Tensor], exclude: Iterable[Any] = ()) -> dict[str, int]:
     """{operation name: bytes}: each distinct base buffer counted once, under the first
     node (from the root) that holds it. Values sum to saved_bytes(root, exclude)."""
     skip, seen, out = _excluded(exclude), set(), {}
@@ -103,8 +105,21 @@ def saved_by_op(root: Tensor, exclude: Iterable[Any] = ()) -> dict[str, int]:
     return out
 
 
-def saved_bytes(root: Tensor, exclude: Iterable[Any] = ()) -> int:
-    """Bytes of the distinct buffers the graph behind `root` keeps for the backward.
+def distinct_bytes(arrays: Iterable[Any], exclude: Iterable[Any] = ()) -> int:
+    """Bytes of the distinct base buffers of `arrays` (views of one buffer count once),
+    leaving out those of `exclude` (e.g. the parameters)."""
+    skip, seen, total = _excluded(exclude), set(), 0
+    for a in arrays:
+        buf = base_buffer(a)
+        if id(buf) not in skip and id(buf) not in seen:
+            seen.add(id(buf))
+            total += int(buf.nbytes)
+    return total
+
+
+def saved_bytes(root: Tensor | list[Tensor], exclude: Iterable[Any] = ()) -> int:
+    """Bytes of the distinct buffers the graph behind `root` (or several roots: buffers
+    shared between their graphs count once) keeps for the backward.
 
     exclude: arrays or Tensors (e.g. model.parameters()) whose buffers are not counted.
     A root that is a leaf (no node) keeps nothing: 0.
@@ -112,4 +127,5 @@ def saved_bytes(root: Tensor, exclude: Iterable[Any] = ()) -> int:
     return sum(saved_by_op(root, exclude).values())
 
 
-__all__ = ["saved_bytes", "saved_by_op", "graph_nodes", "ctx_arrays", "base_buffer"]
+__all__ = ["saved_bytes", "saved_by_op", "graph_nodes", "ctx_arrays", "base_buffer",
+           "distinct_bytes"]

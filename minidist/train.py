@@ -2,33 +2,39 @@
 
 `train_on_rank(ctx, ...)` runs on every rank (spawn it). It is baseline.train_single_process
 with these changes, and nothing else may differ:
-    1. parallel/compose.py builds the layout of the Plan: one DeviceMesh (dp x cp x tp),
-       this rank's shard of the model (tp; attention over cp) and its gradient-sync engine
-       (over dp x cp: DDP or ZeRO);
+    1. parallel/compose.py builds the layout of the Plan: one DeviceMesh (pp x dp x cp x
+       tp), this rank's shard of the model (its pipeline stage's layers; tp; attention over
+       cp) and its gradient-sync engine (over dp x cp: DDP or ZeRO);
     2. this rank reads only the rows of its dp coordinate (under context parallelism only
        its positions of them), cut into plan.micro_batches micro-batches
        (parallel/schedules.py); the loss is still divided by the token count of the WHOLE
        global batch, so local losses and gradients simply add up across ranks;
-    3. the step schedule (gradient accumulation) runs forward and backward; the engine
+    3. the step schedule runs forward and backward: gradient accumulation, or under pp > 1
+       this stage's actions of the pipeline schedule (parallel/pipeline.py); the engine
        owns the gradient communication and the optimizer;
-    4. the loss of a step is the sum over dp x cp ranks of their micro-batch losses,
-       all-reduced once after the loop (so the per-step byte counts hold training traffic).
+    4. the loss of a step is the sum over dp x cp ranks of their micro-batch losses (the
+       last pipeline stage's: the others add 0), all-reduced once after the loop (so the
+       per-step byte counts hold training traffic).
 
 One rank's view of step s (dp rank d of dp, cp rank c, tp rank t, M micro-batches):
     1. batches, n = schedules.micro_batches(data, s, B, dp, d, M, seed, my positions)
     2. (check mode) schedules.check_token_count: n is the global count of targets
-    3. loss_s = schedules.grad_accumulation(engine, batches, n)
+    3. loss_s = schedules.grad_accumulation(engine, batches, n)   (pp > 1: stage.step)
     4. engine.step(lr_s, clip_grad): wait, clip by the GLOBAL norm, update; returns the norm
 Shapes: x, y (B/(dp M), T/cp) per micro-batch, the same on every tp rank.
 Result (RankResult): losses (global), grad_norms, lrs, full params and optimizer state
 (gathered over dp under ZeRO and over tp), bytes sent/received per step (group.stats deltas
 around the step: "sent", "recv" over all axes; bytes_by_axis: sent per axis, "dp" being
-the gradient sync over dp x cp), memory
+the gradient sync over dp x cp, "pp" the pipeline's activations and gradients, "embed" the
+tied wte's all-reduce), pipeline (pp > 1: this stage's timeline per step, as (kind,
+micro-batch, chunk, start, end) in perf_counter seconds, and its peak held activations),
+memory
 (engine.memory()) and timing per step in seconds: "compute" (forward + backward),
 "comm_wait" (engine.comm_wait_s: what step() waited for communication), "step" (wall
 time of the whole step) and "cpu" (this process's CPU time in the step, all threads).
 
-CLI: `python -m minidist train --dp 2 --cp 2 --tp 2 [--sp] [--zero 1] [--check]` (`main`).
+CLI: `python -m minidist train --pp 2 --dp 2 --cp 2 --tp 2 [--sp] [--zero 1] [--schedule
+1f1b] [--check]` (`main`).
 Read next: parallel/compose.py, parallel/schedules.py, parallel/sharding.py.
 """
 
@@ -65,6 +71,7 @@ class RankResult:
     bytes_by_axis: tuple[dict[str, int], ...]       # {"dp": sent B, "tp": sent B}
     memory: dict[str, int]                          # engine.memory() after the last step
     timing: dict[str, tuple[float, ...]]            # "compute", "comm_wait", "step", "cpu"
+    pipeline: dict | None = None                    # pp > 1: "timeline", "held_peak", ...
 
 
 def _traffic(groups: dict[str, object]) -> dict[str, int]:
@@ -104,8 +111,13 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     groups = {"dp": grad}                     # the gradient sync: dp (x cp)
     if lay.mesh is not None:
         groups.update({"tp": lay.tp_group, **({"cp": lay.cp_group} if plan.cp > 1 else {})})
+    stage = lay.pipeline
+    if stage is not None:
+        groups["pp"] = stage.links
+        if stage.embed_group is not None:
+            groups["embed"] = stage.embed_group
     positions = None if lay.context is None else lay.context.positions(data_cfg.block_size)
-    local, norms, lrs, traffic, by_axis = [], [], [], [], []
+    local, norms, lrs, traffic, by_axis, timelines = [], [], [], [], [], []
     timing: dict[str, list[float]] = {"compute": [], "comm_wait": [], "step": [], "cpu": []}
     for step in range(steps):
         lr_s = lr if lr_schedule == "constant" else optim.lr_at(
@@ -117,7 +129,12 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
             schedules.check_token_count(batches, n_tokens, grad)
         before = _traffic(groups)
         t0, c0 = time.perf_counter(), time.process_time()
-        local.append(schedules.grad_accumulation(engine, batches, n_tokens))
+        if stage is None:
+            local.append(schedules.grad_accumulation(engine, batches, n_tokens))
+        else:
+            local.append(stage.step(engine, batches, n_tokens))
+            timelines.append([(a.kind, a.micro_batch, a.chunk, t0_, t1_)
+                              for a, t0_, t1_ in stage.record])
         t1 = time.perf_counter()
         norms.append(float(engine.step(lr_s, clip_grad)))
         t2 = time.perf_counter()
@@ -130,15 +147,25 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         timing["step"].append(t2 - t0)
         timing["cpu"].append(time.process_time() - c0)
         if on_step is not None:
-            loss = C.all_reduce(np.array([local[-1]]), group=grad, algo=canonical)[0]
-            on_step(step, float(loss))
-    losses = C.all_reduce(np.array(local, np.float64), group=grad, algo=canonical)
+            on_step(step, float(_global_loss([local[-1]], grad, lay.pp_group, canonical)[0]))
+    losses = _global_loss(local, grad, lay.pp_group, canonical)
     return RankResult(losses=tuple(float(v) for v in losses), grad_norms=tuple(norms),
                       lrs=tuple(lrs), params=engine.full_params(),
                       optimizer_state=engine.full_optimizer_state(),
                       bytes_per_step=tuple(traffic), bytes_by_axis=tuple(by_axis),
                       memory=engine.memory(),
-                      timing={k: tuple(v) for k, v in timing.items()})
+                      timing={k: tuple(v) for k, v in timing.items()},
+                      pipeline=None if stage is None else {
+                          "stage": stage.cut.stage, "timeline": timelines,
+                          "held_peak": stage.held_peak,
+                          "held_bytes_peak": stage.held_bytes_peak})
+
+
+def _global_loss(local: list[float], grad, pp, algo: str) -> np.ndarray:
+    """Sum of the losses over the gradient-sync ranks (dp x cp), then over the pipeline
+    stages, whose losses are 0 but on the last (adding zeros is exact)."""
+    losses = C.all_reduce(np.array(local, np.float64), group=grad, algo=algo)
+    return losses if pp is None else C.all_reduce(losses, group=pp, algo=algo)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     single-process baseline and compares the loss curves and final parameters."""
     ap = baseline.train_arguments("python -m minidist train")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (one rank each)")
+    ap.add_argument("--schedule", default="1f1b",
+                    help="pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, or a CSV file "
+                         "(one line per stage, cells like 0F0,0F1,0B0)")
+    ap.add_argument("--virtual-stages", type=int, default=None,
+                    help="model chunks per pp rank for --schedule interleaved (default 2)")
+    ap.add_argument("--layers-per-stage", default=None,
+                    help="layers of each (virtual) stage, comma-separated, e.g. 3,2")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Megatron)")
     ap.add_argument("--sp", action="store_true",
                     help="sequence parallelism over the tp ranks (needs --tp > 1)")
@@ -163,17 +198,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="assert the placement of every activation crossing a parallel "
                          "boundary (also MINIDIST_CHECK_PLACEMENTS=1)")
     a = ap.parse_args(argv)
-    if a.dp == 1 and a.tp == 1 and a.cp == 1 and a.zero == 0 and not a.check:
+    if a.pp > 1 and a.grad_accum == 1:
+        a.grad_accum = 2 * a.pp                  # micro-batches to fill the pipeline
+    if a.dp == 1 and a.tp == 1 and a.cp == 1 and a.pp == 1 and a.zero == 0 and not a.check:
         return baseline.run(a)
     if a.check and a.dtype != "float64":
         print("--check trains in float64: in float32 the layouts' different rounding grows "
               "over hundreds of Adam steps, so only float64 can show they compute the same.")
         a.dtype = "float64"
+    chunks = a.virtual_stages or (2 if a.schedule == "interleaved" else 1)
+    if a.pp > 1 and a.layers_per_stage is None and a.n_layer < a.pp * chunks:
+        print(f"note: n_layer {a.n_layer} -> {a.pp * chunks}, so that each of the pp x "
+              f"virtual stages = {a.pp * chunks} pieces of the model holds a layer")
+        a.n_layer = a.pp * chunks
     cfg, data_cfg = baseline.configs_from(a)
     try:                                              # a bad plan fails here, before spawning
-        plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, zero=a.zero, micro_batches=a.grad_accum,
-                    sequence_parallel=a.sp, cp_algo=a.cp_algo, cp_layout=a.cp_layout,
-                    check_placements=a.check_placements or None)
+        plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, zero=a.zero,
+                    micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
+                    cp_layout=a.cp_layout, check_placements=a.check_placements or None,
+                    schedule=_schedule_argument(a.schedule),
+                    virtual_stages=a.virtual_stages,
+                    layers_per_stage=None if a.layers_per_stage is None else tuple(
+                        int(v) for v in a.layers_per_stage.split(",")))
         plan.validate(cfg, a.batch, data_cfg.block_size)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -193,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         return train_on_rank(ctx, cfg, data_cfg, plan, steps=a.steps, global_batch=a.batch,
                              lr=a.lr, seed=a.seed, optimizer=a.optimizer, on_step=show)
 
-    layout = f"{plan.describe()}, ZeRO-{a.zero}"
+    layout = f"{plan.describe()}, ZeRO-{a.zero}" + (
+        f", {plan.micro_batches} micro-batches" if plan.pp > 1 else "")
     print(f"task {a.task} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, {cfg.dtype} · batch "
           f"{a.batch} on {layout} = {plan.world_size} ranks · {a.optimizer} lr {a.lr}")
     run = spawn(plan.world_size, rank_main)[0]
@@ -214,3 +261,17 @@ def main(argv: list[str] | None = None) -> int:
           f"at step 0 = {d_first:.1e}, max over {a.steps} steps = {d_loss:.1e}, final params "
           f"max |Δ| = {d_param:.1e})")
     return 0 if verdict == "OK" else 1
+
+
+def _schedule_argument(value: str):
+    """--schedule: a schedule name, or the path of a CSV schedule (schedule_csv.py)."""
+    from minidist.parallel.schedule_csv import from_csv
+    from minidist.parallel.schedules import SCHEDULES
+    if value in SCHEDULES:
+        return value
+    try:
+        with open(value) as f:
+            return from_csv(f.read(), name=value)
+    except OSError:
+        raise ValueError(f"--schedule {value!r} is neither one of {SCHEDULES} nor a readable "
+                         "CSV file.") from None

@@ -1,15 +1,17 @@
-"""Composition: a Plan lays W = dp x cp x tp ranks out on one mesh and builds the three jobs.
+"""Composition: a Plan lays W = pp x dp x cp x tp ranks out on one mesh and builds the three jobs.
 
 A training step is three separate jobs, each with its own module and its own groups
 (DESIGN.md, "Composition"):
     1. model sharding   parallel/sharding.py   which slice of each parameter I hold (tp),
-                                               which positions I hold (cp, context.py)
+                                               which positions I hold (cp, context.py),
+                                               which layers I hold (pp, pipeline.py)
     2. gradient sync    parallel/data.py, zero.py   sum gradients over the replicas: every
                                                rank holding the same shard, dp x cp
     3. step schedule    parallel/schedules.py  who runs forward/backward of which micro-batch
+                                               (a pipeline schedule across the pp stages)
 `Plan` says how many ranks each axis gets; `build` makes one DeviceMesh with axes
-(dp, cp, tp), tp the fastest (neighbouring ranks, as Megatron places tp inside a node,
-then cp), and hands each job only the group it needs.
+(pp, dp, cp, tp), tp the fastest (neighbouring ranks, as Megatron places tp inside a node,
+then cp; pp the slowest, across nodes), and hands each job only the group it needs.
 
     mesh (dp=2, tp=2):   tp ->  0  1          tp groups {0,1} {2,3}: split each layer
                          dp     2  3          dp groups {0,2} {1,3}: same shard, other rows
@@ -26,8 +28,12 @@ One rank's view (global rank q, coordinates (d, c, t)):
     4. engine = DataParallel or ZeroEngine over the dp x cp group, on my shards;
     5. my rows of every global batch are those of dp rank d (cp ranks keep their positions
        of them, tp ranks share them).
-The axes pp and ep are part of the Plan's shape so later layouts plug in here; until
-their issues land, a Plan with one of them > 1 is refused with a ValueError.
+With pp > 1 (rank = (p dp + d) cp tp + ...), the pp groups hold the stages of one pipeline,
+each stage cut from the same (seed, name) draw (pipeline.PipelineCut), its 2-rank link
+groups carry activations and gradients (pipeline.make_links), the embedding group (first
+and last stage) sums the tied wte's gradient, and the model group (pp x tp) sums norms.
+The axis ep is part of the Plan's shape so that expert parallelism plugs in here; until
+its issue lands, a Plan with ep > 1 is refused with a ValueError.
 Read next: parallel/schedules.py, then train.py.
 """
 
@@ -43,6 +49,8 @@ from minidist.parallel.context import ALGOS as CP_ALGOS
 from minidist.parallel.context import LAYOUTS as CP_LAYOUTS
 from minidist.parallel.context import ContextParallel
 from minidist.parallel.data import ALGOS, DataParallel
+from minidist.parallel.pipeline import PipelineCut, PipelineStage, make_links, split_layers
+from minidist.parallel.schedules import SCHEDULES, PipelineSchedule, make_schedule
 from minidist.parallel.sharding import ModelSharding
 from minidist.parallel.tensor import TensorParallel
 from minidist.runtime.mesh import DeviceMesh
@@ -55,7 +63,12 @@ def _positive_int(value, minimum: int) -> bool:
 
 @dataclass(frozen=True)
 class Plan:
-    """How one training job is laid out over W = dp * cp * tp ranks (pp, ep: later axes)."""
+    """How one training job is laid out over W = pp * dp * cp * tp ranks (ep: a later axis).
+
+    Pipeline: `schedule` is a name in schedules.SCHEDULES or a PipelineSchedule (e.g.
+    from_csv) for pp stages and micro_batches; virtual_stages V (interleaved; default 2
+    there, 1 otherwise); layers_per_stage: layer counts per virtual stage (default even).
+    """
 
     dp: int = 1
     tp: int = 1
@@ -72,6 +85,9 @@ class Plan:
     overlap: bool = True
     replica_check_every: int = 0
     check_placements: bool | None = None     # None: MINIDIST_CHECK_PLACEMENTS decides
+    schedule: str | PipelineSchedule = "1f1b"    # pipeline schedule (pp > 1)
+    virtual_stages: int | None = None        # chunks per pp rank; None: 2 interleaved, else 1
+    layers_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for field, minimum in (("dp", 1), ("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1),
@@ -80,11 +96,16 @@ class Plan:
             if not _positive_int(getattr(self, field), minimum):
                 raise ValueError(f"Plan: {field}={getattr(self, field)!r} must be an int >= "
                                  f"{minimum}.")
-        for axis in ("pp", "ep"):
-            if getattr(self, axis) != 1:
-                raise ValueError(f"Plan: {axis}={getattr(self, axis)} is not built yet; this "
-                                 f"minidist composes dp, ZeRO, tp (+ sequence parallelism) "
-                                 f"and cp. Set {axis}=1.")
+        if self.ep != 1:
+            raise ValueError(f"Plan: ep={self.ep} is not built yet; this minidist composes "
+                             "dp, ZeRO, tp (+ sequence parallelism), cp and pp. Set ep=1.")
+        if not isinstance(self.schedule, PipelineSchedule) and self.schedule not in SCHEDULES:
+            raise ValueError(f"Plan: schedule={self.schedule!r} must be one of {SCHEDULES} or a "
+                             "schedules.PipelineSchedule (e.g. schedule_csv.from_csv(text)).")
+        if self.virtual_stages is not None and (not _positive_int(self.virtual_stages, 1) or (
+                self.virtual_stages > 1 and self.schedule != "interleaved")):
+            raise ValueError(f"Plan: virtual_stages={self.virtual_stages!r} must be an int >= 1,"
+                             " and > 1 only with schedule='interleaved'.")
         if self.cp_algo not in CP_ALGOS or self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"Plan: cp_algo={self.cp_algo!r} must be one of {CP_ALGOS} and "
                              f"cp_layout={self.cp_layout!r} one of {CP_LAYOUTS}.")
@@ -108,13 +129,33 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Ranks the Plan needs: dp * cp * tp."""
-        return self.dp * self.cp * self.tp
+        """Ranks the Plan needs: pp * dp * cp * tp."""
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pp rank: V (interleaved 1F1B), else 1."""
+        if isinstance(self.schedule, PipelineSchedule):
+            return self.schedule.chunks
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.schedule == "interleaved" else 1
+
+    def pipeline_schedule(self) -> PipelineSchedule:
+        """The schedule of the pipeline: the named one for (pp, micro_batches, V), or the
+        user's PipelineSchedule."""
+        if isinstance(self.schedule, PipelineSchedule):
+            return self.schedule
+        return make_schedule(self.schedule, self.pp, self.micro_batches, self.chunks)
 
     def describe(self) -> str:
-        """'dp=2 x cp=2 x tp=2 (SP)': the axes (cp only when > 1)."""
+        """'pp=2 (1f1b) x dp=2 x cp=2 x tp=2 (SP)': the axes (pp, cp only when > 1)."""
+        name = getattr(self.schedule, "name", self.schedule)
+        pp = f"pp={self.pp} ({name}{f', V={self.chunks}' if self.chunks > 1 else ''}) x " \
+            if self.pp > 1 else ""
         cp = f" x cp={self.cp} ({self.cp_algo})" if self.cp > 1 else ""
-        return f"dp={self.dp}{cp} x tp={self.tp}{' (SP)' if self.sequence_parallel else ''}"
+        return f"{pp}dp={self.dp}{cp} x tp={self.tp}" \
+            f"{' (SP)' if self.sequence_parallel else ''}"
 
     @property
     def checks(self) -> bool:
@@ -175,6 +216,27 @@ class Plan:
         if self.zero == 3 and cfg.moe_every:
             raise ValueError("Plan: ZeRO-3 of MoE blocks is not built (their auxiliary loss "
                              "does not cross the gathered units); use zero <= 2.")
+        if self.pp > 1:
+            self._validate_pipeline(cfg)
+
+    def _validate_pipeline(self, cfg: GPTConfig) -> None:
+        from minidist.parallel.schedule_validate import validate
+        if cfg.moe_every:
+            raise ValueError("Plan: pipeline parallelism of MoE blocks is not built (their "
+                             "auxiliary loss would have to travel with the activations); "
+                             "use pp=1 for a MoE model.")
+        if self.zero == 3:
+            raise ValueError("Plan: ZeRO-3 with pipeline parallelism is refused, as DeepSpeed "
+                             "does: it would all-gather every unit again for the forward and "
+                             "the backward of each of the M micro-batches. Use zero <= 2 "
+                             "(they reduce once, after the stage's last backward).")
+        split_layers(cfg.n_layer, self.pp * self.chunks, self.layers_per_stage)
+        s = self.pipeline_schedule()
+        if (s.stages, s.micro_batches) != (self.pp, self.micro_batches):
+            raise ValueError(f"Plan: the schedule {s.name!r} is for P={s.stages} stages and "
+                             f"M={s.micro_batches} micro-batches, the Plan has pp={self.pp} "
+                             f"and micro_batches={self.micro_batches}.")
+        validate(s)
 
 
 @dataclass
@@ -189,6 +251,8 @@ class Layout:
     sharding: ModelSharding
     engine: object
     context: ContextParallel | None = None    # cp > 1: the cp group, algorithm and layout
+    pp_group: object = None                   # pp > 1: the stages of my pipeline
+    pipeline: PipelineStage | None = None     # pp > 1: my stage and its schedule
 
     @property
     def model(self):
@@ -202,21 +266,28 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
     if W != plan.world_size:
         raise ValueError(f"Plan: {plan.describe()} = {plan.world_size} ranks, but the job "
                          f"has {W}. Spawn {plan.world_size} ranks or change the Plan.")
+    pipe: dict = {}
     if plan.world_size == 1:                      # one rank: its world is every axis
         mesh, dp, cp, tp, grad = None, ctx.world, ctx.world, ctx.world, ctx.world
     else:
-        mesh = DeviceMesh(getattr(ctx, "job", ctx), ("dp", "cp", "tp"),
-                          (plan.dp, plan.cp, plan.tp))
+        job = getattr(ctx, "job", ctx)
+        axes = (("pp",) if plan.pp > 1 else ()) + ("dp", "cp", "tp")
+        shape = ((plan.pp,) if plan.pp > 1 else ()) + (plan.dp, plan.cp, plan.tp)
+        mesh = DeviceMesh(job, axes, shape)
         dp, cp, tp = mesh.group("dp"), mesh.group("cp"), mesh.group("tp")
         # the gradient sync gets a group of its own even when dp = 1, so that the cp
         # group's traffic (bytes_by_axis["cp"]) is attention and nothing else
         grad = dp if plan.cp == 1 else mesh.flatten(("dp", "cp"), "dp_cp")
+        if plan.pp > 1:
+            pipe = _pipeline_groups(job, mesh, plan, cfg)
     context = ContextParallel(cp, plan.cp_algo, plan.cp_layout) if plan.cp > 1 else None
     algo = "direct" if plan.algo == "auto" and getattr(tp, "supports_shared", False) \
         else plan.algo
     tensor_parallel = TensorParallel(tp, plan.sequence_parallel,
                                      algo=algo if algo != "tree" else "ring", context=context)
-    sharding = ModelSharding(cfg, seed, tensor_parallel, check=plan.checks, context=context)
+    sharding = ModelSharding(cfg, seed, tensor_parallel, check=plan.checks, context=context,
+                             cut=pipe.get("cut"), pp=pipe.get("pp"),
+                             model_group=pipe.get("model"))
     opt = dict(optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
                momentum=momentum)
     if plan.zero == 0:
@@ -228,4 +299,30 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
         from minidist.parallel.zero import ZeroEngine
         engine = ZeroEngine(sharding.model, grad, plan.zero, algo=plan.algo,
                             sharding=sharding, **opt)
-    return Layout(mesh, dp, cp, tp, grad, sharding, engine, context)
+    stage = None
+    if pipe:
+        stage = PipelineStage(sharding.model, pipe["cut"], pipe["links"],
+                              plan.pipeline_schedule(), sequence_shards=plan.tp,
+                              sequence=plan.sequence_parallel, embed_group=pipe["embed"])
+    return Layout(mesh, dp, cp, tp, grad, sharding, engine, context, pipe.get("pp"), stage)
+
+
+def _pipeline_groups(job, mesh: DeviceMesh, plan: Plan, cfg: GPTConfig) -> dict:
+    """COLLECTIVE over the world: this rank's pp group, its stage's cut, the links, the
+    model group (pp x tp: sums of norms) and the embedding group (first and last stage)."""
+    P = plan.pp
+    pp = mesh.group("pp")
+    grid = mesh.grid.reshape(P, -1)                       # grid[s, line] = global rank
+    pieces = tuple(split_layers(cfg.n_layer, P * plan.chunks, plan.layers_per_stage))
+    links = make_links(job, grid, P, plan.chunks)
+    model = pp if plan.tp == 1 else mesh.flatten(("pp", "tp"), "pp_tp")
+    embed = None
+    if cfg.tie_weights:                       # wte on the first and the last stage
+        for line in range(grid.shape[1]):
+            g = pp if P == 2 else job.new_group((int(grid[0, line]), int(grid[-1, line])),
+                                                name=f"embed{line}")
+            if g is not None and job.rank in (grid[0, line], grid[-1, line]) and (
+                    P > 2 or job.rank in pp.ranks):
+                embed = g
+    return {"pp": pp, "cut": PipelineCut(pp.rank, P, pieces), "links": links,
+            "model": model, "embed": embed}

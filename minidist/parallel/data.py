@@ -156,6 +156,14 @@ class DataParallel(Engine):
     def _gradient_bytes(self) -> int:
         return sum(int(p.data.nbytes) for p in self.params)      # one .grad per parameter
 
+    def local_grad(self, p: Parameter):
+        """p's gradient accumulated on this rank, not yet summed over dp (after backwards
+        inside no_sync()); writable in place (pipeline.sync_tied adds the tied copy's)."""
+        if p.grad is None:
+            raise RuntimeError(f"{self.group.prefix} local_grad: this parameter has no "
+                               "gradient yet; call it after the backward passes of the step.")
+        return p.grad
+
     # --- which engine: the fast path where the group has shared memory ---
     def __new__(cls, *args, **kwargs):
         """DataParallel(model, group, ...) -> BucketedDataParallel if group.supports_shared

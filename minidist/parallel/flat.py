@@ -111,27 +111,29 @@ class FlatShard:
 
 def split_units(model: Module, W: int) -> list[FlatUnit]:
     """The units of `model`: unit 0 ("root") holds every parameter outside model.blocks
-    (embeddings, final LayerNorm, head); unit 1 + i holds model.blocks[i].
+    (embeddings, final LayerNorm, head); unit 1 + i holds model.blocks[i]. A pipeline
+    stage's model holds only some blocks, and a middle stage no root unit at all.
 
     A model without `blocks` is one unit. Order inside a unit is model.parameters() order.
     """
     named = list(model.named_parameters())
-    n_blocks = len(model.blocks) if hasattr(model, "blocks") else 0
+    blocks = [n for n, _ in model.blocks.named_children()] if hasattr(model, "blocks") else []
     groups: dict[str, list] = {"root": []}
-    groups.update({f"blocks.{i}": [] for i in range(n_blocks)})
+    groups.update({f"blocks.{i}": [] for i in blocks})     # a pipeline stage: some blocks
     for index, (name, p) in enumerate(named):
         parts = name.split(".")
-        key = f"blocks.{parts[1]}" if n_blocks and parts[0] == "blocks" else "root"
+        key = f"blocks.{parts[1]}" if blocks and parts[0] == "blocks" else "root"
         groups[key].append((name, index, p))
-    return [FlatUnit(key, entries, W) for key, entries in groups.items()]
+    return [FlatUnit(key, entries, W) for key, entries in groups.items()
+            if entries or key != "root"]     # a middle pipeline stage has no root unit
 
 
 def unit_of(units: list[FlatUnit], module_name: str) -> int:
     """Index of the unit holding the parameters of the module called `module_name` (its
     dotted name in model.named_modules(): "" is the model, "blocks.3.attn" is in unit
     "blocks.3"); 0, the root, for every module outside the blocks."""
-    for i, u in enumerate(units[1:], start=1):
-        if module_name == u.name or module_name.startswith(u.name + "."):
+    for i, u in enumerate(units):
+        if u.name != "root" and (module_name == u.name or module_name.startswith(u.name + ".")):
             return i
     return 0
 

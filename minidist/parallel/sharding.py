@@ -25,10 +25,18 @@ digest of its .grad over tp and raises PlacementError naming it if they differ, 
 what happens when the LayerNorm gradients under sequence parallelism are not summed over
 tp (each rank would keep the part from its own positions).
 
+Under pipeline parallelism (parallel/pipeline.py) a rank keeps only its stage's layers
+(`PipelineCut.cut`), each parameter under its global name. The tied wte lives on the first
+and the last stage; the first owns it (it counts once in the norm). Sums over the model
+run over the pp x tp ranks (`model_group`), and full_values / full_optimizer_state fetch
+every parameter from the stage that owns it (a broadcast over pp), renumbering the
+optimizer state from this stage's parameter order to the single-process one.
+
 One rank's view: build GPT(cfg, seed) -> parallelize(model, tp) (tp > 1) ->
-parallelize_context(model, cp) (cp > 1) -> hand the model to the gradient-sync engine of
-the dp x cp group (parallel/data.py, parallel/zero.py).
-Communication: none to shard; full_values all-gathers each sharded parameter over tp.
+parallelize_context(model, cp) (cp > 1) -> cut it to my pipeline stage (pp > 1) -> hand
+the model to the gradient-sync engine of the dp x cp group (parallel/data.py, zero.py).
+Communication: none to shard; full_values all-gathers each sharded parameter over tp and
+broadcasts it over pp from its stage.
 Read next: parallel/data.py.
 """
 
@@ -47,32 +55,52 @@ from minidist.parallel.tensor import TensorParallel, parallelize
 
 
 class ModelSharding:
-    """This rank's shard of GPT(cfg, seed) under tp (tp None or of size 1: the whole model)."""
+    """This rank's shard of GPT(cfg, seed) under tp (tp None or of size 1: the whole model),
+    cut to its pipeline stage when `cut` (parallel/pipeline.PipelineCut) is given; pp and
+    model_group (pp x tp) are then that stage's pp group and the group of the model's
+    pieces."""
 
     def __init__(self, cfg: GPTConfig, seed: int, tp: TensorParallel | None = None,
-                 check: bool = False, context=None) -> None:
+                 check: bool = False, context=None, cut=None, pp=None,
+                 model_group=None) -> None:
         self.tp = tp if tp is not None and tp.group.size > 1 else None
         self.model = GPT(cfg, seed)
+        self.global_names = [n for n, _ in self.model.named_parameters()]  # baseline order
         if self.tp is not None:
             parallelize(self.model, self.tp)
         if context is not None:                 # every rank holds the whole weights
             parallelize_context(self.model, context)
+        self.cut, self.pp = cut, pp if cut is not None else None
+        self.model_group = model_group if cut is not None else (
+            None if self.tp is None else self.tp.group)
+        if cut is not None:
+            shapes = {n: p.full_shape or p.shape for n, p in self.model.named_parameters()}
+            self.global_shapes = [tuple(shapes[n]) for n in self.global_names]
+            self.owner = [min(s for s in range(cut.stages) if _stage(cut, s).holds(
+                n, cfg.tie_weights)) for n in self.global_names]
+            cut.cut(self.model)
         named = list(self.model.named_parameters())
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.tp_rank = 0 if self.tp is None else self.tp.group.rank
-        self.owned = [pl.owns_uniquely(p, "tp", self.tp_rank) for p in self.params]
+        self.owned = [pl.owns_uniquely(p, "tp", self.tp_rank) and self._stage_owns(n)
+                      for n, p in named]
         if check and self.tp is not None:
             for name, p in named:
                 if not isinstance(pl.placement_of(p, "tp"), pl.Shard):
                     p.register_grad_hook(self._replicated_grad_check(name))
 
+    def _stage_owns(self, name: str) -> bool:
+        """Does this pipeline stage own `name` (not a tied copy of another stage's)?"""
+        return self.cut is None or self.owner[self.global_names.index(name)] == self.cut.stage
+
     # --- sums over the model-parallel ranks ---
     def sum_over_model(self, x: float) -> float:
-        """x summed over the tp group in rank order (bitwise the same on every rank)."""
-        if self.tp is None:
+        """x summed over the model's pieces (tp, and pp stages) in rank order (bitwise the
+        same on every rank)."""
+        if self.model_group is None:
             return float(x)
         total = 0.0
-        for part in C.all_gather(np.array([x], np.float64), group=self.tp.group).reshape(-1):
+        for part in C.all_gather(np.array([x], np.float64), group=self.model_group).reshape(-1):
             total += float(part)
         return total
 
@@ -87,20 +115,37 @@ class ModelSharding:
 
     # --- global views ---
     def full_values(self, local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """{name: full array} from {name: this rank's piece} (COLLECTIVE over tp)."""
+        """{name: full array} from {name: this rank's piece} (COLLECTIVE over tp and pp)."""
         out = {}
         for name, p in zip(self.names, self.params):
             out[name] = self._full(local[name], p)
-        return out
+        return self._over_stages(out)
 
     def full_optimizer_state(self, state: dict) -> dict:
         """baseline's state_dict() layout from this rank's ("m.i" pieces of parameter i)."""
-        out = {}
+        out, tensors = {}, {}
         for key, value in state.items():
             if not isinstance(value, np.ndarray):
                 out[key] = value
                 continue
-            out[key] = self._full(value, self.params[int(key.rsplit(".", 1)[1])])
+            prefix, i = key.rsplit(".", 1)
+            tensors.setdefault(prefix, {})[self.names[int(i)]] = self._full(
+                value, self.params[int(i)])
+        for prefix, values in tensors.items():      # renumbered in the baseline's order
+            full = self._over_stages(values)
+            out.update({f"{prefix}.{self.global_names.index(n)}": v for n, v in full.items()})
+        return out
+
+    def _over_stages(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """COLLECTIVE over pp: {name: value} for every parameter of the model, each
+        broadcast from the stage that owns it (without pipeline: `values` as they are)."""
+        if self.cut is None:
+            return values
+        out = {}
+        for j, name in enumerate(self.global_names):
+            mine = self.owner[j] == self.cut.stage
+            x = values[name] if mine else np.empty(self.global_shapes[j], self.model.cfg.dtype)
+            out[name] = C.broadcast(np.ascontiguousarray(x), root=self.owner[j], group=self.pp)
         return out
 
     def _full(self, piece: np.ndarray, p) -> np.ndarray:
@@ -128,3 +173,8 @@ class ModelSharding:
                     "sees only its positions: pass the parameter through f "
                     "(TensorParallel.sum_grad) so its gradient is summed over tp.")
         return check
+
+
+def _stage(cut, stage: int):
+    """The PipelineCut of another stage of the same pipeline."""
+    return type(cut)(stage, cut.stages, cut.pieces)

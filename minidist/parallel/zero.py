@@ -251,6 +251,15 @@ class ZeroEngine(Engine):
             if self.stage == 2 and self._sync:
                 self._reduce_unit(i)
 
+    def local_grad(self, p) -> np.ndarray:
+        """Stages 1-2: p's gradient accumulated on this rank and not yet reduced (a view
+        of its unit's buffer, writable in place: pipeline.sync_tied adds the tied copy's)."""
+        if self.stage == 3:
+            raise ValueError("ZeroEngine.local_grad: stage 3 keeps no full local gradient.")
+        i, k = self._unit_of[id(p)]
+        s = self.units[i].slots[k]
+        return self._grad_buffer(i)[s.offset:s.offset + s.numel].reshape(s.shape)
+
     def _grad_buffer(self, i: int) -> np.ndarray:
         """Unit i's full local gradient buffer, made (zeros) if it does not exist."""
         if self.g_acc[i] is None:

@@ -1,7 +1,7 @@
-"""Every layout on the mesh must be invisible in the numbers: dp x cp x tp ranks, with or
-without sequence parallelism, ring attention or Ulysses over cp, ZeRO 0-3 over dp x cp,
-train exactly like one process (float64, 3 AdamW steps with gradient accumulation,
-clipping and dropout)."""
+"""Every layout on the mesh must be invisible in the numbers: pp x dp x cp x tp ranks, with
+or without sequence parallelism, ring attention or Ulysses over cp, ZeRO 0-3 over dp x cp
+(0-2 with pipeline stages), every pipeline schedule, train exactly like one process
+(float64, 3 AdamW steps with gradient accumulation, clipping and dropout)."""
 
 import functools
 
@@ -10,6 +10,7 @@ import pytest
 
 from minidist.baseline import model_config_for, train_single_process
 from minidist.data import DataConfig
+from minidist.parallel import schedules
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
@@ -24,16 +25,17 @@ def _data(cp: int = 1) -> DataConfig:
     return DATA if 12 % (2 * cp) == 0 else DataConfig(task="sort", length=cp, seed=2)
 
 
-def _cfg(tp: int, cp: int = 1):
+def _cfg(tp: int, cp: int = 1, n_layer: int = 2):
     heads = tp * cp if tp * cp > 2 else 2            # n_head a multiple of tp x cp (Ulysses)
-    return model_config_for(_data(cp), n_layer=2, n_head=heads,
+    return model_config_for(_data(cp), n_layer=n_layer, n_head=heads,
                             n_embd=4 * heads if heads > 2 else 16, dropout=0.1)
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(tp: int, batch: int, cp: int = 1):
-    return train_single_process(_cfg(tp, cp), _data(cp), steps=STEPS, global_batch=batch,
-                                lr=LR, grad_accum=M, clip_grad=CLIP, weight_decay=0.01)
+def _reference(tp: int, batch: int, cp: int = 1, n_layer: int = 2, micro_batches: int = M):
+    return train_single_process(_cfg(tp, cp, n_layer), _data(cp), steps=STEPS,
+                                global_batch=batch, lr=LR, grad_accum=micro_batches,
+                                clip_grad=CLIP, weight_decay=0.01)
 
 
 def _check(runs, ref, what):
@@ -99,6 +101,38 @@ def test_full_sweep_of_layouts(dp, cp, tp, zero, sp, algo, layout):
     _run(dp, tp, zero, sp, cp, algo, layout)
 
 
+# --- with pipeline stages: pp x dp x cp x tp -------------------------------------------
+
+PIPELINED = [(pp, dp, cp, tp) for W in range(2, 9) for pp in range(2, W + 1)
+             for dp, cp, tp in FACTORISATIONS if pp * dp * cp * tp == W]
+
+
+def _pipeline_case(i, pp, dp, cp, tp):
+    """Schedules and ZeRO stages 0-2 cycling; interleaved only where 2 pp layers are few
+    enough; SP every other time where it splits."""
+    name = schedules.SCHEDULES[i % 4]
+    if name == "interleaved" and pp > 4:
+        name = "zb-h1"
+    return pp, dp, cp, tp, i % 3, _sp_splits(cp, tp) and i % 2 == 1, name
+
+
+PIPELINE_DEFAULT = [_pipeline_case(i, *f) for i, f in enumerate(PIPELINED)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("pp, dp, cp, tp, zero, sp, schedule", PIPELINE_DEFAULT)
+def test_every_factorisation_with_pipeline_stages_matches_single_process(pp, dp, cp, tp, zero,
+                                                                         sp, schedule):
+    micro = pp + 1                                   # never a multiple of pp
+    n_layer = 2 * pp if schedule == "interleaved" else pp + 1
+    plan = Plan(pp=pp, dp=dp, tp=tp, cp=cp, zero=zero, micro_batches=micro,
+                sequence_parallel=sp, schedule=schedule)
+    batch = dp * micro * 2
+    runs = spawn(plan.world_size, train_on_rank, _cfg(tp, cp, n_layer), _data(cp), plan,
+                 steps=STEPS, global_batch=batch, lr=LR, clip_grad=CLIP, weight_decay=0.01)
+    _check(runs, _reference(tp, batch, cp, n_layer, micro), f"{plan.describe()} zero={zero}")
+
+
 @pytest.mark.parametrize("plan, match", [
     (Plan(tp=3), "n_head=2 is not a multiple of 3"),
     (Plan(tp=4, sequence_parallel=True), "n_head=2 is not a multiple of 4"),
@@ -116,9 +150,10 @@ def test_sequence_length_must_split_over_tp_under_sp():
     Plan(tp=5).validate(cfg, 8, DATA.block_size)                # without SP: fine
 
 
-@pytest.mark.parametrize("field, bad", [("tp", 0), ("pp", 2), ("cp", 0), ("ep", 2),
+@pytest.mark.parametrize("field, bad", [("tp", 0), ("pp", 0), ("cp", 0), ("ep", 2),
                                         ("sequence_parallel", 1), ("check_placements", 1),
-                                        ("cp_algo", "star"), ("cp_layout", "random")])
+                                        ("cp_algo", "star"), ("cp_layout", "random"),
+                                        ("schedule", "star"), ("virtual_stages", 2)])
 def test_plan_refuses_bad_or_unbuilt_axes(field, bad):
     with pytest.raises(ValueError, match=field):
         Plan(**{field: bad})

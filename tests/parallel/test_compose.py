@@ -133,6 +133,25 @@ def test_every_factorisation_with_pipeline_stages_matches_single_process(pp, dp,
     _check(runs, _reference(tp, batch, cp, n_layer, micro), f"{plan.describe()} zero={zero}")
 
 
+def _sweep_case(i, zero, pp, dp, cp, tp):
+    """Every supported ZeRO stage of every pipelined factorisation, the schedule turning
+    with the stage (every schedule meets every pp size in tests/parallel/test_pipeline.py)."""
+    _, _, _, _, _, _, name = _pipeline_case(i + zero, pp, dp, cp, tp)
+    return pp, dp, cp, tp, zero, _sp_splits(cp, tp) and zero == 2, name
+
+
+PIPELINE_SWEEP = [_sweep_case(i, zero, *f) for i, f in enumerate(PIPELINED) for zero in range(3)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("pp, dp, cp, tp, zero, sp, schedule",
+                         [c for c in PIPELINE_SWEEP if c not in PIPELINE_DEFAULT])
+def test_full_sweep_of_pipelined_layouts(pp, dp, cp, tp, zero, sp, schedule):
+    test_every_factorisation_with_pipeline_stages_matches_single_process(
+        pp, dp, cp, tp, zero, sp, schedule)
+
+
 @pytest.mark.parametrize("plan, match", [
     (Plan(tp=3), "n_head=2 is not a multiple of 3"),
     (Plan(tp=4, sequence_parallel=True), "n_head=2 is not a multiple of 4"),

@@ -3,8 +3,8 @@
 Over MPI (runtime/mpi.py) a group has no shared memory, so DataParallel is the plain engine
 (one all-reduce per parameter, parallel/data.py) and every collective takes a message-based
 algorithm, where the spawn runtime runs the bucketed fast path and algo "direct". DDP,
-ZeRO-1 and tensor + sequence parallelism on 2 ranks must still give the single-process
-numbers, within float64 rounding.
+ZeRO-1, tensor + sequence parallelism and a 2-stage pipeline (its send/recv through MPI) on
+2 ranks must still give the single-process numbers, within float64 rounding.
 """
 
 import json
@@ -52,8 +52,9 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("fields", [dict(dp=2), dict(dp=2, zero=1),
-                                    dict(tp=2, sequence_parallel=True)],
-                         ids=["ddp", "zero1", "tp2-sp"])
+                                    dict(tp=2, sequence_parallel=True),
+                                    dict(pp=2, micro_batches=4, schedule="zb-h1")],
+                         ids=["ddp", "zero1", "tp2-sp", "pp2-zb-h1"])
 def test_training_under_mpiexec_matches_the_shared_memory_run(tmp_path, fields):
     script, out = tmp_path / "mpi_train.py", tmp_path / "rank0.npz"
     script.write_text(SCRIPT)
@@ -66,7 +67,7 @@ def test_training_under_mpiexec_matches_the_shared_memory_run(tmp_path, fields):
         params = {k.split(":", 1)[1]: f[k] for k in f.files if k.startswith("param:")}
 
     shm = spawn(2, train_on_rank, TINY, DATA, Plan(**fields), **RUN)[0]
-    ref = train_single_process(TINY, DATA, **RUN)
+    ref = train_single_process(TINY, DATA, grad_accum=fields.get("micro_batches", 1), **RUN)
     what = f"{fields} under mpiexec"
     # float64: the runs add the same numbers, only the grouping over ranks may differ.
     assert_close(losses, shm.losses, atol=1e-12, what=f"{what} vs shared memory: loss")

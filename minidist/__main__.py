@@ -4,7 +4,7 @@
     python -m minidist train [--dp 2 --tp 2 --sp]    train the tiny GPT (the main job;
                              [--zero 1] [--check]    --check: against one process)
     python -m minidist demo [name]                   list the demos, or run one
-    python -m minidist bench collectives|autograd|train   benchmarks (medians, tables)
+    python -m minidist bench collectives|autograd|train|pipeline   benchmarks (medians, tables)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import runpy
 import sys
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
-BENCHES = ("collectives", "autograd", "train")
+BENCHES = ("collectives", "autograd", "train", "pipeline")
 
 
 def _run(argv: list[str]) -> int:

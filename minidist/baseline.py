@@ -8,14 +8,16 @@ One training step (step s, global batch B, M = grad_accum micro-batches of B/M r
     1. x, y = data.global_batch(s, B)                        (B, T) each, by sample index
     2. n = number of targets != -100 in the WHOLE global batch
     3. for each micro-batch m: loss_m = sum CE over its tokens / n
-                                        + aux_coef * (B/M / B) * aux_m;  loss_m.backward()
+                                        + (B/M / B) * aux_m;  loss_m.backward()
+       (aux_m: the MoE layers' weighted auxiliary losses, means over routing groups)
        The gradients add up in .grad, so after M micro-batches .grad is the gradient of
        the global-batch loss, sum_m loss_m (not a mean of per-micro-batch means, which
        would weigh a token by how many answer tokens its micro-batch happens to hold).
     4. optional: clip the global gradient norm; set lr from the schedule (optim.lr_at)
     5. optimizer step (AdamW or SGD), zero the gradients.
-A dense model gives the same gradients (to rounding) for any M; a MoE model does not,
-because capacity and the aux loss are computed per micro-batch, as in every framework.
+A dense model gives the same gradients (to rounding) for any M; so does a MoE model whose
+routing groups (nn/moe.py: capacity and the aux losses are decided per group of G tokens)
+lie inside the micro-batches, i.e. B/M rows hold whole groups.
 
 Determinism: same arguments -> bitwise the same result (the parameters come from
 (seed, name), batches from (data seed, step), dropout masks from (seed, step, layer, row);

@@ -5,14 +5,17 @@
     logits = LN_f(h_L) @ W_head                          (B, T, V)
 With `tie_weights` the head is the transposed token embedding, W_head = wte^T (C, V).
 Every `moe_every`-th block (blocks moe_every-1, 2*moe_every-1, ...) swaps its MLP for a
-mixture of experts (nn/moe.py), whose load-balancing loss is added to the LM loss.
+mixture of experts (nn/moe.py), routing groups of moe_group_size tokens (0: one sequence,
+block_size); its weighted load-balancing and router z-losses are added to the LM loss.
 
 Loss (the quantity every parallel layout must reproduce):
     loss = sum_{(b,t): y != -100} CE(logits[b, t], y[b, t]) / n_tokens
-           + aux_loss_coef * aux_weight * sum_{MoE layers} aux
-n_tokens defaults to this batch's count of non-ignored targets (a plain mean). Gradient
-accumulation and data parallelism pass the GLOBAL count, so that the micro-batch losses
-add up to the global-batch loss, and aux_weight = (rows here) / (rows in the global batch).
+           + aux_weight * sum_{MoE layers} (aux_loss_coef * aux + z_loss_coef * z)
+with aux, z the means over the layer's routing groups (nn/moe.py). n_tokens defaults to
+this batch's count of non-ignored targets (a plain mean). Gradient accumulation and every
+parallel layout pass the GLOBAL count, so that the micro-batch losses add up to the
+global-batch loss, and aux_weight = (tokens here) / (tokens in the global batch), so that
+the auxiliary terms add up to their mean over all the global batch's routing groups.
 
 Initialisation (GPT-2): weights N(0, 0.02^2); the two projections that write into the
 residual stream (attn.proj, mlp.proj and the experts' proj) N(0, (0.02/sqrt(2 n_layer))^2).
@@ -60,6 +63,8 @@ class GPTConfig:
     top_k: int = 1
     capacity_factor: float = 1.25
     aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    moe_group_size: int = 0                    # tokens per routing group; 0: block_size
     dtype: str = "float64"
 
     def __post_init__(self) -> None:
@@ -77,11 +82,20 @@ class GPTConfig:
         if self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"GPTConfig: top_k={self.top_k} must be between 1 and n_experts="
                              f"{self.n_experts}; lower top_k or add experts.")
-        if not self.capacity_factor > 0 or self.aux_loss_coef < 0:
-            raise ValueError(f"GPTConfig: capacity_factor={self.capacity_factor} must be > 0 "
-                             f"and aux_loss_coef={self.aux_loss_coef} >= 0.")
+        if not self.capacity_factor > 0 or self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+            raise ValueError(f"GPTConfig: capacity_factor={self.capacity_factor} must be > 0, "
+                             f"aux_loss_coef={self.aux_loss_coef} and z_loss_coef="
+                             f"{self.z_loss_coef} >= 0.")
+        if self.moe_group_size < 0:
+            raise ValueError(f"GPTConfig: moe_group_size={self.moe_group_size} must be >= 0 "
+                             "(tokens per routing group; 0 = one sequence of block_size).")
         if self.dtype not in ("float64", "float32"):
             raise ValueError(f"GPTConfig: dtype={self.dtype!r} must be 'float64' or 'float32'.")
+
+    @property
+    def routing_group(self) -> int:
+        """Tokens per MoE routing group: moe_group_size, or block_size when 0."""
+        return self.moe_group_size or self.block_size
 
     def is_moe(self, layer: int) -> bool:
         """True if block `layer` (0-based) uses a mixture of experts instead of an MLP."""
@@ -100,7 +114,8 @@ class Block(Module):
         hidden = cfg.mlp_ratio * C
         if cfg.is_moe(layer):
             self.moe = MoE(C, hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
-                           cfg.bias, dt, proj_std)
+                           cfg.bias, dt, proj_std, group_size=cfg.routing_group,
+                           aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef)
         else:
             self.mlp = MLP(C, hidden, cfg.bias, cfg.dropout, dt, proj_std)
 
@@ -208,7 +223,8 @@ class GPT(Module):
 
     def loss(self, logits: Tensor, targets, n_tokens: int | None, aux_terms=(),
              aux_weight: float = 1.0) -> Tensor:
-        """sum of CE over counted targets / n_tokens + aux_coef * aux_weight * sum(aux)."""
+        """sum of CE over counted targets / n_tokens + aux_weight * sum(aux) (each aux term
+        already weighted by its coefficients, nn/moe.py)."""
         targets = np.asarray(targets)
         count = int((targets != -100).sum()) if n_tokens is None else int(n_tokens)
         if count < 1:
@@ -216,7 +232,7 @@ class GPT(Module):
                              "(ignored) or n_tokens < 1. Pass targets with answer tokens.")
         loss = self.layout.loss_sum(logits, targets) * (1.0 / count)
         for aux in aux_terms:
-            loss = loss + aux * (self.cfg.aux_loss_coef * aux_weight)
+            loss = loss + aux * aux_weight
         return loss
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0,

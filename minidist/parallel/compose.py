@@ -191,9 +191,6 @@ class Plan:
         if tp > 1 and (cfg.mlp_ratio * cfg.n_embd) % tp:
             raise ValueError(f"Plan: tp={tp} splits the MLP's {cfg.mlp_ratio * cfg.n_embd} "
                              "hidden features, which do not divide; change n_embd or tp.")
-        if tp > 1 and cfg.moe_every:
-            raise ValueError(f"Plan: tp={tp} with MoE blocks (moe_every={cfg.moe_every}) is "
-                             "not built; use tp=1 for a MoE model.")
         cp, chunks = self.cp, 2 * self.cp if self.cp_layout == "zigzag" else self.cp
         if cp > 1 and seq_len % chunks:
             raise ValueError(f"Plan: context parallelism ({self.cp_layout}) cuts the T="
@@ -210,21 +207,32 @@ class Plan:
                              f"n_head={cfg.n_head} does not split over tp={tp} x cp={cp}; "
                              "use cp_algo='ring', or an n_head that is a multiple of "
                              f"{tp * cp}.")
-        if cp > 1 and cfg.moe_every:
-            raise ValueError("Plan: context parallelism of MoE blocks is not built (their "
-                             "capacity is decided over the tokens a rank holds); use cp=1.")
-        if self.zero == 3 and cfg.moe_every:
-            raise ValueError("Plan: ZeRO-3 of MoE blocks is not built (their auxiliary loss "
-                             "does not cross the gathered units); use zero <= 2.")
+        if cfg.moe_every:
+            self._validate_routing_groups(cfg, global_batch, seq_len)
         if self.pp > 1:
             self._validate_pipeline(cfg)
 
+    def _validate_routing_groups(self, cfg: GPTConfig, global_batch: int, seq_len: int) -> None:
+        """ValueError unless every rank holds whole MoE routing groups (nn/moe.py): groups
+        of G tokens inside a sequence chunk, or of G / T whole rows inside a micro-batch."""
+        G, T, rows = cfg.routing_group, seq_len, self.rows_per_micro_batch(global_batch)
+        chunks = (2 * self.cp if self.cp_layout == "zigzag" else self.cp) if self.cp > 1 else 1
+        if self.sequence_parallel:
+            raise ValueError("Plan: sequence parallelism of MoE blocks is not built (their "
+                             "routing groups would be cut over tp); drop sequence_parallel.")
+        if G <= T and (T // chunks) % G == 0 and T % chunks == 0:
+            return
+        if G % T == 0 and chunks == 1 and rows % (G // T) == 0:
+            return
+        where = f"T / {chunks} = {T / chunks:g} positions per context-parallel chunk" \
+            if chunks > 1 else f"the T={T} positions of a row, or {rows} rows x T"
+        raise ValueError(f"Plan: MoE routing groups of moe_group_size={G} tokens would be cut "
+                         f"by this layout ({where} per micro-batch on a rank); use a group "
+                         f"size dividing {T // chunks if T % chunks == 0 else T}, or a "
+                         "multiple of T whose rows divide the rows per micro-batch.")
+
     def _validate_pipeline(self, cfg: GPTConfig) -> None:
         from minidist.parallel.schedule_validate import validate
-        if cfg.moe_every:
-            raise ValueError("Plan: pipeline parallelism of MoE blocks is not built (their "
-                             "auxiliary loss would have to travel with the activations); "
-                             "use pp=1 for a MoE model.")
         if self.zero == 3:
             raise ValueError("Plan: ZeRO-3 with pipeline parallelism is refused, as DeepSpeed "
                              "does: it would all-gather every unit again for the forward and "

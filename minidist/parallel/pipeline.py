@@ -293,15 +293,21 @@ class PipelineStage:
             t0 = time.perf_counter()
             x = Tensor(backend.xp.asarray(buf), requires_grad=True)
             pl.tag(x, "tp", pl.Shard(1) if self.sequence else pl.Replicate())
-        y = x
+        y, aux_terms, aux = x, [], None
         for i in self.cut.layers(a.chunk):
-            y, _ = self.model.blocks[i](y, mb.dropout_key)               # (B, T, C)
+            y, term = self.model.blocks[i](y, mb.dropout_key)            # (B, T, C)
+            if term is not None:                                     # a MoE block's
+                aux_terms.append(term)
         if k == self.last_vstage:      # outputs and labels of the same micro-batch, a.m
-            y = self.model.loss(self.model.head(y), mb.y, self.n_tokens, (), mb.aux_weight)
+            y = self.model.loss(self.model.head(y), mb.y, self.n_tokens, aux_terms,
+                                mb.aux_weight)
             self.loss += float(y.item())
         else:
             self.links.send("act", self.schedule.place(k + 1)[0], y.data, a.micro_batch)
-        self.live[a.micro_batch, a.chunk] = {"x": x, "y": y, "h0": h0}
+            if aux_terms:              # this chunk's MoE losses: a term of the loss here
+                aux = sum(aux_terms[1:], aux_terms[0]) * mb.aux_weight
+                self.loss += float(aux.item())
+        self.live[a.micro_batch, a.chunk] = {"x": x, "y": y, "h0": h0, "aux": aux}
         self._held()
         self.record.append((a, t0, time.perf_counter()))
 
@@ -316,6 +322,8 @@ class PipelineStage:
             dy = backend.xp.asarray(self.links.recv("grad", self.schedule.place(k + 1)[0],
                                                     buf, a.micro_batch))
         t0 = time.perf_counter()
+        if state["aux"] is not None:   # one root: sum(y * dy) has gradient dy exactly
+            y, dy = (y * Tensor(dy)).sum() + state["aux"], None
         if self.schedule.split_backward:                            # B: input gradient only
             (dx,), state["w"] = backward_input(y, dy, [state["x"]])
         else:                                                       # B: the whole backward
@@ -326,7 +334,7 @@ class PipelineStage:
         if k > 0:
             self.links.send("grad", self.schedule.place(k - 1)[0], dx, a.micro_batch)
         if self.schedule.split_backward:        # W keeps only what it needs of the graph
-            state.update(dx=dx, x=None, y=None)
+            state.update(dx=dx, x=None, y=None, aux=None)
         else:
             del self.live[key]
         self.record.append((a, t0, time.perf_counter()))

@@ -9,8 +9,9 @@ Micro-batches. Step s reads the global batch ids = data.global_indices(s, B). It
 are cut into dp * M equal parts; dp rank d takes parts d M .. d M + M - 1, so micro-batch
 m of dp rank d holds global rows (d M + m) B/(dp M) ... (every tp rank of dp rank d holds
 the same rows; under context parallelism each cp rank keeps its positions of them). Each
-micro-batch carries its global sample ids (for dropout) and aux_weight = rows / B (for a
-MoE auxiliary loss).
+micro-batch carries its global sample ids (for dropout) and aux_weight = (its tokens on
+this rank) / (tokens of the global batch) = rows / B, times T_cp / T under context
+parallelism (the weight of a MoE layer's auxiliary losses, means over routing groups).
 
 The loss of every micro-batch is divided by the number of counted targets in the WHOLE
 global batch, n_tokens, so the micro-batch losses (and gradients) of all ranks simply add
@@ -80,8 +81,9 @@ def micro_batches(data: SyntheticData, step: int, global_batch: int, dp: int, dp
     for m in range(M):
         part = slice((dp_rank * M + m) * rows, (dp_rank * M + m + 1) * rows)
         key = DropoutKey(seed, step, tuple(int(i) for i in ids[part]))
+        share = 1.0 if positions is None else len(positions) / x_all.shape[1]
         out.append(MicroBatch(m, x_all[part][:, cols], y_all[part][:, cols], key,
-                              rows / global_batch))
+                              rows / global_batch * share))
     return out, global_token_count(y_all)
 
 

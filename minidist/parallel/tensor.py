@@ -247,7 +247,10 @@ class TensorParallelLayout(GPTLayout):
         return self.tp.matmul(x, w)                                # (B, T, C) @ (C, V_tp)
 
     def loss_sum(self, logits: Tensor, targets) -> Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size)
+        """The same scalar on every tp rank (the vocabulary-parallel loss all-reduces):
+        Replicate, so that a MoE's auxiliary losses (Replicate too) may be added to it."""
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size)
+        return pl.tag(loss, "tp", pl.Replicate())
 
 
 def expected_placement(name: str) -> pl.Placement:
@@ -269,9 +272,9 @@ def parallelize(model, tp: TensorParallel):
     model.parameters(); each sharded parameter holds the exact slice of the full one.
     """
     cfg, W = model.cfg, tp.group.size
-    if cfg.moe_every:
-        raise ValueError(f"{tp.prefix} tensor parallelism of MoE blocks is not built; use "
-                         "tp=1 with moe_every > 0 (expert parallelism shards the experts).")
+    if cfg.moe_every and tp.sequence_parallel:
+        raise ValueError(f"{tp.prefix} sequence parallelism of MoE blocks is not built (their "
+                         "routing groups would be cut over tp); use tp without SP.")
     model.wte = VocabParallelEmbedding(model.wte, tp)
     if not cfg.tie_weights:
         model.lm_head.weight = shard_parameter(model.lm_head.weight, pl.Shard(1), tp)
@@ -280,7 +283,8 @@ def parallelize(model, tp: TensorParallel):
         model.ln_f = sp.SequenceParallelLayerNorm(model.ln_f, tp)
     for block in model.blocks:
         block.attn = TensorParallelAttention(block.attn, tp)
-        block.mlp = TensorParallelMLP(block.mlp, tp)
+        if hasattr(block, "mlp"):            # a MoE stays whole, Replicate over tp: every
+            block.mlp = TensorParallelMLP(block.mlp, tp)    # tp rank routes the same tokens
         if tp.sequence_parallel:
             block.ln_1 = sp.SequenceParallelLayerNorm(block.ln_1, tp)
             block.ln_2 = sp.SequenceParallelLayerNorm(block.ln_2, tp)

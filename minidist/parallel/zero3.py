@@ -8,7 +8,7 @@ parameters the method reads: flat.unit_of(units, name of the module), i.e. unit 
 for anything inside block j and the root unit 0 for everything else. For the GPT
 (`gpt_hook_points`), in call order:
     (model, "embed")              x = drop(wte[idx] + wpe[positions])     unit 0 (root)
-    (model.blocks[j], "forward")  x, aux = Block_j(x)   (aux must be None) unit 1 + j
+    (model.blocks[j], "forward")  x, aux = Block_j(x)   (aux: MoE losses)  unit 1 + j
     (model, "head")               logits = ln_f(x) @ wte^T                unit 0 again
 `Zero3Hooks` replaces each method by an instance attribute (unwrap() puts it back), so
 GPT.forward runs unchanged and calls the wrapper, which runs the original method inside
@@ -50,8 +50,9 @@ the reduce-scatter only on the last micro-batch (Ψ_pad (W-1)/W): 3 Ψ_pad (W-1)
 step without accumulation, the paper's 1.5x of data parallelism.
 
 Limits: a wrapped method is differentiable in its positional Tensor arguments and returns
-a Tensor, or a tuple whose first item is the Tensor and the rest None (a MoE block's
-auxiliary loss is refused). Each hook point runs once per forward pass, and a pass's
+a Tensor, a tuple whose first item is the Tensor and the rest None, or (y, aux) with aux a
+scalar Tensor (a MoE block's auxiliary losses): the pair travels through the Function as
+one Tensor, concatenate(y.ravel(), [aux]), and is split back exactly. Each hook point runs once per forward pass, and a pass's
 backward ends before the next pass's backward starts (true of every schedule here).
 
 Reference: Rajbhandari et al. 2020, arXiv:1910.02054, Sec. 5.3 (P_p) and Sec. 7.2.2 (the
@@ -70,6 +71,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minidist.autograd import Function, Tensor, no_grad
+from minidist.autograd import functional as F
 from minidist.nn import Module
 from minidist.parallel import placement
 from minidist.parallel.flat import unit_of
@@ -94,10 +96,6 @@ def gpt_hook_points(model: Module) -> list[tuple[Module, str]]:
         raise ValueError(f"ZeroEngine stage 3: {type(model).__name__} has no embed / blocks / "
                          "head to wrap; pass ZeroEngine(..., hook_points=[(module, method "
                          "name), ...]) in call order, or use stage 1 or 2.")
-    if getattr(getattr(model, "cfg", None), "moe_every", 0):
-        raise ValueError("ZeroEngine stage 3: MoE blocks return an auxiliary loss that the "
-                         "wrapped block calls do not carry; use stage 1 or 2, or a dense "
-                         "GPT (moe_every=0).")
     return [(model, "embed"), *[(b, "forward") for b in model.blocks], (model, "head")]
 
 
@@ -125,9 +123,26 @@ class _HookCall(Function):
         h.before(k, backward=True)
         xs = _inputs(ctx.sources, ctx.arrays, True)
         out = h.points[k].original(*_fill(ctx.args, xs), **ctx.kwargs)     # recompute
-        (out[0] if isinstance(out, tuple) else out).backward(dy)
+        _pack(out)[0].backward(dy)
         h.after(k, backward=True)
         return (None, *[x.grad for x in xs])
+
+
+def _pack(out) -> tuple[Tensor, tuple | None, tuple | None]:
+    """(one Tensor, the shape of the first output if packed, the rest of a tuple).
+
+    A call returning (y, aux) with aux a scalar Tensor (a MoE block's auxiliary losses)
+    travels as ONE Tensor, concatenate(y.ravel(), [aux]), so that the Function carries
+    both and its backward gets both gradients (split back exactly by the wrapper)."""
+    if not isinstance(out, tuple):
+        return out, None, None
+    y, rest = out[0], out[1:]
+    if len(rest) == 1 and isinstance(rest[0], Tensor) and rest[0].size == 1:
+        return F.concatenate([y.reshape(-1), rest[0].reshape(1)], axis=0), y.shape, None
+    if any(r is not None for r in rest):
+        raise ValueError("ZeroEngine stage 3: a wrapped call returned more than a Tensor and "
+                         "one scalar auxiliary Tensor, which the wrapped call cannot carry.")
+    return y, None, rest
 
 
 def _inputs(sources: list, arrays: tuple, requires_grad: bool) -> list:
@@ -178,6 +193,7 @@ class Zero3Hooks:
         self.grads: dict[int, np.ndarray] = {}      # unit -> full gradient being collected
         self.inner: Tensor | None = None
         self.rest: tuple | None = None
+        self.packed: tuple | None = None            # shape of y when (y, aux) was packed
         for i in range(n):
             self._free_params(i)
         for k, p in enumerate(self.points):
@@ -197,8 +213,12 @@ class Zero3Hooks:
             tensors = [a for a in args if isinstance(a, Tensor)]
             y = _HookCall.apply(self.handles[point.unit], *tensors, hooks=self, k=k,
                                 args=template, kwargs=kwargs, sources=tensors)
+            rest, shape = self.rest, self.packed
+            self.rest = self.packed = None
+            if shape is not None:                        # (y, aux) packed into one Tensor
+                y, rest = y[:-1].reshape(*shape), (y[-1],)
             placement.carry(self.inner, y)   # the layers' placement tags, onto the result
-            rest, self.inner, self.rest = self.rest, None, None
+            self.inner = None
             return y if rest is None else (y, *rest)
 
         call.__wrapped__ = point.original
@@ -206,16 +226,11 @@ class Zero3Hooks:
         return call
 
     def take(self, k: int, out) -> Tensor:
-        """The Tensor of a call's result; the rest of a tuple must be None (no MoE aux)."""
-        rest = None
-        if isinstance(out, tuple):
-            out, rest = out[0], out[1:]
-            if any(r is not None for r in rest):
-                raise ValueError(f"ZeroEngine stage 3: {self.points[k].name} returned an "
-                                 "auxiliary output (a MoE block's auxiliary loss), which the "
-                                 "wrapped call cannot carry; use stage 1 or 2 for MoE models.")
-        self.inner, self.rest = out, rest
-        return out
+        """The one Tensor a call's result travels as (_pack); keeps the rest for the
+        wrapper: the shape to unpack (y, aux), or the None entries of a tuple."""
+        y, self.packed, self.rest = _pack(out)
+        self.inner = out[0] if isinstance(out, tuple) else out
+        return y
 
     # --- the schedule of the module docstring ---
     def before(self, k: int, backward: bool) -> None:

@@ -135,16 +135,6 @@ def test_stage_0_and_bad_algo_and_optimizer_are_value_errors():
         ZeroEngine(GPT(TINY), None, 1, optimizer="lamb")
 
 
-def _moe_stage3(ctx):
-    ZeroEngine(GPT(model_config_for(DATA, n_layer=2, n_embd=16, moe_every=1)), ctx.world, 3)
-
-
-@pytest.mark.multiproc
-def test_stage3_refuses_moe():
-    with pytest.raises(Exception, match="MoE blocks return an auxiliary loss"):
-        spawn(1, _moe_stage3)
-
-
 def _group(rank=0, size=3, shared=True):
     """Enough of a group to build an engine (the constructor communicates nothing)."""
     return SimpleNamespace(rank=rank, size=size, supports_shared=shared, name="dp")

@@ -123,9 +123,10 @@ def test_accumulation_reduces_only_on_the_last_micro_batch():
     assert memory["peak_gathered_params"] > 0
 
 
-def _aux_is_refused(ctx):
+def _two_aux_are_refused(ctx):
     engine = ZeroEngine(GPT(TINY), ctx.world, 3)
-    engine.stage3.points[1].original = lambda x, key=None: (x, Tensor(np.array(1.0)))
+    one = Tensor(np.array(1.0))
+    engine.stage3.points[1].original = lambda x, key=None: (x, one, one)
     try:
         engine.forward(np.zeros((1, 8), np.int64), np.zeros((1, 8), np.int64))
     except ValueError as e:
@@ -134,8 +135,9 @@ def _aux_is_refused(ctx):
 
 
 @pytest.mark.multiproc
-def test_a_block_returning_an_auxiliary_output_is_refused():
-    assert "auxiliary output" in spawn(1, _aux_is_refused)[0]
+def test_a_block_returning_more_than_one_auxiliary_output_is_refused():
+    # one scalar aux (a MoE block's losses) travels packed with y; two cannot
+    assert "more than a Tensor and one scalar auxiliary" in spawn(1, _two_aux_are_refused)[0]
 
 
 def test_every_unit_needs_a_hook_point():

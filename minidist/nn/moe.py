@@ -153,7 +153,7 @@ class MoE(Module):
         """Return (out (B, T, C), the weighted auxiliary losses, a scalar). Stores the
         routing in `last_routing` and {"aux", "z", "dropped", "load"} in `last_stats`."""
         B, T, C = x.shape
-        N, E, K = B * T, self.n_experts, self.top_k
+        N = B * T
         tokens = x.reshape(N, C)                                   # (B, T, C) -> (N, C)
         logits = self.router(tokens)                               # (N, C) @ (C, E) -> (N, E)
         probs = F.softmax(logits, axis=-1)                         # (N, E)

@@ -161,7 +161,13 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=32)
     ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--moe-every", type=int, default=0)
+    ap.add_argument("--moe-every", type=int, default=0, help="every k-th block a MoE (0: none)")
+    ap.add_argument("--n-experts", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=1, help="experts per token (MoE)")
+    ap.add_argument("--capacity-factor", type=float, default=1.25)
+    ap.add_argument("--moe-group-size", type=int, default=0,
+                    help="tokens per MoE routing group (0: one sequence)")
+    ap.add_argument("--z-loss", type=float, default=0.0, help="router z-loss coefficient")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--every", type=int, default=25, help="print every N steps")
@@ -172,7 +178,9 @@ def configs_from(a: argparse.Namespace) -> tuple[GPTConfig, DataConfig]:
     """(model config, data config) from parsed train_arguments."""
     data_cfg = DataConfig(task=a.task, length=a.length, seed=a.seed)
     cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
-                           moe_every=a.moe_every, dtype=a.dtype)
+                           moe_every=a.moe_every, n_experts=a.n_experts, top_k=a.top_k,
+                           capacity_factor=a.capacity_factor, moe_group_size=a.moe_group_size,
+                           z_loss_coef=a.z_loss, dtype=a.dtype)
     return cfg, data_cfg
 
 

@@ -26,7 +26,7 @@ Result (RankResult): losses (global), grad_norms, lrs, full params and optimizer
 (gathered over dp under ZeRO and over tp), bytes sent/received per step (group.stats deltas
 around the step: "sent", "recv" over all axes; bytes_by_axis: sent per axis, "dp" being
 the gradient sync over dp x cp, "pp" the pipeline's activations and gradients, "embed" the
-tied wte's all-reduce), pipeline (pp > 1: this stage's timeline per step, as (kind,
+tied wte's all-reduce, "ep" the MoE tokens' all-to-alls, "edp" the experts' gradient sync), pipeline (pp > 1: this stage's timeline per step, as (kind,
 micro-batch, chunk, start, end) in perf_counter seconds, and its peak held activations),
 memory
 (engine.memory()) and timing per step in seconds: "compute" (forward + backward),
@@ -111,6 +111,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     groups = {"dp": grad}                     # the gradient sync: dp (x cp)
     if lay.mesh is not None:
         groups.update({"tp": lay.tp_group, **({"cp": lay.cp_group} if plan.cp > 1 else {})})
+    if lay.ep_group is not None:              # the tokens' all-to-alls; experts' sync
+        groups.update({"ep": lay.ep_group, "edp": lay.expert_group})
     stage = lay.pipeline
     if stage is not None:
         groups["pp"] = stage.links
@@ -176,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = baseline.train_arguments("python -m minidist train")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (one rank each)")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel ranks: data-parallel ranks sharing the experts "
+                         "(--dp defaults to --ep)")
     ap.add_argument("--schedule", default="1f1b",
                     help="pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, or a CSV file "
                          "(one line per stage, cells like 0F0,0F1,0B0)")
@@ -198,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="assert the placement of every activation crossing a parallel "
                          "boundary (also MINIDIST_CHECK_PLACEMENTS=1)")
     a = ap.parse_args(argv)
+    if a.ep > 1 and a.dp == 1:
+        a.dp = a.ep                              # the ep ranks are data-parallel ranks
     if a.pp > 1 and a.grad_accum == 1:
         a.grad_accum = 2 * a.pp                  # micro-batches to fill the pipeline
     if a.dp == 1 and a.tp == 1 and a.cp == 1 and a.pp == 1 and a.zero == 0 and not a.check:
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         a.n_layer = a.pp * chunks
     cfg, data_cfg = baseline.configs_from(a)
     try:                                              # a bad plan fails here, before spawning
-        plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, zero=a.zero,
+        plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, zero=a.zero,
                     micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
                     cp_layout=a.cp_layout, check_placements=a.check_placements or None,
                     schedule=_schedule_argument(a.schedule),

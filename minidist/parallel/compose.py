@@ -32,8 +32,10 @@ With pp > 1 (rank = (p dp + d) cp tp + ...), the pp groups hold the stages of on
 each stage cut from the same (seed, name) draw (pipeline.PipelineCut), its 2-rank link
 groups carry activations and gradients (pipeline.make_links), the embedding group (first
 and last stage) sums the tied wte's gradient, and the model group (pp x tp) sums norms.
-The axis ep is part of the Plan's shape so that expert parallelism plugs in here; until
-its issue lands, a Plan with ep > 1 is refused with a ValueError.
+With ep > 1 (expert parallelism, parallel/expert.py) the dp axis is split into (edp, ep),
+ep the faster: the ep groups (consecutive dp ranks) share the experts of each MoE layer,
+E/ep each, and exchange tokens; an expert's gradient is summed over its replicas, the
+ranks with the same ep coordinate (edp x cp), the dense ones over dp x cp as before.
 Read next: parallel/schedules.py, then train.py.
 """
 
@@ -49,6 +51,7 @@ from minidist.parallel.context import ALGOS as CP_ALGOS
 from minidist.parallel.context import LAYOUTS as CP_LAYOUTS
 from minidist.parallel.context import ContextParallel
 from minidist.parallel.data import ALGOS, DataParallel
+from minidist.parallel.expert import is_expert_parameter
 from minidist.parallel.pipeline import PipelineCut, PipelineStage, make_links, split_layers
 from minidist.parallel.schedules import SCHEDULES, PipelineSchedule, make_schedule
 from minidist.parallel.sharding import ModelSharding
@@ -63,7 +66,7 @@ def _positive_int(value, minimum: int) -> bool:
 
 @dataclass(frozen=True)
 class Plan:
-    """How one training job is laid out over W = pp * dp * cp * tp ranks (ep: a later axis).
+    """How one training job is laid out over W = pp * dp * cp * tp ranks (ep divides dp).
 
     Pipeline: `schedule` is a name in schedules.SCHEDULES or a PipelineSchedule (e.g.
     from_csv) for pp stages and micro_batches; virtual_stages V (interleaved; default 2
@@ -96,9 +99,10 @@ class Plan:
             if not _positive_int(getattr(self, field), minimum):
                 raise ValueError(f"Plan: {field}={getattr(self, field)!r} must be an int >= "
                                  f"{minimum}.")
-        if self.ep != 1:
-            raise ValueError(f"Plan: ep={self.ep} is not built yet; this minidist composes "
-                             "dp, ZeRO, tp (+ sequence parallelism), cp and pp. Set ep=1.")
+        if self.dp % self.ep:
+            raise ValueError(f"Plan: ep={self.ep} must divide dp={self.dp}: the expert-"
+                             "parallel ranks are data-parallel ranks that share the experts "
+                             f"(Megatron's layout); use dp a multiple of {self.ep}.")
         if not isinstance(self.schedule, PipelineSchedule) and self.schedule not in SCHEDULES:
             raise ValueError(f"Plan: schedule={self.schedule!r} must be one of {SCHEDULES} or a "
                              "schedules.PipelineSchedule (e.g. schedule_csv.from_csv(text)).")
@@ -149,12 +153,13 @@ class Plan:
         return make_schedule(self.schedule, self.pp, self.micro_batches, self.chunks)
 
     def describe(self) -> str:
-        """'pp=2 (1f1b) x dp=2 x cp=2 x tp=2 (SP)': the axes (pp, cp only when > 1)."""
+        """'pp=2 (1f1b) x dp=2 (ep=2) x cp=2 x tp=2 (SP)': the axes (pp, ep, cp when > 1)."""
         name = getattr(self.schedule, "name", self.schedule)
         pp = f"pp={self.pp} ({name}{f', V={self.chunks}' if self.chunks > 1 else ''}) x " \
             if self.pp > 1 else ""
         cp = f" x cp={self.cp} ({self.cp_algo})" if self.cp > 1 else ""
-        return f"{pp}dp={self.dp}{cp} x tp={self.tp}" \
+        ep = f" (ep={self.ep})" if self.ep > 1 else ""
+        return f"{pp}dp={self.dp}{ep}{cp} x tp={self.tp}" \
             f"{' (SP)' if self.sequence_parallel else ''}"
 
     @property
@@ -209,6 +214,14 @@ class Plan:
                              f"{tp * cp}.")
         if cfg.moe_every:
             self._validate_routing_groups(cfg, global_batch, seq_len)
+        if self.ep > 1 and (not cfg.moe_every or cfg.n_experts % self.ep):
+            raise ValueError(f"Plan: ep={self.ep} splits the experts of MoE layers, but the "
+                             f"model has moe_every={cfg.moe_every}, n_experts={cfg.n_experts}; "
+                             f"use a MoE model with n_experts a multiple of {self.ep}.")
+        if self.ep > 1 and self.zero == 3:
+            raise ValueError("Plan: ZeRO-3 with expert parallelism is not built yet (a MoE "
+                             "block would gather a dense and an expert unit over two "
+                             "groups); use zero <= 2.")
         if self.pp > 1:
             self._validate_pipeline(cfg)
 
@@ -261,6 +274,8 @@ class Layout:
     context: ContextParallel | None = None    # cp > 1: the cp group, algorithm and layout
     pp_group: object = None                   # pp > 1: the stages of my pipeline
     pipeline: PipelineStage | None = None     # pp > 1: my stage and its schedule
+    ep_group: object = None                   # ep > 1: the ranks sharing the experts
+    expert_group: object = None               # ep > 1: my experts' replicas (edp x cp)
 
     @property
     def model(self):
@@ -275,17 +290,27 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
         raise ValueError(f"Plan: {plan.describe()} = {plan.world_size} ranks, but the job "
                          f"has {W}. Spawn {plan.world_size} ranks or change the Plan.")
     pipe: dict = {}
+    experts: dict = {}                            # ep > 1: the ep and edp (x cp) groups
     if plan.world_size == 1:                      # one rank: its world is every axis
         mesh, dp, cp, tp, grad = None, ctx.world, ctx.world, ctx.world, ctx.world
     else:
         job = getattr(ctx, "job", ctx)
         axes = (("pp",) if plan.pp > 1 else ()) + ("dp", "cp", "tp")
         shape = ((plan.pp,) if plan.pp > 1 else ()) + (plan.dp, plan.cp, plan.tp)
+        if plan.ep > 1:                           # dp = (edp, ep), ep the faster
+            i = axes.index("dp")
+            axes = axes[:i] + ("edp", "ep") + axes[i + 1:]
+            shape = shape[:i] + (plan.dp // plan.ep, plan.ep) + shape[i + 1:]
         mesh = DeviceMesh(job, axes, shape)
-        dp, cp, tp = mesh.group("dp"), mesh.group("cp"), mesh.group("tp")
+        dp_axes = ("edp", "ep") if plan.ep > 1 else ("dp",)
+        dp = mesh.group("dp") if plan.ep == 1 else mesh.flatten(dp_axes, "dp")
+        cp, tp = mesh.group("cp"), mesh.group("tp")
         # the gradient sync gets a group of its own even when dp = 1, so that the cp
         # group's traffic (bytes_by_axis["cp"]) is attention and nothing else
-        grad = dp if plan.cp == 1 else mesh.flatten(("dp", "cp"), "dp_cp")
+        grad = dp if plan.cp == 1 else mesh.flatten(dp_axes + ("cp",), "dp_cp")
+        if plan.ep > 1:
+            experts = {"ep": mesh.group("ep"), "edp": mesh.group("edp") if plan.cp == 1
+                       else mesh.flatten(("edp", "cp"), "edp_cp")}
         if plan.pp > 1:
             pipe = _pipeline_groups(job, mesh, plan, cfg)
     context = ContextParallel(cp, plan.cp_algo, plan.cp_layout) if plan.cp > 1 else None
@@ -295,24 +320,29 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
                                      algo=algo if algo != "tree" else "ring", context=context)
     sharding = ModelSharding(cfg, seed, tensor_parallel, check=plan.checks, context=context,
                              cut=pipe.get("cut"), pp=pipe.get("pp"),
-                             model_group=pipe.get("model"))
+                             model_group=pipe.get("model"), ep=experts.get("ep"))
     opt = dict(optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
                momentum=momentum)
     if plan.zero == 0:
+        group_of = {} if not experts else {id(p): experts["edp"] for n, p in zip(
+            sharding.names, sharding.params) if is_expert_parameter(n)}
         engine = DataParallel(sharding.model, grad, bucket_bytes=plan.bucket_bytes,
                               algo=plan.algo, overlap=plan.overlap,
                               replica_check_every=plan.replica_check_every,
-                              sharding=sharding, **opt)
+                              sharding=sharding, group_of=group_of,
+                              fast_path=not experts, **opt)
     else:
         from minidist.parallel.zero import ZeroEngine
+        ep = {"expert_group": experts["edp"]} if experts else {}
         engine = ZeroEngine(sharding.model, grad, plan.zero, algo=plan.algo,
-                            sharding=sharding, **opt)
+                            sharding=sharding, **ep, **opt)
     stage = None
     if pipe:
         stage = PipelineStage(sharding.model, pipe["cut"], pipe["links"],
                               plan.pipeline_schedule(), sequence_shards=plan.tp,
                               sequence=plan.sequence_parallel, embed_group=pipe["embed"])
-    return Layout(mesh, dp, cp, tp, grad, sharding, engine, context, pipe.get("pp"), stage)
+    return Layout(mesh, dp, cp, tp, grad, sharding, engine, context, pipe.get("pp"), stage,
+                  experts.get("ep"), experts.get("edp"))
 
 
 def _pipeline_groups(job, mesh: DeviceMesh, plan: Plan, cfg: GPTConfig) -> dict:

@@ -97,10 +97,15 @@ class DataParallel(Engine):
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  momentum: float = 0.0, bucket_bytes: int = 1 << 20, algo: str = "auto",
                  overlap: bool = True, replica_check_every: int = 0, sharding=None,
-                 fast_path: bool = True) -> None:
+                 fast_path: bool = True, group_of: dict | None = None) -> None:
         _check_args(group, bucket_bytes, algo, replica_check_every)
         self.model, self.group, self.algo, self.overlap = model, group, algo, bool(overlap)
         self.sharding, self.replica_check_every = sharding, replica_check_every
+        # id(p) -> the group holding p's replicas, where it is not `group` (an expert's:
+        # expert parallelism, parallel/expert.py); the plain engine only
+        self.group_of = dict(group_of or {})
+        if self.group_of and type(self) is not DataParallel:
+            raise ValueError("DataParallel: group_of needs the plain engine (fast_path=False)")
         named = list(model.named_parameters())
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.opt = make_optimizer(optimizer, self.params, lr, weight_decay, betas, momentum)
@@ -137,8 +142,8 @@ class DataParallel(Engine):
             if not force and id(p) not in self._ready:
                 return
             g = p.grad if p.grad is not None else np.zeros_like(p.data)    # unused here
-            self._works.append(C.all_reduce(g, op="sum", group=self.group, algo=self._algo,
-                                            async_op=True))
+            self._works.append(C.all_reduce(g, op="sum", group=self.group_of.get(
+                id(p), self.group), algo=self._algo, async_op=True))
 
     def _summed_grads(self) -> list:
         """Start what is left, wait for every sum, put it in .grad; return the grads."""

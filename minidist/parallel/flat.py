@@ -109,23 +109,30 @@ class FlatShard:
         return f"FlatShard({self.name!r}, {self.data.shape[0]} elements)"
 
 
-def split_units(model: Module, W: int) -> list[FlatUnit]:
+def split_units(model: Module, W: int, experts_W: int | None = None) -> list[FlatUnit]:
     """The units of `model`: unit 0 ("root") holds every parameter outside model.blocks
     (embeddings, final LayerNorm, head); unit 1 + i holds model.blocks[i]. A pipeline
     stage's model holds only some blocks, and a middle stage no root unit at all.
+    experts_W (expert parallelism): a MoE block's experts form a unit of their own,
+    "blocks.i.experts", sharded over experts_W ranks (their replicas), after the block's.
 
     A model without `blocks` is one unit. Order inside a unit is model.parameters() order.
     """
     named = list(model.named_parameters())
     blocks = [n for n, _ in model.blocks.named_children()] if hasattr(model, "blocks") else []
     groups: dict[str, list] = {"root": []}
-    groups.update({f"blocks.{i}": [] for i in blocks})     # a pipeline stage: some blocks
+    for i in blocks:                                      # a pipeline stage: some blocks
+        groups[f"blocks.{i}"] = []
+        if experts_W is not None:
+            groups[f"blocks.{i}.experts"] = []
     for index, (name, p) in enumerate(named):
         parts = name.split(".")
         key = f"blocks.{parts[1]}" if blocks and parts[0] == "blocks" else "root"
+        if experts_W is not None and ".moe.experts." in name:
+            key += ".experts"
         groups[key].append((name, index, p))
-    return [FlatUnit(key, entries, W) for key, entries in groups.items()
-            if entries or key != "root"]     # a middle pipeline stage has no root unit
+    return [FlatUnit(key, entries, experts_W if key.endswith(".experts") else W)
+            for key, entries in groups.items() if entries]   # (a middle stage: no root)
 
 
 def unit_of(units: list[FlatUnit], module_name: str) -> int:

@@ -25,6 +25,9 @@ digest of its .grad over tp and raises PlacementError naming it if they differ, 
 what happens when the LayerNorm gradients under sequence parallelism are not summed over
 tp (each rank would keep the part from its own positions).
 
+Under expert parallelism (parallel/expert.py) a rank keeps E/ep experts of each MoE layer,
+under their global names; their squares in the norm are summed over ep, and full_values
+fetches every expert from the ep rank holding it.
 Under pipeline parallelism (parallel/pipeline.py) a rank keeps only its stage's layers
 (`PipelineCut.cut`), each parameter under its global name. The tied wte lives on the first
 and the last stage; the first owns it (it counts once in the norm). Sums over the model
@@ -51,6 +54,7 @@ from minidist import collectives as C
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel import placement as pl
 from minidist.parallel.context import parallelize_context
+from minidist.parallel.expert import is_expert_parameter, parallelize_experts
 from minidist.parallel.tensor import TensorParallel, parallelize
 
 
@@ -62,20 +66,22 @@ class ModelSharding:
 
     def __init__(self, cfg: GPTConfig, seed: int, tp: TensorParallel | None = None,
                  check: bool = False, context=None, cut=None, pp=None,
-                 model_group=None) -> None:
+                 model_group=None, ep=None) -> None:
         self.tp = tp if tp is not None and tp.group.size > 1 else None
         self.model = GPT(cfg, seed)
         self.global_names = [n for n, _ in self.model.named_parameters()]  # baseline order
+        self.global_shapes = [tuple(p.shape) for _, p in self.model.named_parameters()]
         if self.tp is not None:
             parallelize(self.model, self.tp)
         if context is not None:                 # every rank holds the whole weights
             parallelize_context(self.model, context)
+        self.ep = ep if ep is not None and ep.size > 1 else None
+        if self.ep is not None:                  # my E/ep experts of every MoE layer
+            parallelize_experts(self.model, self.ep)
         self.cut, self.pp = cut, pp if cut is not None else None
         self.model_group = model_group if cut is not None else (
             None if self.tp is None else self.tp.group)
         if cut is not None:
-            shapes = {n: p.full_shape or p.shape for n, p in self.model.named_parameters()}
-            self.global_shapes = [tuple(shapes[n]) for n in self.global_names]
             self.owner = [min(s for s in range(cut.stages) if _stage(cut, s).holds(
                 n, cfg.tie_weights)) for n in self.global_names]
             cut.cut(self.model)
@@ -84,6 +90,7 @@ class ModelSharding:
         self.tp_rank = 0 if self.tp is None else self.tp.group.rank
         self.owned = [pl.owns_uniquely(p, "tp", self.tp_rank) and self._stage_owns(n)
                       for n, p in named]
+        self.expert = [self.ep is not None and is_expert_parameter(n) for n in self.names]
         if check and self.tp is not None:
             for name, p in named:
                 if not isinstance(pl.placement_of(p, "tp"), pl.Shard):
@@ -106,11 +113,17 @@ class ModelSharding:
 
     def grad_sq(self, grads) -> float:
         """sum of squares of the grads (one per parameter, None skipped) that this rank owns."""
-        total = 0.0
-        for g, own in zip(grads, self.owned):
+        total, experts = 0.0, 0.0
+        for g, own, expert in zip(grads, self.owned, self.expert):
             if g is not None and own:
                 flat = g.reshape(-1)
-                total += float(backend.xp.dot(flat, flat))
+                if expert:                       # my experts only: summed over ep below
+                    experts += float(backend.xp.dot(flat, flat))
+                else:
+                    total += float(backend.xp.dot(flat, flat))
+        if self.ep is not None:
+            for part in C.all_gather(np.array([experts]), group=self.ep).reshape(-1):
+                total += float(part)
         return total
 
     # --- global views ---
@@ -136,11 +149,30 @@ class ModelSharding:
             out.update({f"{prefix}.{self.global_names.index(n)}": v for n, v in full.items()})
         return out
 
-    def _over_stages(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """COLLECTIVE over pp: {name: value} for every parameter of the model, each
-        broadcast from the stage that owns it (without pipeline: `values` as they are)."""
-        if self.cut is None:
+    def _over_experts(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """COLLECTIVE over ep: every expert of my layers, each broadcast from the ep rank
+        holding it (expert e lives on ep rank e // (E/ep)); other values as they are."""
+        if self.ep is None:
             return values
+        cfg, out = self.model.cfg, {}
+        per = cfg.n_experts // self.ep.size
+        for name in self.global_names:
+            if is_expert_parameter(name) and (name in values or self.cut is None
+                                              or self.cut.holds(name, cfg.tie_weights)):
+                e = int(name.split(".moe.experts.")[1].split(".")[0])
+                shape = self.global_shapes[self.global_names.index(name)]
+                x = values[name] if e // per == self.ep.rank else np.empty(shape, cfg.dtype)
+                out[name] = C.broadcast(np.ascontiguousarray(x), root=e // per, group=self.ep)
+            elif name in values:
+                out[name] = values[name]
+        return out
+
+    def _over_stages(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """COLLECTIVE over ep and pp: {name: value} for every parameter of the model, each
+        broadcast from the rank that holds it (without ep, pp: `values` as they are)."""
+        values = self._over_experts(values)
+        if self.cut is None:
+            return {n: values[n] for n in self.global_names}
         out = {}
         for j, name in enumerate(self.global_names):
             mine = self.owner[j] == self.cut.stage

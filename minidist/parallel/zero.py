@@ -85,14 +85,22 @@ class ZeroEngine(Engine):
                  lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.0,
                  algo: str = "auto", sharding=None,
-                 hook_points: list[tuple[Module, str]] | None = None) -> None:
+                 hook_points: list[tuple[Module, str]] | None = None,
+                 expert_group=None) -> None:
         """hook_points (stage 3): (module, method name) pairs in call order that zero3.py
         wraps; None: the GPT's (zero3.gpt_hook_points: embed, every block, head)."""
         _check_args(stage, optimizer, algo)
         self.model, self.group, self.stage, self.sharding = model, group, stage, sharding
         self.rank, W = group.rank, group.size
         self.rs_algo, self.ag_algo = algorithms(algo, group)
-        self.units: list[FlatUnit] = split_units(model, W)
+        if expert_group is not None and stage == 3:
+            raise ValueError("ZeroEngine: stage 3 with expert parallelism is not built (a "
+                             "block would gather two units of two groups); use stage 1 or 2.")
+        # expert parallelism: the experts' units are sharded over their replicas only
+        self.units: list[FlatUnit] = split_units(
+            model, W, None if expert_group is None else expert_group.size)
+        self.unit_groups = [expert_group if u.name.endswith(".experts") else group
+                            for u in self.units]
         self.dtype = np.dtype(self.units[0].params[0].dtype)
         self._sync, self.comm_wait_s = True, 0.0
         w_shards = self._shard_parameters()
@@ -100,9 +108,9 @@ class ZeroEngine(Engine):
         # stages 2-3 keep a shard and build full buffers only while a unit is reduced
         self.g_acc: list[np.ndarray | None] = [
             np.zeros(u.padded, self.dtype) if stage == 1 else None for u in self.units]
-        self.shards = [FlatShard(u.name, w, a[slice(*u.shard_range(self.rank))] if stage == 1
-                                 else np.zeros(u.shard, self.dtype))
-                       for u, w, a in zip(self.units, w_shards, self.g_acc)]
+        self.shards = [FlatShard(u.name, w, a[slice(*u.shard_range(self._rank(i)))]
+                                 if stage == 1 else np.zeros(u.shard, self.dtype))
+                       for i, (u, w, a) in enumerate(zip(self.units, w_shards, self.g_acc))]
         # DDP's optimizer, one "parameter" per unit: its state is sharded like the units
         self.opt = make_optimizer(optimizer, self.shards, lr, weight_decay, betas, momentum)
         self.peaks = {"unsharded_grads": 0, "gathered_params": 0}
@@ -124,9 +132,9 @@ class ZeroEngine(Engine):
         only one this rank keeps (zero3.py gives the Parameters placeholders)."""
         self.p_full: list[np.ndarray | None] = []
         w_shards = []
-        for u in self.units:
+        for i, u in enumerate(self.units):
             full = u.pack([p.data for p in u.params], self.dtype)
-            lo, hi = u.shard_range(self.rank)
+            lo, hi = u.shard_range(self._rank(i))
             if self.stage < 3:
                 for p, view in zip(u.params, u.views(full)):
                     p.data = view
@@ -155,8 +163,8 @@ class ZeroEngine(Engine):
         t0 = time.perf_counter()
         for i, u in enumerate(self.units):
             if self.stage == 1:
-                lo, hi = u.shard_range(self.rank)
-                self.g_acc[i][lo:hi] = self._reduce_scatter(self.g_acc[i])
+                lo, hi = u.shard_range(self._rank(i))
+                self.g_acc[i][lo:hi] = self._reduce_scatter(self.g_acc[i], i)
             elif self.g_acc[i] is not None:          # still full: reduced only now
                 self._reduce_unit(i)
         self._seen = [0] * len(self.units)
@@ -166,7 +174,7 @@ class ZeroEngine(Engine):
         self.opt.step()                              # AdamW / SGD on (w_shard, dw_shard)
         if self.stage < 3:
             for i, s in enumerate(self.shards):
-                self.p_full[i][...] = self._all_gather(s.data).reshape(-1)
+                self.p_full[i][...] = self._all_gather(s.data, unit=i).reshape(-1)
         for g in self.g_acc if self.stage == 1 else [s.grad for s in self.shards]:
             g[...] = 0
         self.comm_wait_s = time.perf_counter() - t0
@@ -189,10 +197,10 @@ class ZeroEngine(Engine):
         if self.sharding is None or all(self.sharding.owned):
             return [None] * len(self.units)
         masks = []
-        for u in self.units:
+        for i, u in enumerate(self.units):
             full = u.pack([np.full(s.shape, float(self.sharding.owned[s.index]))
                            for s in u.slots], self.dtype)
-            masks.append(full[slice(*u.shard_range(self.rank))].copy())
+            masks.append(full[slice(*u.shard_range(self._rank(i)))].copy())
         return masks
 
     def full_params(self) -> dict[str, np.ndarray]:
@@ -215,7 +223,7 @@ class ZeroEngine(Engine):
                 continue
             prefix, i = key.rsplit(".", 1)
             u = self.units[int(i)]
-            full = self._all_gather(value).reshape(-1)
+            full = self._all_gather(value, unit=int(i)).reshape(-1)
             for slot, view in zip(u.slots, u.views(full)):
                 state[f"{prefix}.{slot.index}"] = view.copy()
         return self._global_state(state)
@@ -279,22 +287,29 @@ class ZeroEngine(Engine):
 
     def _reduce_unit(self, i: int) -> None:
         """dw_shard_i += reduce_scatter(sum) of unit i's full buffer; free the buffer."""
-        self.shards[i].grad += self._reduce_scatter(self.g_acc[i])
+        self.shards[i].grad += self._reduce_scatter(self.g_acc[i], i)
         self.g_acc[i] = None
 
     def _note_peak(self, what: str, nbytes: int) -> None:
         self.peaks[what] = max(self.peaks[what], nbytes)
 
     # --- collectives ---
-    def _reduce_scatter(self, flat: np.ndarray) -> np.ndarray:
-        return C.reduce_scatter(flat, op="sum", group=self.group, algo=self.rs_algo)
+    def _rank(self, i: int) -> int:
+        """My rank in unit i's group (the dp group; an expert unit's replicas under ep)."""
+        return self.unit_groups[i].rank
 
-    def _all_gather(self, x: np.ndarray, async_op: bool = False):
-        return C.all_gather(x, group=self.group, algo=self.ag_algo, async_op=async_op)
+    def _reduce_scatter(self, flat: np.ndarray, unit: int) -> np.ndarray:
+        return C.reduce_scatter(flat, op="sum", group=self.unit_groups[unit],
+                                algo=self.rs_algo)
+
+    def _all_gather(self, x: np.ndarray, async_op: bool = False, unit: int | None = None):
+        """Over unit `unit`'s group; over the dp group for the norm (unit None)."""
+        group = self.group if unit is None else self.unit_groups[unit]
+        return C.all_gather(x, group=group, algo=self.ag_algo, async_op=async_op)
 
     def gather_unit(self, i: int) -> np.ndarray:
         """COLLECTIVE: unit i's full flat parameters (W S_u,), from every rank's shard."""
-        return self._all_gather(self.shards[i].data).reshape(-1)
+        return self._all_gather(self.shards[i].data, unit=i).reshape(-1)
 
 
 def algorithms(algo: str, group) -> tuple[str, str]:

@@ -262,7 +262,7 @@ class Zero3Hooks:
         if i in self.work:
             return
         e = self.e
-        self.work[i] = e._all_gather(e.shards[i].data, async_op=True)
+        self.work[i] = e._all_gather(e.shards[i].data, async_op=True, unit=i)
         held = sum(e.units[u].padded for u in self.work) * e.dtype.itemsize
         e._note_peak("gathered_params", held)
 

@@ -102,11 +102,12 @@ def _reference(n_layer, top_k, group, M, batch, aux, tp, cp):
                                 clip_grad=CLIP, weight_decay=0.01)
 
 
-def _run(pp, dp, cp, tp, zero, top_k, M, schedule="1f1b", aux=0.1):
+def _run(pp, dp, cp, tp, zero, top_k, M, schedule="1f1b", aux=0.1, ep=1):
     T = _data(cp).block_size
     group = T // (2 * cp) if cp > 1 else 0                # whole groups in each zig-zag chunk
     n_layer = 2 * pp if schedule == "interleaved" else max(2, pp)
-    plan = Plan(pp=pp, dp=dp, cp=cp, tp=tp, zero=zero, micro_batches=M, schedule=schedule)
+    plan = Plan(pp=pp, dp=dp, cp=cp, tp=tp, zero=zero, micro_batches=M, schedule=schedule,
+                ep=ep)
     batch = dp * M * 2
     cfg = _cfg(n_layer, top_k, group, aux, tp, cp)
     runs = spawn(plan.world_size, train_on_rank, cfg, _data(cp), plan, steps=STEPS,
@@ -147,12 +148,58 @@ def test_every_layout_with_every_zero_stage(pp, dp, cp, tp, zero, top_k, M, sche
     _run(pp, dp, cp, tp, zero, top_k, M, schedule)
 
 
+# --- expert parallelism: ep | dp, the experts split over ep, their grads over edp x cp ---
+
+EXPERT_LAYOUTS = [(pp, dp, ep, cp, tp) for pp, dp, cp, tp, *_ in DEFAULT
+                  for ep in range(2, dp + 1) if dp % ep == 0 and 4 % ep == 0]
+
+
+def _ep_case(i, pp, dp, ep, cp, tp):
+    name = schedules.SCHEDULES[(i + 1) % 4] if pp <= 4 else "1f1b"
+    return pp, dp, ep, cp, tp, i % 3, 1 + (i + 1) % 2, 1 + i % 2, name
+
+
+EXPERT_DEFAULT = [_ep_case(i, *f) for i, f in enumerate(EXPERT_LAYOUTS)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("pp, dp, ep, cp, tp, zero, top_k, M, schedule", EXPERT_DEFAULT)
+def test_expert_parallel_layouts_match_single_process(pp, dp, ep, cp, tp, zero, top_k, M,
+                                                      schedule):
+    _run(pp, dp, cp, tp, zero, top_k, M, schedule, ep=ep)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("pp, dp, ep, cp, tp, zero, top_k, M, schedule",
+                         [(pp, dp, ep, cp, tp, z, k, M, name)
+                          for pp, dp, ep, cp, tp, zero, k, M, name in EXPERT_DEFAULT
+                          for z in range(3) if z != zero])
+def test_expert_parallel_layouts_with_every_zero_stage(pp, dp, ep, cp, tp, zero, top_k, M,
+                                                       schedule):
+    _run(pp, dp, cp, tp, zero, top_k, M, schedule, ep=ep)
+
+
+def test_expert_parallel_plans_that_cannot_split_are_refused():
+    cfg = _cfg(2, 1)
+    with pytest.raises(ValueError, match="ep=4 must divide dp=2"):
+        Plan(dp=2, ep=4)
+    for plan, match in [(Plan(dp=3, ep=3), "n_experts a multiple of 3"),
+                        (Plan(dp=2, ep=2, zero=3), "ZeRO-3 with expert parallelism")]:
+        with pytest.raises(ValueError, match=match):
+            plan.validate(cfg, 12, DATA.block_size)
+    dense = model_config_for(DATA, n_layer=2, n_head=2, n_embd=16)
+    with pytest.raises(ValueError, match="moe_every=0"):
+        Plan(dp=2, ep=2).validate(dense, 8, DATA.block_size)
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("zero", [0, 3])
 def test_aux_loss_gradient_is_not_divided_by_dp(zero):
     # Megatron-LM PR #3769: the load-balancing loss's gradient came out 1/dp too small.
     # With a big coefficient the router's update is dominated by it: equal to one process.
     _run(1, 4, 1, 1, zero, 2, 1, aux=5.0)
+    _run(1, 4, 1, 1, min(zero, 2), 2, 1, aux=5.0, ep=2)
 
 
 @pytest.mark.parametrize("plan, match", [

@@ -72,6 +72,7 @@ class RankResult:
     memory: dict[str, int]                          # engine.memory() after the last step
     timing: dict[str, tuple[float, ...]]            # "compute", "comm_wait", "step", "cpu"
     pipeline: dict | None = None                    # pp > 1: "timeline", "held_peak", ...
+    moe: tuple[dict[str, dict], ...] = ()           # per step: {layer: routing stats}
 
 
 def _traffic(groups: dict[str, object]) -> dict[str, int]:
@@ -120,6 +121,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
             groups["embed"] = stage.embed_group
     positions = None if lay.context is None else lay.context.positions(data_cfg.block_size)
     local, norms, lrs, traffic, by_axis, timelines = [], [], [], [], [], []
+    moe_layers = {name: m for name, m in lay.model.named_modules() if hasattr(m, "take_totals")}
+    moe_steps: list[dict] = []
     timing: dict[str, list[float]] = {"compute": [], "comm_wait": [], "step": [], "cpu": []}
     for step in range(steps):
         lr_s = lr if lr_schedule == "constant" else optim.lr_at(
@@ -148,6 +151,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         timing["comm_wait"].append(float(getattr(engine, "comm_wait_s", t2 - t1)))
         timing["step"].append(t2 - t0)
         timing["cpu"].append(time.process_time() - c0)
+        if moe_layers:
+            moe_steps.append(_moe_stats(moe_layers, grad, canonical))
         if on_step is not None:
             on_step(step, float(_global_loss([local[-1]], grad, lay.pp_group, canonical)[0]))
     losses = _global_loss(local, grad, lay.pp_group, canonical)
@@ -160,7 +165,22 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                       pipeline=None if stage is None else {
                           "stage": stage.cut.stage, "timeline": timelines,
                           "held_peak": stage.held_peak,
-                          "held_bytes_peak": stage.held_bytes_peak})
+                          "held_bytes_peak": stage.held_bytes_peak},
+                      moe=tuple(moe_steps))
+
+
+def _moe_stats(layers: dict, grad, algo: str) -> dict[str, dict]:
+    """COLLECTIVE over dp x cp: each MoE layer's routing in this step, over the global
+    batch: tokens routed to each expert ("load", before dropping), kept ("kept"), the
+    share of assignments dropped, and the aux and z losses (means over routing groups)."""
+    out = {}
+    for name, layer in layers.items():
+        t = C.all_reduce(layer.take_totals(), group=grad, algo=algo)
+        E, groups = layer.n_experts, max(t[-1], 1.0)
+        out[name] = {"load": t[:E].astype(int).tolist(), "kept": t[E:2 * E].astype(int).tolist(),
+                     "drop_rate": float(t[2 * E] / max(t[2 * E + 1], 1.0)),
+                     "aux": float(t[2 * E + 2] / groups), "z": float(t[2 * E + 3] / groups)}
+    return out
 
 
 def _global_loss(local: list[float], grad, pp, algo: str) -> np.ndarray:

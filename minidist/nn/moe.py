@@ -164,6 +164,8 @@ class MoE(Module):
             z = self._z_loss(logits)
             total = total + z * self.z_loss_coef
             self.last_stats["z"] = float(z.item())
+            groups = -(-N // (self.group_size or N))
+            self.z_total = getattr(self, "z_total", 0.0) + groups * float(z.item())
         return out.reshape(B, T, C), total
 
     def _route(self, probs: Tensor) -> tuple[Routing, Tensor]:
@@ -184,7 +186,27 @@ class MoE(Module):
         aux = (means * f).sum(axis=-1).mean() * float(E)
         self.last_stats = {"aux": float(aux.item()), "dropped": r.n_dropped,
                            "load": r.load.copy()}
+        kept = np.bincount(r.choice[r.kept], minlength=E)
+        self._add_totals(np.concatenate([r.load, kept, [r.n_dropped, N * self.top_k,
+                                                         len(sizes) * float(aux.item())]]),
+                         len(sizes))
         return r, aux
+
+    def _add_totals(self, row: np.ndarray, groups: int) -> None:
+        t = getattr(self, "totals", None)
+        self.totals = row if t is None else t + row
+        self.totals_groups = getattr(self, "totals_groups", 0) + groups
+
+    def take_totals(self) -> np.ndarray:
+        """Since the last call: [load (E), kept (E), dropped, assignments, sum_g aux_g,
+        sum_g z_g, groups] as float64 (observability: train.py sums them over dp)."""
+        E = self.n_experts
+        t = getattr(self, "totals", None)
+        t = np.zeros(2 * E + 3) if t is None else t
+        z = getattr(self, "z_total", 0.0)
+        out = np.concatenate([t, [z, getattr(self, "totals_groups", 0)]]).astype(np.float64)
+        self.totals, self.totals_groups, self.z_total = None, 0, 0.0
+        return out
 
     @staticmethod
     def _z_loss(logits: Tensor) -> Tensor:

@@ -218,10 +218,6 @@ class Plan:
             raise ValueError(f"Plan: ep={self.ep} splits the experts of MoE layers, but the "
                              f"model has moe_every={cfg.moe_every}, n_experts={cfg.n_experts}; "
                              f"use a MoE model with n_experts a multiple of {self.ep}.")
-        if self.ep > 1 and self.zero == 3:
-            raise ValueError("Plan: ZeRO-3 with expert parallelism is not built yet (a MoE "
-                             "block would gather a dense and an expert unit over two "
-                             "groups); use zero <= 2.")
         if self.pp > 1:
             self._validate_pipeline(cfg)
 

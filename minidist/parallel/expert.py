@@ -34,9 +34,10 @@ One rank's view (ep rank r of W, one MoE layer, N local tokens, E/W local expert
     6. back = AllToAll(outputs in the received layout, recv sizes) (len(order), C)
     7. out = combine(back ++ zero row, probs, r)                  (N, C)
 Shapes: x (B, T, C); tokens (N, C); sent (A, C) with A = kept assignments here.
-Communication per layer and rank (forward; the backward sends the same again): counts
-E numbers; tokens: the kept assignments whose expert lives elsewhere, C numbers each, go
-out and come back; (A - A_own) C elements sent per all-to-all.
+Communication per layer and rank: the counts, (W-1) E/W numbers (forward only); the S kept
+assignments whose expert lives elsewhere go out (dispatch) and the R rows other ranks sent
+here go back (combine), C numbers each; the backward sends the same rows the other way:
+2 (S + R) C numbers per micro-batch (`take_traffic`, checked against the bytes measured).
 References: Lepikhin et al. 2020, "GShard", arXiv:2006.16668, Sec. 2.2-3 (experts over
     devices, all-to-all dispatch and combine); Fedus et al. 2021, "Switch Transformers",
     arXiv:2101.03961, Sec. 2.2; Rajbhandari et al. 2022, "DeepSpeed-MoE",
@@ -99,6 +100,20 @@ class ExpertParallelMoE(MoE):
         self.experts = LocalExperts({e: moe.experts[e]
                                      for e in range(first, first + self.per_rank)})
         self.last_traffic = {"sent_rows": 0, "own_rows": 0}
+        # since take_traffic(): forward calls, token rows sent to / received from other ranks
+        self.calls, self.rows_sent, self.rows_received = 0, 0, 0
+
+    def take_traffic(self, itemsize: int) -> int:
+        """Bytes this layer's all-to-alls sent since the last call, by the formula. A
+        forward sends its counts ((W-1) E/W int64), the S kept tokens whose expert lives
+        elsewhere (dispatch) and the results of the R tokens it received from others
+        (combine), C numbers each; the backward sends the same rows the other way round:
+        2 (S + R) C itemsize + calls (W-1) (E/W) 8."""
+        W, C_ = self.group.size, self.router.weight.shape[0]
+        rows = self.rows_sent + self.rows_received
+        out = 2 * rows * C_ * itemsize + self.calls * (W - 1) * self.per_rank * 8
+        self.calls, self.rows_sent, self.rows_received = 0, 0, 0
+        return out
 
     def run_experts(self, tokens: Tensor, r: Routing) -> tuple[Tensor, np.ndarray]:
         """Dispatch, compute, combine-back; returns what MoE.run_experts returns."""
@@ -115,6 +130,9 @@ class ExpertParallelMoE(MoE):
         outputs = self._compute(received, recv_counts)                 # (sum recv, C)
         back = AllToAll.apply(outputs, group=self.group, send=recv, recv=send)
         self.last_traffic = {"sent_rows": sum(send) - send[me], "own_rows": send[me]}
+        self.calls += 1
+        self.rows_sent += sum(send) - send[me]
+        self.rows_received += sum(recv) - recv[me]
         row_of = _rows_of(r, counts)
         zero_row = Tensor(backend.xp.zeros((1, Cm), dtype=tokens.dtype))
         return F.concatenate([back, zero_row], axis=0), row_of

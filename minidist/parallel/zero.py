@@ -93,9 +93,6 @@ class ZeroEngine(Engine):
         self.model, self.group, self.stage, self.sharding = model, group, stage, sharding
         self.rank, W = group.rank, group.size
         self.rs_algo, self.ag_algo = algorithms(algo, group)
-        if expert_group is not None and stage == 3:
-            raise ValueError("ZeroEngine: stage 3 with expert parallelism is not built (a "
-                             "block would gather two units of two groups); use stage 1 or 2.")
         # expert parallelism: the experts' units are sharded over their replicas only
         self.units: list[FlatUnit] = split_units(
             model, W, None if expert_group is None else expert_group.size)

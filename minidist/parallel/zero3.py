@@ -49,6 +49,10 @@ Communication per micro-batch: each unit all-gathered twice (2 Ψ_pad (W-1)/W se
 the reduce-scatter only on the last micro-batch (Ψ_pad (W-1)/W): 3 Ψ_pad (W-1)/W per
 step without accumulation, the paper's 1.5x of data parallelism.
 
+Under expert parallelism a MoE block's experts are a unit of their own, sharded over the
+experts' replicas (zero.py): the block's hook point reads two units, gathered, counted and
+freed each on its own group.
+
 Limits: a wrapped method is differentiable in its positional Tensor arguments and returns
 a Tensor, a tuple whose first item is the Tensor and the rest None, or (y, aux) with aux a
 scalar Tensor (a MoE block's auxiliary losses): the pair travels through the Function as
@@ -88,6 +92,11 @@ class HookPoint:
     method: str
     unit: int
     original: Callable             # the bound method before wrapping (what is recomputed)
+    extra: tuple[int, ...] = ()    # more units it reads (a MoE block's experts, under ep)
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        return (self.unit, *self.extra)
 
 
 def gpt_hook_points(model: Module) -> list[tuple[Module, str]]:
@@ -105,8 +114,10 @@ class _HookCall(Function):
     so that the backward runs even when no argument needs a gradient, e.g. embed)."""
 
     @staticmethod
-    def forward(ctx, handle, *arrays, hooks: "Zero3Hooks", k: int, args: tuple, kwargs: dict,
-                sources: list):
+    def forward(ctx, *arrays, hooks: "Zero3Hooks", k: int, args: tuple, kwargs: dict,
+                sources: list, n_handles: int = 1):
+        arrays = arrays[n_handles:]                      # after the units' handles
+        ctx.n_handles = n_handles
         ctx.hooks, ctx.k, ctx.arrays, ctx.args, ctx.kwargs = hooks, k, arrays, args, kwargs
         ctx.sources = sources
         hooks.before(k, backward=False)
@@ -125,7 +136,7 @@ class _HookCall(Function):
         out = h.points[k].original(*_fill(ctx.args, xs), **ctx.kwargs)     # recompute
         _pack(out)[0].backward(dy)
         h.after(k, backward=True)
-        return (None, *[x.grad for x in xs])
+        return (*[None] * ctx.n_handles, *[x.grad for x in xs])
 
 
 def _pack(out) -> tuple[Tensor, tuple | None, tuple | None]:
@@ -176,10 +187,12 @@ class Zero3Hooks:
                                  "is already wrapped: list each hook point once, and call "
                                  "unwrap() on an earlier ZeRO-3 engine of this model first.")
             name = ".".join(x for x in (names[id(module)], method) if x)
-            self.points.append(HookPoint(name, module, method,
-                                         unit_of(engine.units, names[id(module)]),
-                                         getattr(module, method)))
-        self.uses = Counter(p.unit for p in self.points)          # uses per forward pass
+            unit = unit_of(engine.units, names[id(module)])
+            extra = tuple(i for i, u in enumerate(engine.units)     # its experts' unit
+                          if u.name == engine.units[unit].name + ".experts")
+            self.points.append(HookPoint(name, module, method, unit, getattr(module, method),
+                                         extra))
+        self.uses = Counter(u for p in self.points for u in p.units)  # uses per forward pass
         missing = [u.name for i, u in enumerate(engine.units) if i not in self.uses]
         if missing:
             raise ValueError(f"ZeroEngine stage 3: no hook point reads unit(s) {missing}, so "
@@ -211,8 +224,9 @@ class Zero3Hooks:
         def call(*args: Any, **kwargs: Any):
             template = tuple(_TENSOR if isinstance(a, Tensor) else a for a in args)
             tensors = [a for a in args if isinstance(a, Tensor)]
-            y = _HookCall.apply(self.handles[point.unit], *tensors, hooks=self, k=k,
-                                args=template, kwargs=kwargs, sources=tensors)
+            y = _HookCall.apply(*[self.handles[u] for u in point.units], *tensors,
+                                hooks=self, k=k, args=template, kwargs=kwargs, sources=tensors,
+                                n_handles=len(point.units))
             rest, shape = self.rest, self.packed
             self.rest = self.packed = None
             if shape is not None:                        # (y, aux) packed into one Tensor
@@ -234,15 +248,22 @@ class Zero3Hooks:
 
     # --- the schedule of the module docstring ---
     def before(self, k: int, backward: bool) -> None:
-        """Gather hook point k's unit; prefetch the next (forward) or previous one's."""
-        self._acquire(self.points[k].unit)
+        """Gather hook point k's units; prefetch the next (forward) or previous one's."""
+        for u in self.points[k].units:
+            self._acquire(u)
         nxt = k - 1 if backward else k + 1
         if 0 <= nxt < len(self.points):
-            self._prefetch(self.points[nxt].unit)
+            for u in self.points[nxt].units:
+                self._prefetch(u)
 
     def after(self, k: int, backward: bool) -> None:
-        """Count the use; after the unit's last use of the pass, (backward: reduce and) free."""
-        u, e = self.points[k].unit, self.e
+        """Count the use of each of k's units; after a unit's last use of the pass,
+        (backward: reduce and) free it."""
+        for u in self.points[k].units:
+            self._after_unit(u, backward)
+
+    def _after_unit(self, u: int, backward: bool) -> None:
+        e = self.e
         if backward:
             if u not in self.grads:
                 self.grads[u] = self._new_grad_buffer(u)

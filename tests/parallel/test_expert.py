@@ -109,3 +109,32 @@ def test_experts_must_split_over_ep():
         size, rank = 3, 0
     with pytest.raises(ValueError, match="n_experts=4 does not split over ep=3"):
         ExpertParallelMoE(_moe(), G())
+
+
+def _bytes(ctx, ep, top_k):
+    """One step of a MoE GPT on dp=4: the ep group's bytes against take_traffic."""
+    from minidist.baseline import model_config_for
+    from minidist.data import DataConfig, SyntheticData
+    from minidist.parallel import schedules
+    from minidist.parallel.compose import build
+    from minidist.train import Plan
+    data = DataConfig(task="sort", length=6, seed=2)
+    cfg = model_config_for(data, n_layer=2, n_head=2, n_embd=16, moe_every=1, n_experts=4,
+                           top_k=top_k, capacity_factor=0.8)
+    plan = Plan(dp=4, ep=ep, micro_batches=2)
+    lay = build(ctx, plan, cfg, 0, optimizer="adamw", lr=1e-3, weight_decay=0.0,
+                betas=(0.9, 0.999), momentum=0.0)
+    batches, n = schedules.micro_batches(SyntheticData(data), 0, 16, 4, lay.dp_group.rank, 2, 0)
+    before = lay.ep_group.stats["bytes_sent"]
+    schedules.grad_accumulation(lay.engine, batches, n)
+    measured = lay.ep_group.stats["bytes_sent"] - before
+    formula = sum(m.take_traffic(8) for _, m in lay.model.named_modules()
+                  if hasattr(m, "take_traffic"))
+    return measured, formula
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("ep, top_k", [(2, 1), (4, 2)])
+def test_all_to_all_bytes_equal_the_formula(ep, top_k):
+    for measured, formula in spawn(4, _bytes, ep, top_k):
+        assert measured == formula > 0

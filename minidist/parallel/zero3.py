@@ -77,6 +77,7 @@ import numpy as np
 from minidist.autograd import Function, Tensor, no_grad
 from minidist.autograd import functional as F
 from minidist.nn import Module
+from minidist.nn.moe import uncounted
 from minidist.parallel import placement
 from minidist.parallel.flat import unit_of
 
@@ -133,7 +134,8 @@ class _HookCall(Function):
         h, k = ctx.hooks, ctx.k
         h.before(k, backward=True)
         xs = _inputs(ctx.sources, ctx.arrays, True)
-        out = h.points[k].original(*_fill(ctx.args, xs), **ctx.kwargs)     # recompute
+        with uncounted():                        # MoE routing stats: counted in forward
+            out = h.points[k].original(*_fill(ctx.args, xs), **ctx.kwargs)     # recompute
         _pack(out)[0].backward(dy)
         h.after(k, backward=True)
         return (*[None] * ctx.n_handles, *[x.grad for x in xs])

@@ -208,3 +208,20 @@ def test_layouts_that_would_cut_a_routing_group_are_refused(plan, match):
     with pytest.raises(ValueError, match=match):
         plan.validate(_cfg(2, 1), 8, DATA.block_size)
     plan.validate(_cfg(2, 1, group=3), 8, DATA.block_size) if plan.cp > 1 else None
+
+
+@pytest.mark.multiproc
+def test_routing_stats_are_counted_once_with_recomputation():
+    # Megatron-LM #1478: the aux loss counted twice with activation recomputation. ZeRO-3
+    # recomputes every block in backward: the loss equals one process (above), and the
+    # per-step routing statistics equal those of a run without recomputation.
+    cfg, plan = _cfg(2, 2), dict(dp=2, ep=2, micro_batches=2)
+    runs = [spawn(2, train_on_rank, cfg, DATA, Plan(zero=z, **plan), steps=2, global_batch=8,
+                  lr=LR)[0] for z in (0, 3)]
+    for a, b in zip(runs[0].moe, runs[1].moe):
+        assert a.keys() == b.keys()
+        for layer in a:
+            assert a[layer]["load"] == b[layer]["load"] and a[layer]["kept"] == b[layer]["kept"]
+            assert a[layer]["aux"] == pytest.approx(b[layer]["aux"], abs=1e-12)
+            assert a[layer]["z"] == pytest.approx(b[layer]["z"], abs=1e-12)
+    assert sum(runs[0].moe[0]["blocks.0.moe"]["load"]) == 8 * 12 * 2     # B T K assignments

@@ -233,10 +233,11 @@ class Plan:
             return
         if G % T == 0 and chunks == 1 and rows % (G // T) == 0:
             return
-        where = f"T / {chunks} = {T / chunks:g} positions per context-parallel chunk" \
-            if chunks > 1 else f"the T={T} positions of a row, or {rows} rows x T"
+        where = f"context parallelism cuts each row into chunks of T / {chunks} = " \
+            f"{T / chunks:g} positions" if chunks > 1 else \
+            f"a rank's micro-batch holds {rows} rows of T={T} positions"
         raise ValueError(f"Plan: MoE routing groups of moe_group_size={G} tokens would be cut "
-                         f"by this layout ({where} per micro-batch on a rank); use a group "
+                         f"by this layout ({where}); use a group "
                          f"size dividing {T // chunks if T % chunks == 0 else T}, or a "
                          "multiple of T whose rows divide the rows per micro-batch.")
 

@@ -172,7 +172,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
 def _moe_stats(layers: dict, grad, algo: str) -> dict[str, dict]:
     """COLLECTIVE over dp x cp: each MoE layer's routing in this step, over the global
     batch: tokens routed to each expert ("load", before dropping), kept ("kept"), the
-    share of assignments dropped, and the aux and z losses (means over routing groups)."""
+    share of assignments dropped, and the aux and z losses (means over routing groups);
+    under expert parallelism "a2a_bytes", this rank's all-to-all bytes by the formula."""
     out = {}
     for name, layer in layers.items():
         t = C.all_reduce(layer.take_totals(), group=grad, algo=algo)
@@ -180,6 +181,8 @@ def _moe_stats(layers: dict, grad, algo: str) -> dict[str, dict]:
         out[name] = {"load": t[:E].astype(int).tolist(), "kept": t[E:2 * E].astype(int).tolist(),
                      "drop_rate": float(t[2 * E] / max(t[2 * E + 1], 1.0)),
                      "aux": float(t[2 * E + 2] / groups), "z": float(t[2 * E + 3] / groups)}
+        if hasattr(layer, "take_traffic"):      # expert parallel: this rank's a2a bytes
+            out[name]["a2a_bytes"] = layer.take_traffic(layer.router.weight.data.itemsize)
     return out
 
 

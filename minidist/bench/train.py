@@ -26,8 +26,8 @@ machine shared with other jobs it can be far below W); dp=W with overlap, dp=W w
 (Plan(zero=k), parallel/zero.py). dp=W against "W x dp=1" is the cost of data
 parallelism itself.
 
-Tensor (--tp T > 1) and context parallelism (--cp C > 1) are strong scaling instead:
-bench/train_layouts.py builds and prints those tables.
+Tensor (--tp T > 1), context (--cp C > 1) and expert parallelism (--ep W > 1, the MoE GPT)
+are strong scaling instead: bench/train_layouts.py builds and prints those tables.
 Placement checks are off in every run: their digests would be traffic too.
 
 Run:  python -m minidist bench train --dp 2 [--zero 1,2,3] [--steps 30] [--warmup 5]
@@ -36,6 +36,7 @@ Run:  python -m minidist bench train --dp 2 [--zero 1,2,3] [--steps 30] [--warmu
       python -m minidist bench train --tp 2 [--dp 2] [--sp] [--batch 8] [--steps 10]
       [--warmup 2] [--n-layer 4] [--n-embd 256] [--length 64]    (T = 128; a minute or two)
       python -m minidist bench train --cp 2 [--cp-algo ulysses] [--dp 2]  (T = 512; ~1 min)
+      python -m minidist bench train --ep 2 [--n-experts 4] [--top-k 2]   (T = 128; ~10 s)
 Reference: Li et al. 2020, arXiv:2006.15704, Sec. 5 (DDP overlap and bucket size);
     Shoeybi et al. 2019, arXiv:1909.08053 (tp); Korthikanti et al. 2022, arXiv:2205.05198
     (SP; Table 2, printed under the tp table); Liu et al. 2023, arXiv:2310.01889 (ring
@@ -215,14 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="only with (--overlap) or without (--no-overlap); default both")
     p.add_argument("--n-layer", type=int, default=None, help="default 2; --tp: 4")
-    p.add_argument("--n-embd", type=int, default=None, help="default 64; --tp: 256; --cp: 128")
+    p.add_argument("--n-embd", type=int, default=None,
+                   help="default 64; --tp: 256; --cp, --ep: 128")
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--length", type=int, default=None,
-                   help="prompt length, T = 2 x length (default 8; --tp: 64; --cp: 256)")
+                   help="prompt length, T = 2 x length (default 8; --tp, --ep: 64; --cp: 256)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--bucket-bytes", type=parse_bytes, default=64 << 10,
                    help="DDP bucket size (default 64K: several buckets, so overlap matters)")
+    from minidist.bench import train_layouts as lay
+    lay.add_ep_arguments(p)
     a = p.parse_args(argv)
+    if a.ep != 1:                                  # the MoE GPT: its own table and defaults
+        return lay.main_ep(a, p, argv)
     tp_mode, cp_mode = a.tp > 1, a.cp > 1
     defaults = dict(dp=1, steps=10, warmup=2, n_layer=4, n_embd=256, length=64) if tp_mode \
         else dict(dp=1, steps=10, warmup=2, n_layer=2, n_embd=128, length=256) if cp_mode \
@@ -253,7 +259,6 @@ def main(argv: list[str] | None = None) -> int:
               f"Ψ={psi:,} params, {cfg.dtype}; global batch {a.batch} in every row (strong "
               f"scaling); medians over {a.steps} steps after {a.warmup} warm-up, best of "
               f"{a.repeats} runs; {os.cpu_count()} CPU cores; bytes and act per rank (rank 0)")
-        from minidist.bench import train_layouts as lay
         rows = lay.run_strong_table(a, cfg, data_cfg)
         print(lay.render_cp(rows, cfg, a.batch) if cp_mode
               else lay.render_tp(rows, cfg, a.batch))

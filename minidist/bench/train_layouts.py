@@ -59,6 +59,7 @@ from minidist.baseline import model_config_for
 from minidist.bench.train import Row, _best_of
 from minidist.data import DataConfig
 from minidist.nn import GPT
+from minidist.parallel import context_memory as cm, placement as pl
 from minidist.parallel import ring_attention as ra, tensor_memory as tm
 from minidist.parallel.expert import is_expert_parameter
 from minidist.parallel.tensor import expected_placement

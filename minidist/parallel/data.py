@@ -53,8 +53,10 @@ collectives/direct_small.py), and one latency per parameter, which the buckets s
 Numerics: algo "auto" on a shared-memory group means "direct": the sum is folded in rank
 order, so replicas are bitwise identical and equal to a canonical fold; the other
 algorithms keep replicas bitwise identical too (finished chunks are copied).
-Limitation: a parameter that gets no gradient on any rank (an unused MoE expert) is
-stepped with a zero gradient here, where baseline.py skips it.
+A parameter that got no gradient on this rank is summed as zeros (every rank must join each
+all-reduce); the GPT has none: a MoE expert without tokens still runs, on 0 rows.
+Expert parallelism (parallel/expert.py): an expert's gradient is summed over its replicas
+only (`group_of`, the plain engine; the fast path has one group).
 
 References: Li et al. 2020, "PyTorch Distributed: experiences on accelerating data
     parallel training", arXiv:2006.15704, Sec. 3 (gradient hooks, no_sync, bucketing);

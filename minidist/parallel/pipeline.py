@@ -29,6 +29,8 @@ One rank's view (stage s of P, one step, M micro-batches):
        B(m, c): dy = recv its gradient (or 1 for the loss); backward through the chunk;
                 send dx back (split schedules: dx only, weight gradients deferred to W)
        W(m, c): the deferred weight gradients of (m, c) (autograd/split.py)
+       (a MoE block's auxiliary losses are a term of the loss on its own stage: its B
+       backpropagates sum(y * dy) + aux, whose gradient into y is exactly dy)
     2. wait for this stage's sends; sum the tied embedding's gradient over the embedding
        group; the engine's step() then reduces over dp (dp x cp) and updates.
 Every receive blocks until its message is there; every send is asynchronous (one worker

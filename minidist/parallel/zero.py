@@ -52,8 +52,9 @@ Communication per step (ring; elements sent per rank; `zero_memory.comm_elements
 
 Numerics: AdamW and SGD are elementwise, so the optimizer objects stepping a shard give
 it the bits the full update would give. Step counters are Python ints and are not
-counted as memory. Limitation: a parameter that gets no gradient (an unused MoE expert)
-is stepped with a zero gradient, where baseline.py skips it.
+counted as memory. Under expert parallelism a MoE block's experts are a unit of their own,
+sharded over the experts' replicas (`expert_group`); the norm still sums every rank's
+shards over dp, which counts each expert element once.
 
 References: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
     Parameter Models", arXiv:1910.02054, Sec. 5 (P_os, P_g, P_p), Sec. 7 (communication);

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     x, w, s = (Tensor(rng.standard_normal(shape), requires_grad=True)
                for shape in [(2, 3), (3, 4), (4,)])
     y = rng.standard_normal((2, 4))
-    print("demo 01 · autograd · L = sum(softmax(tanh(x @ w) * s) * log(1 + y^2)) · float64")
+    print("demo 04 · autograd · L = sum(softmax(tanh(x @ w) * s) * log(1 + y^2)) · float64")
 
     loss = expression(x, w, s, y)
     loss.backward()                                # one reverse sweep: all three gradients

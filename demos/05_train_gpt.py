@@ -47,7 +47,7 @@ def main(argv=None) -> int:
                            n_head=args.n_head, dtype=args.dtype)
     data = SyntheticData(data_cfg)
     params = GPT(cfg, seed=args.seed).num_parameters()
-    print(f"demo 02 · train GPT · task {args.task} · {cfg.n_layer} layers, C={cfg.n_embd}, "
+    print(f"demo 05 · train GPT · task {args.task} · {cfg.n_layer} layers, C={cfg.n_embd}, "
           f"{params / 1e3:.1f}k params · {cfg.dtype} · batch {args.batch} · AdamW lr {args.lr}")
     x, y = data.global_batch(0, 1)
     print(f"one training sequence: x = {data.decode(x[0])}   y = "

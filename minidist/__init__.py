@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import importlib
 
+__version__ = "0.1.0"          # setup.cfg's [metadata] version (tests/test_cli.py checks)
+
 _EXPORTS = {
     "minidist.runtime": ("spawn", "init", "get_rank", "get_world_size", "new_group",
                          "RankFailure", "CollectiveTimeout", "CollectiveMismatch"),

@@ -5,6 +5,12 @@
                              [--zero 1] [--check]    --check: against one process)
     python -m minidist demo [name]                   list the demos, or run one
     python -m minidist bench collectives|autograd|train|pipeline   benchmarks (medians, tables)
+    python -m minidist --help | --version            this text | the version
+    python -m minidist COMMAND --help                the options of one command
+
+Exit codes: 0 done; 1 a failure (a rank failed, a check found a mismatch); 2 a usage error
+(one line on stderr, `error: ...`); 130 interrupted (Ctrl-C); 141 stdout closed by its
+reader (`... | head`).
 """
 
 from __future__ import annotations
@@ -14,23 +20,33 @@ import glob
 import importlib
 import os
 import runpy
+import signal
 import sys
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
 BENCHES = ("collectives", "autograd", "train", "pipeline")
+INTERRUPTED = 128 + signal.SIGINT           # the shells' code for "ended by SIGINT"
+STDOUT_CLOSED = 128 + signal.SIGPIPE        # ... and for "ended by SIGPIPE"
+
+
+def _error(message: str) -> int:
+    """A user error: one line on stderr, `error: ...`; exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def _run(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m minidist run",
-                                description="Run SCRIPT on N ranks; it calls minidist.init().")
-    p.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
-    p.add_argument("--timeout", type=float, default=None,
+    from minidist.baseline import CliParser, at_least
+    p = CliParser(prog="python -m minidist run",
+                  description="Run SCRIPT on N ranks; it calls minidist.init().")
+    p.add_argument("-n", "--nproc", type=at_least(1), required=True, help="number of ranks")
+    p.add_argument("--timeout", type=at_least(1e-3, float), default=None,
                    help="seconds any one collective wait may take (default 60)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
-    if a.nproc < 1:
-        p.error(f"-n must be >= 1, got {a.nproc}")
+    if not os.path.isfile(a.script):
+        p.error(f"no such script: {os.path.abspath(a.script)}")
     from minidist.runtime.launch import run_script
     return run_script(a.nproc, a.script, a.args, collective_timeout=a.timeout)
 
@@ -42,12 +58,12 @@ def _demos() -> list[str]:
 def _demo(argv: list[str]) -> int:
     demos = _demos()
     if not demos:
-        print(f"no demos found in {DEMO_DIR}: they live in the source checkout; install it "
-              "with `pip install -e .` from a clone, or run `python demos/NN_name.py` there.",
-              file=sys.stderr)
-        return 2
-    if not argv:
-        print("demos (python -m minidist demo NAME [args]):")
+        return _error(f"no demos found in {DEMO_DIR}: they live in the source checkout; "
+                      "install it with `pip install -e .` from a clone, or run "
+                      "`python demos/NN_name.py` there.")
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m minidist demo [NAME [args]]   NAME: 07, zero or 07_zero")
+        print("demos:")
         for path in demos:
             print("  ", os.path.basename(path)[:-3])
         return 0
@@ -55,9 +71,7 @@ def _demo(argv: list[str]) -> int:
     match = [d for d in demos if os.path.basename(d)[:-3] == name
              or os.path.basename(d)[3:-3] == name or os.path.basename(d)[:2] == name]
     if not match:
-        print(f"no demo named {name!r}; run `python -m minidist demo` for the list",
-              file=sys.stderr)
-        return 2
+        return _error(f"no demo named {name!r}; run `python -m minidist demo` for the list")
     sys.argv = [match[0], *rest]
     try:
         runpy.run_path(match[0], run_name="__main__")
@@ -67,10 +81,13 @@ def _demo(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    usage = f"python -m minidist bench {{{','.join(BENCHES)}}} [options]"
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: {usage}")
+        return 0
     if not argv or argv[0] not in BENCHES:
-        print(f"usage: python -m minidist bench {{{','.join(BENCHES)}}} [options]",
-              file=sys.stderr)
-        return 2
+        got = f"got {argv[0]!r}" if argv else "got none"
+        return _error(f"bench needs one of {', '.join(BENCHES)} ({got}); usage: {usage}")
     module = importlib.import_module(f"minidist.bench.{argv[0]}")
     return module.main(argv[1:]) or 0
 
@@ -80,15 +97,34 @@ def _train(argv: list[str]) -> int:
     return train.main(argv) or 0
 
 
+COMMANDS = {"run": _run, "train": _train, "demo": _demo, "bench": _bench}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The exit code of `python -m minidist ARGV` (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    if argv[0] == "--version":
+        from minidist import __version__
+        print(f"minidist {__version__}")
+        return 0
+    if argv[0] not in COMMANDS:
+        what = "option" if argv[0].startswith("-") else "command"
+        return _error(f"unknown {what} {argv[0]!r}; the commands are {', '.join(COMMANDS)} "
+                      f"(python -m minidist {'|'.join(COMMANDS)} ...; --help for more)")
     from minidist.runtime.rank_env import setup_rank_process
     setup_rank_process()              # one BLAS thread, reuse of freed memory: as every rank
-    commands = {"run": _run, "demo": _demo, "bench": _bench, "train": _train}
-    if not argv or argv[0] not in commands:
-        print(__doc__.strip(), file=sys.stderr)
-        return 2
-    return commands[argv[0]](argv[1:])
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except KeyboardInterrupt:         # Ctrl-C: spawn has already killed and reaped the ranks
+        return INTERRUPTED
+    except BrokenPipeError:           # the reader of stdout left: end as `yes | head` does,
+        null = os.open(os.devnull, os.O_WRONLY)     # with nothing more to say; what is
+        os.dup2(null, sys.stdout.fileno())          # still buffered goes to /dev/null, not
+        os.close(null)                              # into a second error at exit
+        return STDOUT_CLOSED
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ Read next: train.py (the per-rank loop that applies a parallel Plan).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -148,15 +149,43 @@ def answer_accuracy(model: GPT, data: SyntheticData, n: int = 64, split: str = "
     return hits / n, lines
 
 
+class CliParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr, `error: ...`, with exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def cli_error(message: object) -> int:
+    """Print a user error as one line on stderr, `error: ...`; return exit code 2."""
+    print("error: " + " ".join(str(message).split()), file=sys.stderr)
+    return 2
+
+
+def at_least(low: float, kind: type = int) -> Callable[[str], float]:
+    """An argparse type: `kind(text)`, refused unless it is >= low."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value >= low:
+            raise argparse.ArgumentTypeError(f"must be {'an int' if kind is int else 'a number'}"
+                                             f" >= {low}, got {text!r}")
+        return value
+    return parse
+
+
 def train_arguments(prog: str) -> argparse.ArgumentParser:
     """The options of `python -m minidist train` (train.py adds the parallel ones)."""
-    ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
+    ap = CliParser(prog=prog, description=main.__doc__)
     ap.add_argument("--task", default="sort", choices=["copy", "reverse", "sort", "add"])
     ap.add_argument("--length", type=int, default=6, help="prompt length (copy/reverse/sort)")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
-    ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--steps", type=at_least(0), default=300,
+                    help="optimizer steps (0 trains nothing and shows no samples)")
+    ap.add_argument("--batch", type=at_least(1), default=32, help="global batch (sequences)")
+    ap.add_argument("--grad-accum", type=at_least(1), default=1)
+    ap.add_argument("--lr", type=at_least(0.0, float), default=3e-3)
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=32)
@@ -170,12 +199,13 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--z-loss", type=float, default=0.0, help="router z-loss coefficient")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--every", type=int, default=25, help="print every N steps")
+    ap.add_argument("--every", type=at_least(1), default=25, help="print every N steps")
     return ap
 
 
 def configs_from(a: argparse.Namespace) -> tuple[GPTConfig, DataConfig]:
-    """(model config, data config) from parsed train_arguments."""
+    """(model config, data config) from parsed train_arguments (ValueError if they make
+    no model or no task)."""
     data_cfg = DataConfig(task=a.task, length=a.length, seed=a.seed)
     cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
                            moe_every=a.moe_every, n_experts=a.n_experts, top_k=a.top_k,
@@ -202,18 +232,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(a: argparse.Namespace) -> int:
-    """The main job for parsed train_arguments (train.py passes its own, with more fields)."""
-    cfg, data_cfg = configs_from(a)
+    """The main job for parsed train_arguments (train.py passes its own, with more fields).
+    Returns the exit code: 2 (one `error:` line on stderr) if the options make no job.
+    --steps 0 trains nothing: it says so and shows no samples (an untrained model's answers
+    are noise, not a result)."""
+    try:
+        cfg, data_cfg = configs_from(a)
+    except ValueError as e:
+        return cli_error(e)
+    if a.batch % a.grad_accum:
+        k = a.grad_accum
+        fits = sorted({m for m in (a.batch - a.batch % k, a.batch - a.batch % k + k) if m})
+        return cli_error(f"--batch {a.batch} does not split into --grad-accum {k} equal "
+                         f"micro-batches; use a multiple of {k}, e.g. "
+                         f"{' or '.join(map(str, fits))}, or change --grad-accum.")
     t0 = time.perf_counter()
 
     def progress(step: int, loss: float, model: GPT) -> None:
         if step % a.every == 0 or step == a.steps - 1:
-            print(f"step {step:4d} | loss {loss:.4f} | {time.perf_counter() - t0:5.1f} s")
+            print(f"step {step:4d} | loss {loss:.4f} | {time.perf_counter() - t0:5.1f} s",
+                  flush=True)              # a reader of a pipe (| head) sees each step now
 
     print(f"task {a.task} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, {cfg.dtype} · "
-          f"batch {a.batch} · {a.optimizer} lr {a.lr}")
+          f"batch {a.batch} · {a.optimizer} lr {a.lr}", flush=True)
+    if a.steps == 0:
+        print(NOTHING_TRAINED)
+        return 0
     result = train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.batch, lr=a.lr,
                                   seed=a.seed, grad_accum=a.grad_accum, optimizer=a.optimizer,
                                   on_step=progress)
     show_samples(cfg, data_cfg, result.params)
     return 0
+
+
+NOTHING_TRAINED = "--steps 0: nothing to train, so no held-out samples to show."

@@ -40,6 +40,8 @@ Read next: parallel/compose.py, parallel/schedules.py, parallel/sharding.py.
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -197,7 +199,42 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m minidist train [--dp D] [--cp C] [--tp T [--sp]] [--zero K] [--check]`:
     train the tiny GPT on D x C x T ranks (one process each; all 1 and K = 0 is the
     single-process baseline), print progress and held-out samples; --check also trains the
-    single-process baseline and compares the loss curves and final parameters."""
+    single-process baseline and compares the loss curves and final parameters.
+    Returns the exit code: 0; 2 for options that make no job (one `error:` line on stderr,
+    before any rank starts); 1 if a rank fails (the RankFailure, with that rank's
+    traceback, on stderr) or --check finds a mismatch. --steps 0 trains nothing and shows
+    no samples. A closed stdout (`| head`) raises BrokenPipeError and Ctrl-C
+    KeyboardInterrupt, however the ranks saw it: __main__.py ends both quietly."""
+    a = _arguments().parse_args(argv)
+    if a.ep > 1 and a.dp == 1:
+        a.dp = a.ep                              # the ep ranks are data-parallel ranks
+    if a.pp > 1 and a.grad_accum == 1:
+        a.grad_accum = 2 * a.pp                  # micro-batches to fill the pipeline
+    if a.dp == 1 and a.tp == 1 and a.cp == 1 and a.pp == 1 and a.zero == 0 and not a.check:
+        return baseline.run(a)
+    try:                                         # a bad plan fails here, before spawning
+        cfg, data_cfg, plan = _job(a)
+    except ValueError as e:
+        return baseline.cli_error(e)
+    layout = f"{plan.describe()}, ZeRO-{a.zero}" + (
+        f", {plan.micro_batches} micro-batches" if plan.pp > 1 else "")
+    print(f"task {a.task} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, {cfg.dtype} · batch "
+          f"{a.batch} on {layout} = {plan.world_size} ranks · {a.optimizer} lr {a.lr}",
+          flush=True)
+    if a.steps == 0:
+        print(baseline.NOTHING_TRAINED)
+        return 0
+    from minidist.runtime import RankFailure, spawn
+    try:
+        run = spawn(plan.world_size, _rank_main, a, cfg, data_cfg, plan, time.perf_counter())[0]
+    except RankFailure as e:
+        return _rank_failed(e)
+    baseline.show_samples(cfg, data_cfg, run.params)
+    return _check(a, cfg, data_cfg, run, layout) if a.check else 0
+
+
+def _arguments() -> argparse.ArgumentParser:
+    """baseline's options and the parallel ones."""
     ap = baseline.train_arguments("python -m minidist train")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (one rank each)")
@@ -209,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(one line per stage, cells like 0F0,0F1,0B0)")
     ap.add_argument("--virtual-stages", type=int, default=None,
                     help="model chunks per pp rank for --schedule interleaved (default 2)")
-    ap.add_argument("--layers-per-stage", default=None,
+    ap.add_argument("--layers-per-stage", type=_int_list, default=None,
                     help="layers of each (virtual) stage, comma-separated, e.g. 3,2")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Megatron)")
     ap.add_argument("--sp", action="store_true",
@@ -225,13 +262,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-placements", action="store_true",
                     help="assert the placement of every activation crossing a parallel "
                          "boundary (also MINIDIST_CHECK_PLACEMENTS=1)")
-    a = ap.parse_args(argv)
-    if a.ep > 1 and a.dp == 1:
-        a.dp = a.ep                              # the ep ranks are data-parallel ranks
-    if a.pp > 1 and a.grad_accum == 1:
-        a.grad_accum = 2 * a.pp                  # micro-batches to fill the pipeline
-    if a.dp == 1 and a.tp == 1 and a.cp == 1 and a.pp == 1 and a.zero == 0 and not a.check:
-        return baseline.run(a)
+    return ap
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """--layers-per-stage: "3,2" -> (3, 2)."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                         "layer counts, e.g. 3,2") from None
+
+
+def _job(a) -> tuple[GPTConfig, DataConfig, Plan]:
+    """The model, the task and the validated Plan of the options (notes on stdout where an
+    option is changed); ValueError if they make no job."""
     if a.check and a.dtype != "float64":
         print("--check trains in float64: in float32 the layouts' different rounding grows "
               "over hundreds of Adam steps, so only float64 can show they compute the same.")
@@ -242,41 +287,55 @@ def main(argv: list[str] | None = None) -> int:
               f"virtual stages = {a.pp * chunks} pieces of the model holds a layer")
         a.n_layer = a.pp * chunks
     cfg, data_cfg = baseline.configs_from(a)
-    try:                                              # a bad plan fails here, before spawning
-        plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, zero=a.zero,
-                    micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
-                    cp_layout=a.cp_layout, check_placements=a.check_placements or None,
-                    schedule=_schedule_argument(a.schedule),
-                    virtual_stages=a.virtual_stages,
-                    layers_per_stage=None if a.layers_per_stage is None else tuple(
-                        int(v) for v in a.layers_per_stage.split(",")))
-        plan.validate(cfg, a.batch, data_cfg.block_size)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from minidist.runtime.launch import spawn
-    t0 = time.perf_counter()
+    plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, zero=a.zero,
+                micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
+                cp_layout=a.cp_layout, check_placements=a.check_placements or None,
+                schedule=_schedule_argument(a.schedule), virtual_stages=a.virtual_stages,
+                layers_per_stage=a.layers_per_stage)
+    plan.validate(cfg, a.batch, data_cfg.block_size)
+    return cfg, data_cfg, plan
 
+
+def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: float
+               ) -> RankResult:
+    """What every rank of `train` runs: train_on_rank; rank 0 prints the progress (all
+    ranks take part in on_step's all-reduce)."""
     def progress(step: int, loss: float) -> None:
-        if step % a.every == 0 or step == a.steps - 1:
-            sys.stdout.write(f"step {step:4d} | loss {loss:.4f} | "
-                             f"{time.perf_counter() - t0:5.1f} s\n")
-            sys.stdout.flush()
+        if ctx.rank == 0 and (step % a.every == 0 or step == a.steps - 1):
+            try:
+                sys.stdout.write(f"step {step:4d} | loss {loss:.4f} | "
+                                 f"{time.perf_counter() - t0:5.1f} s\n")
+                sys.stdout.flush()
+            except BrokenPipeError:          # the reader left (| head): fail this rank, but
+                _stdout_to_devnull()         # quietly, so its last flush at exit succeeds
+                raise
 
-    def rank_main(ctx):
-        # every rank takes part in on_step's all-reduce; only rank 0 prints
-        show = progress if ctx.rank == 0 else (lambda step, loss: None)
-        return train_on_rank(ctx, cfg, data_cfg, plan, steps=a.steps, global_batch=a.batch,
-                             lr=a.lr, seed=a.seed, optimizer=a.optimizer, on_step=show)
+    return train_on_rank(ctx, cfg, data_cfg, plan, steps=a.steps, global_batch=a.batch,
+                         lr=a.lr, seed=a.seed, optimizer=a.optimizer, on_step=progress)
 
-    layout = f"{plan.describe()}, ZeRO-{a.zero}" + (
-        f", {plan.micro_batches} micro-batches" if plan.pp > 1 else "")
-    print(f"task {a.task} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, {cfg.dtype} · batch "
-          f"{a.batch} on {layout} = {plan.world_size} ranks · {a.optimizer} lr {a.lr}")
-    run = spawn(plan.world_size, rank_main)[0]
-    baseline.show_samples(cfg, data_cfg, run.params)
-    if not a.check:
-        return 0
+
+def _stdout_to_devnull() -> None:
+    """Point this process's stdout at /dev/null (what is still buffered goes there)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+
+
+def _rank_failed(e) -> int:
+    """A RankFailure from spawn: exit code 1 with its text (the failing rank's traceback
+    included) on stderr. A rank that failed on a closed stdout or on Ctrl-C re-raises
+    that, for __main__.py to end quietly."""
+    first = e.failures.get(e.rank, "")
+    if first.startswith("BrokenPipeError"):
+        raise BrokenPipeError(f"rank {e.rank}: stdout was closed") from None
+    if first.startswith("KeyboardInterrupt"):
+        raise KeyboardInterrupt from None
+    print(f"minidist train: {e}", file=sys.stderr)
+    return 1
+
+
+def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str) -> int:
+    """--check: train the single-process baseline, print the verdict; the exit code."""
     ref = baseline.train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.batch,
                                         lr=a.lr, seed=a.seed, grad_accum=a.grad_accum,
                                         optimizer=a.optimizer)
@@ -286,11 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     # The layouts add the same numbers in a different order (partial sums over ranks,
     # then their sum), a ~1e-16 difference per step that Adam's 1/sqrt(v) amplifies over
     # many steps; hence a tight bound on the first step and a looser one over the run.
-    verdict = "OK" if d_first <= 1e-12 and max(d_loss, d_param) <= 1e-6 else "MISMATCH"
-    print(f"{verdict}: {layout} training matches the single-process run (float64; |Δ| loss "
+    ok = d_first <= 1e-12 and max(d_loss, d_param) <= 1e-6
+    print(f"{'OK' if ok else 'MISMATCH'}: {layout} training "
+          f"{'matches' if ok else 'differs from'} the single-process run (float64; |Δ| loss "
           f"at step 0 = {d_first:.1e}, max over {a.steps} steps = {d_loss:.1e}, final params "
           f"max |Δ| = {d_param:.1e})")
-    return 0 if verdict == "OK" else 1
+    return 0 if ok else 1
 
 
 def _schedule_argument(value: str):

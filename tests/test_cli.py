@@ -1,0 +1,219 @@
+"""The command line follows the conventions: a user error is one `error:` line on stderr
+with exit code 2; --help and --version print on stdout with exit code 0; a closed stdout
+(`| head`) and Ctrl-C end quietly (141, 130) with no rank left; a failing rank's
+RankFailure comes first on stderr with exit code 1."""
+
+import configparser
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import minidist
+from tests.helpers import child_pids
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ("--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--length", "3", "--batch", "8")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def minidist_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minidist", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=ENV)
+
+
+def start(*args: str) -> subprocess.Popen:
+    """`python -m minidist ARGS` in its own process group (as a shell job), stdout piped."""
+    return subprocess.Popen([sys.executable, "-m", "minidist", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV,
+                            start_new_session=True)
+
+
+def assert_user_error(res: subprocess.CompletedProcess, *words: str) -> None:
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    assert "Traceback" not in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["train", "--dp", "0"], ["dp=0"]),
+    (["train", "--dp", "3"], ["global_batch=32", "dp=3"]),          # 32 rows over 3 ranks
+    (["train", "--every", "0"], ["--every", ">= 1"]),
+    (["train", "--dp", "2", "--every", "0"], ["--every"]),
+    (["train", "--tp", "3"], ["tp=3"]),
+    (["train", "--steps", "-1"], ["--steps"]),
+    (["train", "--grad-accum", "3"], ["--batch 32", "--grad-accum 3", "30 or 33"]),
+    (["train", "--lr", "-1"], ["--lr"]),
+    (["train", "--n-embd", "30"], ["n_embd=30"]),
+    (["train", "--no-such-option"], ["--no-such-option"]),
+    (["train", "--pp", "2", "--schedule", "missing.csv"], ["--schedule", "missing.csv"]),
+    (["train", "--pp", "2", "--layers-per-stage", "x"], ["--layers-per-stage", "'x'"]),
+    (["run", "-n", "2", "missing.py"], ["no such script", "missing.py"]),
+    (["run", "-n", "0", "missing.py"], ["-n", ">= 1"]),
+    (["run"], ["required"]),
+    (["frobnicate"], ["unknown command 'frobnicate'", "run, train, demo, bench"]),
+    (["--frobnicate"], ["unknown option"]),
+    (["demo", "no_such_demo"], ["no_such_demo"]),
+    (["bench", "no_such_bench"], ["collectives", "no_such_bench"]),
+])
+def test_a_user_error_is_one_line_with_exit_code_2(args, words):
+    assert_user_error(minidist_cli(*args, "--steps", "1") if args[0] == "train"
+                      and "--steps" not in args else minidist_cli(*args), *words)
+
+
+@pytest.mark.parametrize("args", [[], ["-h"], ["--help"]])
+def test_help_goes_to_stdout_with_exit_code_0(args):
+    res = minidist_cli(*args)
+    assert res.returncode == 0 and res.stderr == ""
+    assert res.stdout.startswith("Command line: `python -m minidist run|train|demo|bench")
+    assert "--version" in res.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "run", "demo", "bench"])
+def test_each_command_has_help_on_stdout(command):
+    res = minidist_cli(command, "--help")
+    assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith("usage: ")
+
+
+def test_version_matches_setup_cfg():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert minidist.__version__ == cfg["metadata"]["version"]
+    res = minidist_cli("--version")
+    assert (res.returncode, res.stdout, res.stderr) == (0, f"minidist {minidist.__version__}\n",
+                                                        "")
+
+
+@pytest.mark.parametrize("layout", [[], ["--dp", "2"]])
+def test_zero_steps_trains_nothing_and_shows_no_samples(layout):
+    res = minidist_cli("train", *layout, *TINY, "--steps", "0")
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    out = res.stdout.splitlines()
+    assert out[0].startswith("task sort · GPT 1 layers") and len(out) == 2
+    assert out[1] == "--steps 0: nothing to train, so no held-out samples to show."
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [[], ["--dp", "2"]])
+def test_a_closed_stdout_ends_train_quietly(layout):
+    proc = start("train", *layout, *TINY, "--steps", "500", "--every", "1")
+    lines = [proc.stdout.readline() for _ in range(3)]        # `| head -3`
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert lines[0].startswith("task sort") and lines[2].startswith("step    1 |"), lines
+    assert proc.returncode == 128 + signal.SIGPIPE and err == "", err
+
+
+def _interrupt_after_first_step(proc: subprocess.Popen) -> tuple[list[int], str]:
+    """Wait for the first step line, SIGINT the whole process group as Ctrl-C does;
+    return the launcher's children seen before, and stderr."""
+    while not (line := proc.stdout.readline()).startswith(("step", "ready")):
+        assert line, proc.communicate(timeout=30)[1]
+    kids = child_pids(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    return kids, err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [[], ["--dp", "2"]])
+def test_ctrl_c_ends_train_quietly_with_130_and_no_rank_left(layout):
+    proc = start("train", *layout, *TINY, "--steps", "100000", "--every", "1")
+    kids, err = _interrupt_after_first_step(proc)
+    assert proc.returncode == 128 + signal.SIGINT and err == "", err
+    assert len(kids) == (2 if layout else 0)
+    deadline = time.monotonic() + 5
+    while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(_alive(k) for k in kids), kids
+
+
+@pytest.mark.multiproc
+def test_ctrl_c_ends_run_quietly_with_130_and_no_rank_left(tmp_path):
+    script = tmp_path / "forever.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        import minidist
+        ctx = minidist.init()
+        ctx.world.barrier()
+        if ctx.rank == 0:
+            print("ready", flush=True)
+        while True:
+            time.sleep(0.01)
+    """))
+    proc = start("run", "-n", "2", str(script))
+    kids, err = _interrupt_after_first_step(proc)
+    assert proc.returncode == 128 + signal.SIGINT and err == "", err
+    assert len(kids) == 2
+    deadline = time.monotonic() + 5
+    while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(_alive(k) for k in kids), kids
+
+
+FAILING_RANK = textwrap.dedent("""
+    import runpy, sys
+    import minidist.train
+
+    def fails_on_rank_1(ctx, *args, **kwargs):
+        if ctx.rank == 1:
+            raise RuntimeError("boom on rank 1")
+        ctx.world.barrier()
+
+    minidist.train.train_on_rank = fails_on_rank_1     # the forked ranks inherit it
+    sys.argv = ["minidist", "train", "--dp", "2", "--steps", "1"]
+    runpy.run_module("minidist", run_name="__main__")
+""")
+
+
+@pytest.mark.multiproc
+def test_a_failing_rank_prints_the_rank_failure_first_with_exit_code_1():
+    res = subprocess.run([sys.executable, "-c", FAILING_RANK], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, env=ENV)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith("minidist train: rank 1 of 2 failed"), res.stderr
+    assert res.stderr.count("Traceback") == 1                 # rank 1's, inside the text
+    assert res.stderr.rstrip().endswith("RuntimeError: boom on rank 1"), res.stderr
+
+
+def test_the_verdict_says_matches_or_differs_from(capsys):
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from minidist.baseline import model_config_for, train_single_process
+    from minidist.data import DataConfig
+    from minidist.train import _check
+    data = DataConfig(task="reverse", length=3)
+    cfg = model_config_for(data, n_layer=1, n_embd=8, n_head=2, dtype="float64")
+    a = Namespace(steps=2, batch=4, lr=1e-2, seed=0, grad_accum=1, optimizer="sgd")
+    ref = train_single_process(cfg, data, steps=2, global_batch=4, lr=1e-2, optimizer="sgd")
+    same = SimpleNamespace(losses=ref.losses, params=ref.params)
+    off = SimpleNamespace(losses=ref.losses, params={k: v + 1e-3 for k, v in ref.params.items()})
+    assert _check(a, cfg, data, same, "dp=2") == 0
+    assert _check(a, cfg, data, off, "dp=2") == 1
+    ok, bad = capsys.readouterr().out.splitlines()
+    assert ok.startswith("OK: dp=2 training matches the single-process run (float64; ")
+    assert bad.startswith("MISMATCH: dp=2 training differs from the single-process run ")
+    assert "final params max |Δ| = 1.0e-03" in bad
+
+
+def test_each_demo_header_carries_its_file_number():
+    for path in sorted((ROOT / "demos").glob("[0-9][0-9]_*.py")):
+        numbers = re.findall(r'print\(f?"demo (\d\d) ', path.read_text())
+        assert numbers == [path.name[:2]], (path.name, numbers)

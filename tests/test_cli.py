@@ -189,7 +189,8 @@ def test_a_failing_rank_prints_the_rank_failure_first_with_exit_code_1():
     assert res.returncode == 1, res.stderr
     assert res.stderr.startswith("minidist train: rank 1 of 2 failed"), res.stderr
     assert res.stderr.count("Traceback") == 1                 # rank 1's, inside the text
-    assert res.stderr.rstrip().endswith("RuntimeError: boom on rank 1"), res.stderr
+    assert res.stderr.count("RuntimeError: boom on rank 1") == 1, res.stderr  # said once,
+    assert res.stderr.rstrip().endswith("in fails_on_rank_1"), res.stderr     # then where
 
 
 def test_the_verdict_says_matches_or_differs_from(capsys):

@@ -1,6 +1,7 @@
 """The rank runtime: launching ranks, the shared-memory wire, groups and meshes.
 
-Read in this order: launch.py, shm.py, wait.py, p2p.py, call.py, group.py, world.py, mesh.py.
+Read in this order: launch.py, report.py, shm.py, wait.py, p2p.py, call.py, group.py,
+job.py, world.py, mesh.py.
 """
 
 from minidist.runtime.errors import CollectiveMismatch, CollectiveTimeout, RankFailure

@@ -19,22 +19,28 @@ from __future__ import annotations
 
 
 class RankFailure(RuntimeError):
-    """A rank failed. `rank` is the first one that failed (global rank);
-    `failures` maps every failed rank to the text of its error."""
+    """A rank failed. `rank` is the one to blame (global rank): the first that failed,
+    or, when that was a timeout, the first rank it found hung; `hung` lists every rank
+    a timeout found hung; `failures` maps every failed rank to the text of its error."""
 
-    def __init__(self, message: str, rank: int, failures: dict[int, str] | None = None):
+    def __init__(self, message: str, rank: int, failures: dict[int, str] | None = None,
+                 hung: tuple[int, ...] = ()):
         super().__init__(message)
         self.rank = rank
         self.failures = dict(failures or {})
+        self.hung = tuple(hung)
 
 
 class CollectiveTimeout(RuntimeError):
     """A wait inside a collective passed its deadline. `missing` lists the
-    group ranks that had not reached this call."""
+    group ranks that had not reached this call, `hung` the same ranks as
+    global ranks (the ones the launcher's report names as hung)."""
 
-    def __init__(self, message: str, missing: tuple[int, ...] = ()):
+    def __init__(self, message: str, missing: tuple[int, ...] = (),
+                 hung: tuple[int, ...] = ()):
         super().__init__(message)
         self.missing = tuple(missing)
+        self.hung = tuple(hung)
 
 
 class CollectiveMismatch(RuntimeError):

@@ -17,7 +17,13 @@ One rank's view of one collective call:
     3. leave the scope: the record is marked done (or failed).
 Async calls (`submit`) run on the group's single worker thread in FIFO order;
 a synchronous call first waits for that queue to drain, so the order of
-calls on a group is the program order on every rank.
+calls on a group is the program order on every rank. An error that leaves an
+async collective (or any runtime error: timeout, mismatch, a failed peer)
+fails the whole rank at once (job.py, RankHealth), as an error in the caller
+would, since its peers may be stuck in that call: the other ranks and the
+launcher hear of it within a millisecond, and every later call on this rank
+raises instead of waiting. (An error in a plain submitted function, outside
+any collective, only waits in its Work.)
 
 Barrier: each rank owns one counter in the group's region; arriving at
 barrier e means writing e into it, leaving means seeing e in everyone's.
@@ -38,10 +44,12 @@ import numpy as np
 from minidist.runtime import call
 from minidist.runtime.errors import CollectiveMismatch, CollectiveTimeout, RankFailure
 from minidist.runtime.errors import rank_prefix
-from minidist.runtime.job import DONE, EXITING, JobBoard
+from minidist.runtime.job import DONE, EXITING, JobBoard, RankHealth
 from minidist.runtime.p2p import Mailboxes
 from minidist.runtime.shm import ALIGN, Arena, Ordering
 from minidist.runtime.wait import wait_until
+
+RUNTIME_ERRORS = (CollectiveMismatch, CollectiveTimeout, RankFailure)
 
 
 class SharedBuffer:
@@ -89,7 +97,7 @@ class ProcessGroup:
     def __init__(self, *, gid: int, name: str, ranks: tuple[int, ...], global_rank: int,
                  world_size: int, board: JobBoard, arena: Arena, ordering: Ordering,
                  group_names: dict[int, str], timeout: float, spin: bool,
-                 nslots: int, slot_bytes: int):
+                 nslots: int, slot_bytes: int, health: RankHealth | None = None):
         self.gid, self.name, self.ranks = gid, name, tuple(ranks)
         self.rank, self.size = self.ranks.index(global_rank), len(self.ranks)
         self.global_rank, self.world_size = global_rank, world_size
@@ -118,6 +126,14 @@ class ProcessGroup:
         self._queue: queue.Queue | None = None
         self._pending = 0
         self._cv = threading.Condition()
+        self.health = RankHealth(board, global_rank) if health is None else health
+        self.failed_call = ""             # the call an exception left, for async reports
+
+    @staticmethod
+    def region_bytes(size: int, nslots: int, slot_bytes: int) -> int:
+        """Arena bytes a group of `size` ranks takes before any shared() buffer:
+        barrier counters and shared() checks (64 B per member each), and mailboxes."""
+        return 2 * ALIGN * size + Mailboxes.nbytes(size, nslots, slot_bytes)
 
     def __repr__(self) -> str:
         return f"ProcessGroup({self.name!r}, rank {self.rank} of {self.size}, ranks {self.ranks})"
@@ -229,14 +245,19 @@ class ProcessGroup:
     def _worker(self) -> None:
         while True:
             fn, work = self._queue.get()
+            self.failed_call = ""
             try:
                 work._result = fn()
-            except BaseException as e:                 # handed to whoever waits
-                work._error = e
-            work._done.set()
-            with self._cv:
-                self._pending -= 1
-                self._cv.notify_all()
+            except BaseException as e:                 # handed to whoever waits, and if
+                work._error = e                        # peers may be stuck, fails the rank
+                if self.failed_call or isinstance(e, RUNTIME_ERRORS):
+                    self.health.fail(e, f"async {self.failed_call}" if self.failed_call
+                                     else f"an async call on group '{self.name}'")
+            finally:                                   # a waiter never waits forever
+                work._done.set()
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
 
     # --- what a stalled wait checks (runtime/wait.py) ---
     def watch(self, peer: int, ready: Callable[[], bool], what: str) -> "PeerWatch":
@@ -251,6 +272,9 @@ class CallScope:
 
     def __enter__(self) -> ProcessGroup:
         g = self.g
+        if g.health.error is not None:        # an async call failed: do not wait for peers
+            g.health.check(g.prefix, f"{call.decode(int(self.template[call.OP]))} on "
+                           f"'{g.name}' not started")
         g.seq += 1
         rec, version = g._mine, g._version    # my record on the board: peers read it
         g._writes += 2
@@ -265,6 +289,8 @@ class CallScope:
     def __exit__(self, exc_type, exc, tb) -> None:
         g = self.g
         state = call.DONE if exc_type is None else call.FAILED
+        if exc_type is not None:
+            g.failed_call = call.describe(g.record, g.group_names)
         g._mine[call.STATE] = state
         g._recorder.finish(state)
         g.record, g.ident, g._verified = g._p2p_record, g._p2p_ident, True
@@ -286,6 +312,9 @@ class PeerWatch:
         g, board = self.g, self.g.board
         peer_global = g.ranks[self.peer]
         failed = board.first_failed()
+        if failed == g.global_rank:          # this rank failed: an async call on another group
+            g.health.check(g.prefix, f"stopped waiting to {self.what} group rank "
+                           f"{self.peer} in {self._doing()}")
         if failed is not None:
             raise RankFailure(
                 f"{g.prefix} rank {failed} {board.describe_status(failed)}; this rank stopped "
@@ -304,7 +333,9 @@ class PeerWatch:
             if theirs is not None:
                 self._probe_mismatch(theirs, peer_global)
         if late:
-            raise CollectiveTimeout(self._timeout_text(), missing=self._missing())
+            missing = self._missing()
+            raise CollectiveTimeout(self._timeout_text(), missing=missing,
+                                    hung=tuple(g.ranks[r] for r in missing))
 
     def _probe_mismatch(self, theirs: np.ndarray, peer_global: int) -> None:
         g = self.g

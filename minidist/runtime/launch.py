@@ -8,16 +8,26 @@ calls `minidist.init()` (the torchrun of minidist).
 
 Failure semantics (the heart of the runtime):
     a rank raises        it marks itself FAILED on the job board, which raises
-                         the job's abort flag; every rank waiting in a
-                         collective sees the flag within ~1 ms and raises
-                         RankFailure; ranks not waiting are SIGKILLed after
-                         GRACE seconds. spawn raises RankFailure naming the
-                         first failed rank, with its traceback.
+                         the job's abort flag, and sends its error to the
+                         launcher; every rank waiting in a collective sees
+                         the flag within ~1 ms and raises RankFailure; ranks
+                         not waiting are SIGKILLed after GRACE seconds. spawn
+                         raises RankFailure naming the first failed rank, with
+                         its traceback (the report: runtime/report.py). An
+                         error while setting up the rank (its groups' arena
+                         regions) is reported the same way.
+    an async call fails  the same, at once, from the group's worker thread
+                         (job.py, RankHealth): no later call on the rank waits.
     a rank is killed     the launcher reaps it (its process sentinel wakes the
                          launcher at once), marks it DEAD with the signal, and
                          the same happens.
     a rank hangs         the others reach their deadline and raise
-                         CollectiveTimeout with a flight-recorder report.
+                         CollectiveTimeout with a flight-recorder report that
+                         names the ranks that never reached the call; spawn's
+                         RankFailure blames them ("rank 2 of 4 is hung") and
+                         the launcher kills them (SIGKILL ends a SIGSTOPped
+                         process too) HUNG_GRACE s after the timeout, once
+                         every other rank has reported.
     the launcher dies    each rank asked the kernel (PR_SET_PDEATHSIG) to be
                          killed with it, and every wait also checks its parent.
 Nothing is left behind: the arena has no name, so the kernel frees it with
@@ -28,7 +38,7 @@ ranks at a final barrier ("exit" call; a rank still inside a collective sees
 a mismatch instead of a hang), then check that no message is left unread
 in any of its mailboxes (a message nobody received is a mismatch).
 
-Read next: runtime/group.py
+Read next: runtime/report.py, runtime/group.py
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -51,11 +62,14 @@ from minidist.runtime.errors import CollectiveMismatch, RankFailure
 from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import DEAD, DONE, EXITING, FAILED, RUNNING, JobBoard
 from minidist.runtime.p2p import CHUNK_OFF
-from minidist.runtime.shm import Arena, strong_ordering
 from minidist.runtime.rank_env import setup_rank_process
+from minidist.runtime.report import Reports
+from minidist.runtime.shm import Arena, strong_ordering
 from minidist.runtime.world import Job, RuntimeConfig, current_job, is_initialized, set_job
 
 GRACE = 1.0           # seconds between the first failure and SIGKILL of ranks still running
+HUNG_GRACE = 0.2      # the same, when all that still runs is what a timeout named hung (a
+                      # rank merely waiting elsewhere sees the abort flag in ~1 ms and reports)
 
 
 @dataclass
@@ -88,8 +102,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
     ctx = mp.get_context("fork")            # ranks inherit the arena mapping
     lock = None if strong_ordering() else ctx.Lock()
     arena = Arena(cfg.arena_bytes())
-    board = JobBoard(Arena(cfg.board_bytes(), arena.buf, 0), world_size, cfg.max_groups,
-                     os.getpid())
+    board = _board(cfg, arena, os.getpid())
     procs, readers = [], []
     for r in range(world_size):
         rd, wr = ctx.Pipe(duplex=False)
@@ -108,29 +121,87 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
 
 
 def _rank_main(rank, cfg, arena, lock, launcher_pid, conn, fn, args, kwargs) -> None:
-    """What each forked rank runs: set up, call fn, finish cleanly, send one message."""
+    """What each forked rank runs: set up, call fn, finish cleanly, send one message.
+    Every error reaches the launcher as that message: one in setting up the job (the
+    groups' regions of the arena), in fn, in finishing, or in an async call (sent at
+    once from the group's worker thread, see job.py's RankHealth)."""
     _die_with_parent(launcher_pid)
     setup_rank_process()
-    job = Job(cfg, arena, rank, launcher_pid, lock)
-    set_job(job)
-    job.board.status[rank] = RUNNING
+    out = _Outbox(conn, _board(cfg, arena, launcher_pid), rank)
+    job = None
     try:
+        job = Job(cfg, arena, rank, launcher_pid, lock)
+        job.health.report = out.async_error
+        set_job(job)
+        job.board.status[rank] = RUNNING
         result = fn(RankContext(rank, cfg.world_size, job.world, job), *args, **kwargs)
         _finish(job)
-        job.board.mark(rank, DONE)
-        msg = ("ok", result)
+        out.result(result)
     except BaseException as e:                       # noqa: BLE001 -- reported, not swallowed
-        job.board.mark(rank, FAILED)
-        msg = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
-    try:
-        conn.send(msg)
-    except Exception as e:                           # e.g. an unpicklable result
-        job.board.mark(rank, FAILED)
-        conn.send(("error", f"could not send rank {rank}'s result to the launcher: "
-                   f"{type(e).__name__}: {e}", traceback.format_exc()))
-    conn.close()
+        out.error(e, "" if job else "while setting up the job, before fn ran")
+    out.close()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _board(cfg: RuntimeConfig, arena: Arena, launcher_pid: int) -> JobBoard:
+    """The job board at the start of the arena (the same bytes Job's board views)."""
+    return JobBoard(Arena(cfg.board_bytes(), arena.buf, arena.base), cfg.world_size,
+                    cfg.max_groups, launcher_pid)
+
+
+class _Outbox:
+    """A rank's one message to the launcher, sent once by whichever thread gets there
+    first: the main thread, or a group's worker thread whose async call failed. Marking
+    FAILED and sending happen under one lock, so the first error is the one reported
+    (a thread that sees the abort flag this raises cannot report before it)."""
+
+    def __init__(self, conn, board: JobBoard, rank: int):
+        self.conn, self.board, self.rank = conn, board, rank
+        self.lock, self.sent = threading.Lock(), False
+
+    def async_error(self, e: BaseException, where: str) -> None:
+        """RankHealth's report: `where` is "async <the call>", named unless e names it."""
+        self.error(e, "" if where.removeprefix("async ") in str(e) else f"raised in {where}")
+
+    def error(self, e: BaseException, context: str = "") -> None:
+        text = f"{type(e).__name__}: {e}" + (f"\n  ({context})" if context else "")
+        with self.lock:
+            if not self.sent:
+                self.board.mark(self.rank, FAILED)
+                self._send(("error", text, _traceback(e), tuple(getattr(e, "hung", ()))))
+
+    def result(self, value: Any) -> None:
+        with self.lock:
+            if self.sent:
+                return
+            self.board.mark(self.rank, DONE)
+            try:
+                self._send(("ok", value))
+            except Exception as e:                   # e.g. an unpicklable result
+                self.board.mark(self.rank, FAILED)
+                self._send(("error", f"could not send rank {self.rank}'s result to the "
+                            f"launcher: {type(e).__name__}: {e}", _traceback(e)))
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            self.conn.send(msg)              # pickles first: a failure sends nothing
+        except (BrokenPipeError, ConnectionResetError):
+            pass                             # the launcher is gone: nobody to tell
+        self.sent = True
+
+    def close(self) -> None:
+        with self.lock:
+            self.sent = True
+            self.conn.close()
+
+
+def _traceback(e: BaseException) -> str:
+    """The traceback without its last lines, the error's own text: the report prints
+    that once, above (a timeout's text carries the whole flight recorder)."""
+    lines = traceback.format_exception(type(e), e, e.__traceback__)
+    own = traceback.format_exception_only(type(e), e)
+    return "".join(lines[:len(lines) - len(own)])
 
 
 def _die_with_parent(launcher_pid: int) -> None:
@@ -167,15 +238,14 @@ def _supervise(procs, readers, board: JobBoard, join_timeout: float | None) -> l
     """The launcher's loop: collect each rank's one message (result or error), notice
     ranks that die without one (their process sentinel fires; mark them DEAD so the
     survivors' waits see it), SIGKILL whatever still runs GRACE s after the first
-    failure, and raise RankFailure naming the first rank that failed."""
+    failure (HUNG_GRACE s when all that has not reported is what a timeout named hung),
+    and raise RankFailure naming the rank to blame."""
     W = len(procs)
     results: list[Any] = [None] * W
-    failures: dict[int, str] = {}
-    tracebacks: dict[int, str] = {}
-    reported: set[int] = set()
+    rep = Reports(W)
     live = {p.sentinel: r for r, p in enumerate(procs)}
     pending = {rd: r for r, rd in enumerate(readers)}
-    start, kill_at = time.monotonic(), None
+    start, failed_at = time.monotonic(), None
     while live or pending:
         for obj in multiprocess.connection.wait(list(pending) + list(live), timeout=0.05):
             if obj in pending:
@@ -184,11 +254,9 @@ def _supervise(procs, readers, board: JobBoard, join_timeout: float | None) -> l
                     msg = obj.recv()
                 except (EOFError, OSError):
                     continue
-                reported.add(r)
                 if msg[0] == "ok":
                     results[r] = msg[1]
-                else:
-                    failures[r], tracebacks[r] = msg[1], msg[2]
+                rep.message(r, msg)
             else:
                 r = live.pop(obj)
                 procs[r].join()
@@ -197,52 +265,40 @@ def _supervise(procs, readers, board: JobBoard, join_timeout: float | None) -> l
                     live[obj] = r                   # read its last message first, next round
                     continue
                 pending.pop(reader, None)
-                if r not in reported:
-                    failures[r] = _death_text(procs[r].exitcode)
+                if r not in rep.reported:
+                    rep.died(r, procs[r].exitcode)
                     board.mark(r, DEAD, procs[r].exitcode or 1)
         now = time.monotonic()
-        if failures and kill_at is None:
-            kill_at = now + GRACE
-        if kill_at is not None and now >= kill_at:
-            _kill(procs)
+        if rep.failures and failed_at is None:
+            failed_at = now
+        hung = rep.hung()
+        grace = HUNG_GRACE if hung and set(pending.values()) <= hung else GRACE
+        if failed_at is not None and now >= failed_at + grace:
+            rep.killed |= _kill(procs)
         if join_timeout is not None and now - start > join_timeout and (live or pending):
             _kill(procs)
             raise RankFailure(f"spawn: the job did not finish within join_timeout="
                               f"{join_timeout:g} s; all ranks were killed.", rank=-1)
-    if failures:
-        raise _failure(board, failures, tracebacks, W)
+    if rep.failures:
+        raise rep.failure(board.first_failed())
     return results
 
 
-def _death_text(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exited with code {code} without reporting a result"
-
-
-def _failure(board, failures, tracebacks, W) -> RankFailure:
-    first = board.first_failed()
-    if first is None or first not in failures:
-        first = min(failures)
-    others = sorted(set(failures) - {first})
-    msg = (f"rank {first} of {W} failed; the other ranks were stopped.\n  {failures[first]}")
-    if others:
-        msg += f"\n  (ranks {others} stopped as a consequence)"
-    if first in tracebacks:
-        msg += f"\n  (traceback from rank {first} follows)\n{tracebacks[first]}"
-    return RankFailure(msg, rank=first, failures=failures)
-
-
-def _kill(procs) -> None:
-    for p in procs:
+def _kill(procs) -> set[int]:
+    """SIGKILL every rank still running (a stopped one too) and reap them all; returns
+    the ranks it killed."""
+    killed = set()
+    for r, p in enumerate(procs):
         if p.pid is not None and p.exitcode is None:
             try:
                 os.kill(p.pid, signal.SIGKILL)
+                killed.add(r)
             except ProcessLookupError:
                 pass
     for p in procs:
         if p.pid is not None:
             p.join()
+    return killed
 
 
 def init():

@@ -59,6 +59,11 @@ class Channel:
         self.done = 0                      # chunks this rank sent (or received) so far
         self.lock = ordering.lock          # None on x86: plain loads/stores are ordered
 
+    @staticmethod
+    def nbytes(nslots: int, slot_bytes: int) -> int:
+        """Arena bytes of one channel (each part a multiple of the 64 B alignment)."""
+        return 128 + 8 * HDR * nslots + nslots * slot_bytes
+
     def head(self) -> int:
         if self.lock is None:
             return self.ctr[0]
@@ -104,6 +109,11 @@ class Mailboxes:
                     if dst == rank:
                         self.inc[src] = ch
         self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0}
+
+    @staticmethod
+    def nbytes(size: int, nslots: int, slot_bytes: int) -> int:
+        """Arena bytes of a group's mailboxes: size*(size-1) channels."""
+        return size * (size - 1) * Channel.nbytes(nslots, slot_bytes)
 
     # --- one chunk at a time ---
     @staticmethod

@@ -8,7 +8,15 @@ a 0600 file), and nothing can be left behind in /dev/shm: the kernel frees
 the pages when the last rank exits, even after SIGKILL.
 
 The region is reserved, not allocated: pages cost memory only once touched
-(MAP_NORESERVE), so the arena can be large enough for any group.
+(MAP_NORESERVE), so the arena can be large enough for any group. Its size is
+address space, which is plentiful: runtime/world.py sizes it from the world
+size (64 GiB for W = 2, 160 GiB for W = 32, 290 GiB for W = 64), and mapping
+even 16 TiB this way takes 0.03 ms, with no page tables until pages are
+touched (fork copies none: the mapping is shared). Touched pages stay until
+the job ends (the job's shared memory, Shmem in /proc/meminfo). The arena is
+left out of core dumps (MADV_DONTDUMP). Only a kernel that refuses to
+overcommit (vm.overcommit_memory=2) counts the whole reservation; there the
+launcher's error says which variables to lower.
 
 Who owns which bytes is decided without talking: allocation is a bump
 pointer, and every rank performs the same allocations in the same order
@@ -47,13 +55,35 @@ def strong_ordering() -> bool:
     return platform.machine().lower() in _TSO_MACHINES
 
 
+HINT = ("Raise MINIDIST_GROUP_BYTES (bytes per group) or MINIDIST_GROUPS (number of groups) "
+        "before launching.")
+
+
+def _reserve(nbytes: int) -> mmap.mmap:
+    """Map `nbytes` of anonymous shared memory, reserved but not allocated."""
+    try:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | MAP_NORESERVE)
+        if hasattr(mmap, "MADV_DONTDUMP"):
+            buf.madvise(mmap.MADV_DONTDUMP)      # a crashing rank dumps its own memory only
+        return buf
+    except OSError as e:
+        raise MemoryError(
+            f"could not reserve the job's shared arena of {nbytes} B ({nbytes / 2**30:.1f} "
+            f"GiB of address space): {e}. Only touched pages cost memory, but a kernel that "
+            "does not overcommit (vm.overcommit_memory=2) counts all of it: set "
+            "MINIDIST_GROUPS (number of groups) or MINIDIST_GROUP_BYTES (bytes per group) "
+            "lower before launching.") from None
+
+
 class Arena:
     """A bump allocator over one shared mapping; identical on every rank."""
 
-    def __init__(self, nbytes: int, buf: mmap.mmap | None = None, offset: int = 0):
+    def __init__(self, nbytes: int, buf: mmap.mmap | None = None, offset: int = 0,
+                 hint: str = HINT):
         if buf is None:
-            buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | MAP_NORESERVE)
+            buf = _reserve(nbytes)
         self.buf, self.base, self.nbytes, self.used = buf, offset, nbytes, 0
+        self.hint = hint                   # what to raise when this arena is full
 
     def alloc(self, nbytes: int, what: str = "buffer") -> int:
         """Reserve `nbytes` (cache-line aligned) and return their offset in the mapping."""
@@ -61,14 +91,13 @@ class Arena:
         if start + nbytes > self.nbytes:
             raise MemoryError(
                 f"shared arena full: {what} needs {nbytes} B but only {self.nbytes - start} B "
-                f"of {self.nbytes} B are left. Raise MINIDIST_GROUP_BYTES (bytes per group) "
-                f"or MINIDIST_GROUPS (number of groups) before launching.")
+                f"of {self.nbytes} B are left. {self.hint}")
         self.used = start + nbytes
         return self.base + start
 
-    def sub(self, nbytes: int, what: str) -> "Arena":
+    def sub(self, nbytes: int, what: str, hint: str = HINT) -> "Arena":
         """Carve a child arena (e.g. one per process group) out of this one."""
-        return Arena(nbytes, self.buf, self.alloc(nbytes, what))
+        return Arena(nbytes, self.buf, self.alloc(nbytes, what), hint)
 
     def view(self, offset: int, dtype, count: int) -> np.ndarray:
         """A NumPy view of `count` items of `dtype` at `offset` of the mapping."""

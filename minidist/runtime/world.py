@@ -13,6 +13,27 @@ The module-level functions (`get_rank`, `get_world_size`, `world`,
 `init()` for a one-rank job in a plain Python process). Collectives and
 parallel layers never use them: they are handed a group (DESIGN.md, SPMD).
 
+Sizing the arena from the world size W (RuntimeConfig). Every group gets a
+region of the same size, `group_bytes`, big enough for a W-rank group: its
+mailboxes, W(W-1) channels of nslots = 4 slots (runtime/p2p.py), plus room
+for shared() buffers (1 GiB, or 64 MiB per rank when W > 16). The slot size
+is 512 KiB while the mailboxes fit in 512 MiB (W <= 16), then halves:
+128 KiB for W = 24 and 32, 32 KiB for W = 64. The arena is the board plus
+MINIDIST_GROUPS (64) such regions: 64 GiB of address space for W = 2,
+160 GiB for W = 32, 290 GiB for W = 64, reserved but never touched unless
+used (runtime/shm.py). MINIDIST_GROUP_BYTES and MINIDIST_SLOT_BYTES, when set,
+replace the computed sizes; a region too small for its mailboxes is an error
+at group creation that names the bytes needed.
+
+Memory per rank: its process (about 4-5 MB private after the fork, measured
+for W = 2..64), plus the arena pages it touches. Per group, those are at most
+(W - 1) outgoing channels x nslots x slot_bytes: 30 MiB for W <= 16, 15.5 MiB
+for W = 32, 8 MiB for W = 64 (an all_to_all of 1 MiB per peer touches exactly
+that: 497 MiB of shared memory in all for W = 32, 509 MiB for W = 64),
+plus its shared() buffers, and a few KiB of the board. A hello job (barrier,
+all_reduce, a 2-D mesh) touches 1.4 MiB in all for W = 64, and 64 ranks fit
+in well under 1 GiB.
+
 Read next: runtime/mesh.py, runtime/launch.py
 """
 
@@ -27,11 +48,19 @@ import numpy as np
 from minidist.runtime import call
 from minidist.runtime.errors import CollectiveMismatch, rank_prefix
 from minidist.runtime.group import ProcessGroup
-from minidist.runtime.job import JobBoard
+from minidist.runtime.job import JobBoard, RankHealth
 from minidist.runtime.shm import Arena, Ordering
 
 
-def _env_num(name: str, default: float) -> float:
+SLOT_BYTES = 1 << 19             # default slot size, 512 KiB, while a group's...
+MAILBOX_BYTES = 1 << 29          # ...W(W-1) channels x nslots slots fit in 512 MiB
+MIN_SLOT_BYTES = 1 << 12
+DATA_BYTES = 1 << 30             # per group for shared() regions: 1 GiB,
+DATA_BYTES_PER_RANK = 1 << 26    # or 64 MiB per rank when that is more
+PAGE = 1 << 12
+
+
+def _env_num(name: str, default: float | None) -> float | None:
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -41,24 +70,58 @@ def _env_num(name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
+def _env_int(name: str, default: int | None) -> int | None:
+    value = _env_num(name, default)
+    return None if value is None else int(value)
+
+
+def default_slot_bytes(world_size: int, nslots: int) -> int:
+    """512 KiB, halved until a W-rank group's W(W-1) channels of `nslots` slots fit in
+    MAILBOX_BYTES (W <= 16: 512 KiB; 24 and 32: 128 KiB; 64: 32 KiB), at least 4 KiB."""
+    slot, channels = SLOT_BYTES, world_size * (world_size - 1)
+    while slot > MIN_SLOT_BYTES and channels * nslots * slot > MAILBOX_BYTES:
+        slot //= 2
+    return slot
+
+
+def default_group_bytes(world_size: int, nslots: int, slot_bytes: int) -> int:
+    """A group region big enough for a W-rank group's mailboxes plus its shared() data."""
+    fixed = ProcessGroup.region_bytes(world_size, nslots, slot_bytes)
+    data = max(DATA_BYTES, world_size * DATA_BYTES_PER_RANK)
+    return -(-(fixed + data) // PAGE) * PAGE
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Knobs of the shared-memory runtime; defaults overridable by MINIDIST_* variables."""
+    """Knobs of the shared-memory runtime; defaults overridable by MINIDIST_* variables.
+    group_bytes and slot_bytes left unset (None) are sized from the world size."""
     world_size: int
     timeout: float = field(default_factory=lambda: _env_num("MINIDIST_TIMEOUT", 60.0))
-    group_bytes: int = field(default_factory=lambda: int(_env_num("MINIDIST_GROUP_BYTES", 2**30)))
-    max_groups: int = field(default_factory=lambda: int(_env_num("MINIDIST_GROUPS", 64)))
-    nslots: int = field(default_factory=lambda: int(_env_num("MINIDIST_SLOTS", 4)))
-    slot_bytes: int = field(default_factory=lambda: int(_env_num("MINIDIST_SLOT_BYTES", 2**19)))
+    group_bytes: int | None = field(
+        default_factory=lambda: _env_int("MINIDIST_GROUP_BYTES", None))
+    max_groups: int = field(default_factory=lambda: _env_int("MINIDIST_GROUPS", 64))
+    nslots: int = field(default_factory=lambda: _env_int("MINIDIST_SLOTS", 4))
+    slot_bytes: int | None = field(default_factory=lambda: _env_int("MINIDIST_SLOT_BYTES", None))
 
     def __post_init__(self):
+        W = self.world_size
         if self.timeout <= 0:
             raise ValueError(f"collective timeout must be > 0 s, got {self.timeout}")
+        if self.nslots < 1:
+            raise ValueError(f"MINIDIST_SLOTS={self.nslots} must be >= 1")
+        if self.max_groups < 1:
+            raise ValueError(f"MINIDIST_GROUPS={self.max_groups} must be >= 1 (the world "
+                             "is a group)")
+        if self.slot_bytes is None:
+            object.__setattr__(self, "slot_bytes", default_slot_bytes(W, self.nslots))
         if self.slot_bytes < 64 or self.slot_bytes % 64:
             raise ValueError(f"MINIDIST_SLOT_BYTES={self.slot_bytes} must be a positive "
                              "multiple of 64 (so chunks never split an element)")
-        if self.nslots < 1:
-            raise ValueError(f"MINIDIST_SLOTS={self.nslots} must be >= 1")
+        if self.group_bytes is None:
+            object.__setattr__(self, "group_bytes",
+                               default_group_bytes(W, self.nslots, self.slot_bytes))
+        if self.group_bytes < 1:
+            raise ValueError(f"MINIDIST_GROUP_BYTES={self.group_bytes} must be positive")
 
     @property
     def spin(self) -> bool:
@@ -66,7 +129,7 @@ class RuntimeConfig:
         return self.world_size <= (os.cpu_count() or 1)
 
     def board_bytes(self) -> int:
-        return 1 << 22 if self.world_size * self.max_groups < 4096 else 1 << 26
+        return -(-JobBoard.nbytes(self.world_size, self.max_groups) // PAGE) * PAGE
 
     def arena_bytes(self) -> int:
         return self.board_bytes() + self.max_groups * self.group_bytes
@@ -81,6 +144,7 @@ class Job:
         self.board = JobBoard(arena.sub(cfg.board_bytes(), "job board"), cfg.world_size,
                               cfg.max_groups, launcher_pid)
         self.ordering = Ordering(lock)
+        self.health = RankHealth(self.board, rank)
         self.groups: list[ProcessGroup | None] = []
         self.group_names: dict[int, str] = {}
         self.world = self._create(tuple(range(cfg.world_size)), "world")
@@ -91,7 +155,10 @@ class Job:
             raise ValueError(f"{rank_prefix(self.rank, self.cfg.world_size)} cannot create "
                              f"group {name!r}: the job allows {self.cfg.max_groups} groups. "
                              "Set MINIDIST_GROUPS higher before launching.")
-        region = self.arena.sub(self.cfg.group_bytes, f"group {name!r}")   # members or not
+        self._check_fits(ranks, name)
+        hint = (f"Raise MINIDIST_GROUP_BYTES (now {self.cfg.group_bytes} B per group) "
+                "before launching.")
+        region = self.arena.sub(self.cfg.group_bytes, f"group {name!r}", hint)  # members or not
         self.group_names[gid] = name
         group = None
         if self.rank in ranks:
@@ -99,9 +166,23 @@ class Job:
                                  world_size=self.cfg.world_size, board=self.board, arena=region,
                                  ordering=self.ordering, group_names=self.group_names,
                                  timeout=self.cfg.timeout, spin=self.cfg.spin,
-                                 nslots=self.cfg.nslots, slot_bytes=self.cfg.slot_bytes)
+                                 nslots=self.cfg.nslots, slot_bytes=self.cfg.slot_bytes,
+                                 health=self.health)
         self.groups.append(group)
         return group
+
+    def _check_fits(self, ranks: tuple[int, ...], name: str) -> None:
+        """A group's region must hold its mailboxes: say so, with the numbers, if not."""
+        c, n = self.cfg, len(ranks)
+        need = ProcessGroup.region_bytes(n, c.nslots, c.slot_bytes)
+        if need > c.group_bytes:
+            raise MemoryError(
+                f"{rank_prefix(self.rank, c.world_size)} shared arena too small: group "
+                f"{name!r} of {n} ranks needs {need} B for its mailboxes ({n * (n - 1)} "
+                f"channels x {c.nslots} slots x {c.slot_bytes} B, plus headers) but "
+                f"MINIDIST_GROUP_BYTES={c.group_bytes} gives each group {c.group_bytes} B. "
+                f"Raise MINIDIST_GROUP_BYTES to at least {need} (unset, it is sized from the "
+                "world size), or lower MINIDIST_SLOT_BYTES or MINIDIST_SLOTS.")
 
     def new_group(self, ranks, name: str | None = None) -> ProcessGroup | None:
         """COLLECTIVE over the world: every rank calls it with the same ranks."""

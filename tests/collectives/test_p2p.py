@@ -32,7 +32,8 @@ def _wrong_tag(ctx):
     g = ctx.world
     if g.rank == 0:
         C.send(np.ones(2), 1, group=g, tag=5)
-    else:
+        C.recv(np.empty(1), 1, group=g, tag=9)      # wait: rank 1's mismatch is the first
+    else:                                            # failure, not an unread message here
         C.recv(np.empty(2), 0, group=g, tag=4)
 
 

@@ -307,11 +307,13 @@ def init():
     start a one-rank job and return its context."""
     from minidist.runtime.mpi import init_mpi, under_mpiexec
     if not is_initialized() and under_mpiexec():
-        return init_mpi()
+        set_job(init_mpi())             # the default group, get_rank(), ... work under MPI too
     if not is_initialized():
         cfg = RuntimeConfig(1)
         set_job(Job(cfg, Arena(cfg.arena_bytes()), 0, os.getppid()))
     job = current_job()
+    if not hasattr(job, "cfg"):         # an MPI job: its context is the job
+        return job
     return RankContext(job.rank, job.cfg.world_size, job.world, job)
 
 

@@ -231,7 +231,8 @@ def get_rank() -> int:
 
 
 def get_world_size() -> int:
-    return current_job().cfg.world_size
+    job = current_job()                 # a Job, or under mpiexec an MpiContext
+    return job.cfg.world_size if hasattr(job, "cfg") else job.world_size
 
 
 def world() -> ProcessGroup:

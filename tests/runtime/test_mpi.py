@@ -54,3 +54,30 @@ def test_mismatched_calls_over_mpi_raise(tmp_path):
     res = _mpirun(tmp_path, 2, "--mismatch")
     assert res.returncode != 0
     assert "CollectiveMismatch" in res.stderr and "broadcast #2" in res.stderr
+
+
+DEFAULT_GROUP = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import minidist
+    ctx = minidist.init()                                 # README's example, unchanged
+    assert minidist.init() is ctx and minidist.get_world_size() == ctx.world_size
+    x = np.full(3, float(minidist.get_rank()))
+    total = minidist.all_reduce(x)                        # the default group
+    minidist.barrier()
+    line = f"rank {minidist.get_rank()} of {minidist.get_world_size()}: {total.tolist()}\\n"
+    sys.stdout.write(line)                                # one write: lines never interleave
+    sys.stdout.flush()
+""")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_same_script_runs_under_mpiexec_on_the_default_group(tmp_path, n):
+    script = tmp_path / "default_group.py"
+    script.write_text(DEFAULT_GROUP)
+    res = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    want = [float(sum(range(n)))] * 3
+    lines = [line for line in res.stdout.splitlines() if line.startswith("rank ")]
+    assert sorted(lines) == [f"rank {r} of {n}: {want}" for r in range(n)], res.stdout

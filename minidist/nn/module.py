@@ -142,3 +142,17 @@ class ModuleList(Module):
 
     def __iter__(self) -> Iterator[Module]:
         return self.children()
+
+
+class ModuleSubset(ModuleList):
+    """Some modules of a bigger ModuleList, each under its index THERE ("blocks.3",
+    "experts.5"), so that every parameter keeps its single-process name when a rank holds
+    only part of the list (a pipeline stage's blocks, an expert-parallel rank's experts).
+    Indexing is by that global index."""
+
+    def __init__(self, modules: dict[int, Module]) -> None:
+        for i, m in sorted(modules.items()):
+            setattr(self, str(i), m)
+
+    def __getitem__(self, i: int) -> Module:
+        return getattr(self, str(i))

@@ -54,7 +54,7 @@ from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
 from minidist.nn.moe import MoE, Routing
-from minidist.nn.module import ModuleList
+from minidist.nn.module import ModuleSubset
 
 
 class AllToAll(Function):
@@ -75,17 +75,6 @@ class AllToAll(Function):
                                                 recv_sizes=ctx.send)),)
 
 
-class LocalExperts(ModuleList):
-    """Some of a MoE's experts, named by their global index ("experts.3")."""
-
-    def __init__(self, experts: dict[int, object]) -> None:
-        for e, m in experts.items():
-            setattr(self, str(e), m)
-
-    def __getitem__(self, e: int):
-        return getattr(self, str(e))
-
-
 class ExpertParallelMoE(MoE):
     """A MoE layer whose experts are split over `group`; the same numbers as MoE."""
 
@@ -97,7 +86,7 @@ class ExpertParallelMoE(MoE):
         vars(self).update(vars(moe))                      # router, settings, stats
         self.group, self.per_rank = group, E // W
         first = group.rank * self.per_rank
-        self.experts = LocalExperts({e: moe.experts[e]
+        self.experts = ModuleSubset({e: moe.experts[e]
                                      for e in range(first, first + self.per_rank)})
         self.last_traffic = {"sent_rows": 0, "own_rows": 0}
         # since take_traffic(): forward calls, token rows sent to / received from other ranks

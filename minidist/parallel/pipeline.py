@@ -71,7 +71,7 @@ from minidist import collectives as C
 from minidist.autograd import Tensor
 from minidist.autograd.saved import ctx_arrays, distinct_bytes, graph_nodes
 from minidist.autograd.split import backward_input
-from minidist.nn.module import ModuleList
+from minidist.nn.module import ModuleSubset
 from minidist.parallel import placement as pl
 from minidist.parallel.schedules import Action, PipelineSchedule
 
@@ -102,18 +102,6 @@ def split_layers(n_layer: int, pieces: int, layers_per_stage=None) -> list[range
                              f"1, summing to n_layer={n_layer}.")
     starts = np.cumsum([0] + counts)
     return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
-
-
-class StageBlocks(ModuleList):
-    """Some of the GPT's blocks, named by their global index ("blocks.3"), so that every
-    parameter keeps the name it has in the single-process model."""
-
-    def __init__(self, blocks: dict[int, object]) -> None:
-        for i, b in blocks.items():
-            setattr(self, str(i), b)
-
-    def __getitem__(self, i: int):
-        return getattr(self, str(i))
 
 
 @dataclass(frozen=True)
@@ -155,7 +143,7 @@ class PipelineCut:
     def cut(self, model) -> None:
         """Keep only this stage's parts of `model` (a GPT, tp-sharded already)."""
         kept = {i: model.blocks[i] for c in range(self.chunks) for i in self.layers(c)}
-        model.blocks = StageBlocks(dict(sorted(kept.items())))
+        model.blocks = ModuleSubset(kept)                   # names stay "blocks.i"
         tied = model.cfg.tie_weights
         for part in ("wte", "wpe", "ln_f", "lm_head"):
             if hasattr(model, part) and not self.holds(part + ".", tied):

@@ -3,7 +3,8 @@
 Reading order (each module's docstring says what to read next):
     1. runtime/launch.py       one OS process per rank; what happens when one fails
     2. runtime/shm.py, wait.py, p2p.py   the wire: a shared arena, polling, mailboxes
-    3. runtime/call.py, group.py, world.py, mesh.py   calls, process groups, the mesh
+    3. runtime/call.py, records.py, flight.py, watch.py, group.py, world.py, mesh.py
+                               calls and their records, failure watching, groups, the mesh
     4. collectives/            simulated.py (the oracle), ring, tree, halving, direct, all_to_all
     5. autograd/               Tensor, Function, ops, fused ops, gradcheck
     6. nn/, optim/             the GPT (and its MoE), AdamW and SGD
@@ -34,4 +35,6 @@ __all__ = sorted(_WHERE)
 def __getattr__(name: str):
     if name not in _WHERE:
         raise AttributeError(f"module 'minidist' has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value             # found once: later lookups skip this hook (~4 us)
+    return value

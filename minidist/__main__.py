@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         what = "option" if argv[0].startswith("-") else "command"
         return _error(f"unknown {what} {argv[0]!r}; the commands are {', '.join(COMMANDS)} "
                       f"(python -m minidist {'|'.join(COMMANDS)} ...; --help for more)")
-    from minidist.runtime.rank_env import setup_rank_process
+    from minidist.runtime.process_setup import setup_rank_process
     setup_rank_process()              # one BLAS thread, reuse of freed memory: as every rank
     try:
         return COMMANDS[argv[0]](argv[1:])

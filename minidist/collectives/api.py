@@ -11,6 +11,11 @@ arguments. Each one
        is numbered, recorded in the flight recorder and stamped on every message;
     5. runs the algorithm, or with async_op=True hands it to the group's FIFO
        worker and returns its Work (wait() gives the result).
+The lean path: a synchronous call whose signature (op, dtype, shape, root, reduce
+op, algo) was validated before runs steps 3-5 prepared (see `_remember`): after one
+dict lookup, straight into its header scope and algorithm. A small all_reduce costs
+a few microseconds of Python this way (bench/collectives.py measures it against MPI).
+
 
 Contract shared by all calls:
     x            a NumPy array (a NumPy scalar is taken as 0-d). A non-C-contiguous x
@@ -143,6 +148,48 @@ def _run(group, op: str, header_x, body: Callable[[], Any], async_op: bool, *,
     return call()
 
 
+# --- the lean path: calls validated before ---------------------------------------------
+#
+# Programs repeat their collectives with the same signature (a loss, a gradient norm, a
+# bucket, every step). The first call takes the plain path above; its signature is then
+# remembered in the group (group.prepared) with its header scope and algorithm, so a later
+# call with the same signature checks only that it is the same (one dict lookup: dtype,
+# shape and arguments are part of the key) and goes straight to the algorithm. Only
+# synchronous calls whose algorithm cannot change are remembered: an explicit algo, or a
+# choice fixed by cost.rule (the formulas' choices follow the calibration file).
+
+MAX_PREPARED = 4096            # signatures remembered per group (then forgotten)
+
+
+def _remembered(g, key: tuple, x: np.ndarray):
+    """The prepared call for this signature, or None (not seen, or x not contiguous)."""
+    if not x.flags.c_contiguous:
+        return None
+    try:
+        return g.prepared.get(key)
+    except TypeError:                  # an unhashable argument: the plain path says what
+        return None                    # is wrong with it
+
+
+def _remember(g, key: tuple, async_op, algo, nbytes: int, body: Callable, op: str, x, *,
+              root: int | None = None, reduce_op: str | None = None, name: str = "") -> None:
+    """After a validated call: keep `body(x)` ready, in its header scope, for the next
+    call with the same signature (see above)."""
+    if async_op is not False or (algo == "auto" and cost.rule(
+            op, nbytes, g.size, getattr(g, "supports_shared", False)) is None):
+        return
+    scope, drain = g.collective(op, x, root=root, reduce_op=reduce_op, algo=name), g.drain
+
+    def run(x):
+        drain()
+        with scope:
+            return body(x)
+
+    if len(g.prepared) >= MAX_PREPARED:
+        g.prepared.clear()
+    g.prepared[key] = run
+
+
 # --- the collectives --------------------------------------------------------------------
 
 def broadcast(x: np.ndarray, root: int = 0, group=None, algo: str = "auto",
@@ -175,10 +222,17 @@ def all_reduce(x: np.ndarray, op: str = "sum", group=None, algo: str = "auto",
     the single-process sum; the others are equal up to rounding.
     """
     g = _group(group)
+    if async_op is False and type(x) is np.ndarray:
+        key = ("all_reduce", op, algo, x.dtype, x.shape)
+        run = _remembered(g, key, x)
+        if run is not None:
+            return run(x)
     x = _array(x, "all_reduce")
     check_op(op, x.dtype, "all_reduce")
     name = _algo("all_reduce", algo, x.nbytes, g)
     fn = _ALGOS["all_reduce"][name]
+    _remember(g, ("all_reduce", op, algo, x.dtype, x.shape), async_op, algo, x.nbytes,
+              lambda x: fn(x, g, op), "all_reduce", x, reduce_op=op, name=name)
     return _run(g, "all_reduce", x, lambda: fn(x, g, op), async_op, reduce_op=op, algo=name)
 
 

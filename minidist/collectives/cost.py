@@ -11,8 +11,8 @@ prediction and measurement.
 Conventions: p = W, n = x.nbytes of the array ONE rank passes in (scatter:
 the bytes one rank receives; all_to_all: the bytes one rank sends in total),
 L = ceil(log2 p), p' = 2^floor(log2 p) and f = 1 if p is not a power of two
-(the fold/unfold of halving_doubling.py), k = ceil(n / ring.PIPELINE_BYTES)
-pipeline pieces, R = rounds of direct.py, a barrier costs alpha.
+(the fold/unfold of halving_doubling.py), k = ceil(n / ring.SEGMENT_BYTES)
+segments of a chain, R = rounds of direct.py, a barrier costs alpha.
 
     all_reduce      ring      2(p-1) a + 2(p-1)/p n b + (p-1)/p n g
                     tree      2L (a + n b) + L n g
@@ -77,7 +77,7 @@ from pathlib import Path
 import numpy as np
 
 from minidist.collectives.direct import BUFFER_BYTES
-from minidist.collectives.ring import PIPELINE_BYTES
+from minidist.collectives.ring import SEGMENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def _terms(op: str, algo: str, p: int, n: float) -> tuple[float, float, float]:
     """(messages, bytes sent, bytes reduced) on the critical path: time = a m + b s + g r."""
     L, lp = math.ceil(math.log2(p)), p.bit_length() - 1
     pp, f = 1 << lp, int(p & (p - 1) != 0)
-    q, k = (p - 1) / p, max(1, math.ceil(n / PIPELINE_BYTES))
+    q, k = (p - 1) / p, max(1, math.ceil(n / SEGMENT_BYTES))
     rounds = max(1, math.ceil(n / (BUFFER_BYTES * p / (p + 1))))
     chain = 0 if p == 1 else p - 2 + k
     table = {
@@ -153,10 +153,18 @@ def choose(op: str, nbytes: float, W: int, c: Constants | None = None,
     else the cheapest predicted one (direct excluded), ties -> first."""
     if op not in ALGOS:
         raise ValueError(f"cost.choose: unknown collective {op!r}; use one of {list(ALGOS)}.")
+    return rule(op, nbytes, W, shared_memory) or _choose(
+        op, int(nbytes), int(W), constants() if c is None else c)
+
+
+def rule(op: str, nbytes: float, W: int, shared_memory: bool) -> str | None:
+    """The algorithm the measured shared-memory rule fixes ("direct" for large reductions
+    and small all_reduces), or None where the formulas decide. A rule's choice does not
+    depend on the constants, so a caller may remember it (collectives/api.py does)."""
     if shared_memory and "direct" in ALGOS[op] and W > 1 and (
             nbytes >= SHM_DIRECT_MIN_BYTES or (op == "all_reduce" and nbytes <= SMALL_BYTES)):
         return "direct"
-    return _choose(op, int(nbytes), int(W), constants() if c is None else c)
+    return None
 
 
 @functools.lru_cache(maxsize=4096)

@@ -12,7 +12,7 @@ The price is latency: W-1 sequential steps per phase.
     all_gather       W-1 steps: pass the finished chunks round the circle.
     all_reduce       reduce_scatter then all_gather (2(W-1) steps).
     broadcast/reduce a chain root -> root+1 -> ... (or towards the root), with
-                     the message cut into pipeline chunks so that all links
+                     the message cut into segments so that all links
                      work at once once the pipeline has filled.
 
 One rank's view (all_reduce, rank r of W, chunks c_0..c_{W-1} of x):
@@ -46,15 +46,16 @@ import numpy as np
 
 from minidist.collectives.reduce_ops import combine, finish, ufunc
 
-# A chain (broadcast / reduce) forwards the message in pieces of about this many bytes,
-# so the next rank can start forwarding before the whole message has arrived. A fixed
-# constant (not a tuned one) keeps the schedule identical on every rank.
-PIPELINE_BYTES = 64 * 1024
+# A chain (broadcast / reduce) forwards the message in segments of about this many bytes,
+# so the next rank can start forwarding before the whole message has arrived (message
+# pipelining, nothing to do with pipeline parallelism). A fixed constant (not a tuned
+# one) keeps the schedule identical on every rank.
+SEGMENT_BYTES = 64 * 1024
 
 
-def pipeline_chunks(nbytes: int, count: int) -> int:
-    """Number of pipeline pieces for a chain carrying `count` elements in `nbytes` bytes."""
-    return max(1, min(count, math.ceil(nbytes / PIPELINE_BYTES)))
+def segments(nbytes: int, count: int) -> int:
+    """Number of segments for a chain carrying `count` elements in `nbytes` bytes."""
+    return max(1, min(count, math.ceil(nbytes / SEGMENT_BYTES)))
 
 
 def _reduce_scatter_steps(chunks: list[np.ndarray], group, op: str) -> None:
@@ -167,7 +168,7 @@ def broadcast(x: np.ndarray, group, root: int = 0) -> np.ndarray:
 
     Shapes: x identical shape and dtype on every rank (only the root's values
         are read). Returns a new array.
-    Cost: (W-2+k) (alpha + n/k beta) for k = pipeline_chunks(n, N) pieces:
+    Cost: (W-2+k) (alpha + n/k beta) for k = segments(n, N) segments:
         about n beta for large n, independent of W; (W-1) alpha when k = 1.
     Numerics: copies only; bitwise the root's array everywhere.
     Reference: Sanders, Speck & Traeff 2009, Parallel Computing 35(12).
@@ -175,7 +176,7 @@ def broadcast(x: np.ndarray, group, root: int = 0) -> np.ndarray:
     rank, W = group.rank, group.size
     pos = (rank - root) % W
     out = x.reshape(-1).copy()
-    for piece in np.array_split(out, pipeline_chunks(x.nbytes, x.size)):
+    for piece in np.array_split(out, segments(x.nbytes, x.size)):
         if pos > 0:
             group.recv((rank - 1) % W, out=piece)
         if pos < W - 1:
@@ -187,12 +188,12 @@ def reduce(x: np.ndarray, group, root: int = 0, op: str = "sum") -> np.ndarray |
     """Return x_0 (op) ... (op) x_{W-1} on the root and None elsewhere, along a chain.
 
     Algorithm (this rank's view, position p = (rank - root - 1) % W on the
-    chain root+1 -> root+2 -> ... -> root): for each pipeline piece, receive
+    chain root+1 -> root+2 -> ... -> root): for each segment, receive
     the partial result of positions 0..p-1 from the left (unless p = 0), combine
     this rank's piece into it and pass it right (unless this rank is the root).
 
     Shapes: x identical on every rank; the root gets a new array of x's shape.
-    Cost: (W-2+k) (alpha + n/k (beta + gamma)) for k = pipeline_chunks(n, N):
+    Cost: (W-2+k) (alpha + n/k (beta + gamma)) for k = segments(n, N):
         the last piece leaves position 0 at step k-1 and needs W-1 more hops.
     Numerics: ((x_{root+1} (op) x_{root+2}) (op) ...) (op) x_root: rank order
         rotated to start after the root, identical for every element.
@@ -202,7 +203,7 @@ def reduce(x: np.ndarray, group, root: int = 0, op: str = "sum") -> np.ndarray |
     pos = (rank - root - 1) % W
     acc = x.reshape(-1).copy()
     scratch = np.empty_like(acc)
-    k = pipeline_chunks(x.nbytes, x.size)
+    k = segments(x.nbytes, x.size)
     for piece, buf in zip(np.array_split(acc, k), np.array_split(scratch, k)):
         if pos > 0:
             combine(op, group.recv((rank - 1) % W, out=buf), piece, out=piece)

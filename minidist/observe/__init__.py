@@ -1,1 +1,2 @@
-"""Observability: the flight recorder, traces, metrics and throughput."""
+"""Observability: traces, metrics and throughput (the flight recorder is the runtime's:
+runtime/flight.py). Nothing here imports the runtime."""

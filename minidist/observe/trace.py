@@ -32,7 +32,7 @@ or chrome://tracing -> "Load". Keys W/S zoom, A/D pan; click a bar to see its ar
 
 Reference: "Trace Event Format", Google (docs.google.com, "Trace Event Format",
     2016 revision), sections "JSON Object Format", "Complete Events", "Metadata Events".
-Read next: observe/flight.py (the per-rank record of collective calls).
+Read next: runtime/flight.py (the per-rank record of collective calls, drawn with this).
 """
 
 from __future__ import annotations

@@ -1,17 +1,31 @@
 """Process groups: a named subset of ranks that runs collectives together.
 
 A ProcessGroup is this rank's handle on W ranks (`ranks`, global rank numbers
-in group-rank order). Collective algorithms see only the group: its rank and
-size, point-to-point messages between group ranks (`send`, `recv`,
-`sendrecv`, from runtime/p2p.py), a `barrier`, and `shared` regions that every
-member can read directly (zero-copy). Each group has its own mailboxes,
-sequence numbers and worker thread, so collectives on different groups never
-see each other's messages and can run at the same time.
+in group-rank order). Each group has its own mailboxes, sequence numbers and
+worker thread, so collectives on different groups never see each other's
+messages and can run at the same time.
+
+What a collective algorithm may use (collectives/*.py use nothing else; the MPI
+transport, runtime/mpi.py, offers the same, without `shared`):
+    rank, size                 this rank's group rank, and W
+    send(x, dst)               a message to group rank dst (runtime/p2p.py)
+    recv(src, out, combine)    the next message from src, into out (or out =
+                               combine(out, message), reducing as it arrives)
+    sendrecv(x, dst, src, out) both at once (rings cannot deadlock)
+    shared(tag, nbytes)        COLLECTIVE: a region of nbytes per member that
+                               every member reads directly (zero-copy); the
+                               same call again returns the same region, whose
+                               `state` dict an algorithm may keep things in
+    barrier()                  every member has arrived, in this same call
+    stats                      bytes sent and received, for cost accounting
+Everything else here is the runtime's own: numbering and publishing calls
+(runtime/records.py), watching for failures while waiting (runtime/watch.py),
+the async worker, and the exit checks.
 
 One rank's view of one collective call:
     1. `with group.collective("all_reduce", x, reduce_op="sum", algo="ring"):`
-       bump the group's sequence number s, publish the call record
-       (runtime/call.py) in shared memory and in the flight recorder;
+       the call gets the group's next sequence number s and its record is
+       published (records.py);
     2. run the algorithm; every message sent inside is stamped with the
        record, so a peer in a different call raises CollectiveMismatch;
     3. leave the scope: the record is marked done (or failed).
@@ -25,16 +39,19 @@ launcher hear of it within a millisecond, and every later call on this rank
 raises instead of waiting. (An error in a plain submitted function, outside
 any collective, only waits in its Work.)
 
-Barrier: each rank owns one counter in the group's region; arriving at
-barrier e means writing e into it, leaving means seeing e in everyone's.
-Cost: one store and W loads, no messages.
+Barrier: each rank owns one cache line in the group's region; arriving at
+barrier e means writing the call it is in, (s, key) (records.py), into the
+line's half e % 2, then e into its first cell; leaving means seeing e or more
+in everyone's, then finding everyone's half e % 2 equal to one's own (else a
+CollectiveMismatch: the ranks met at this barrier from different calls). The
+half e % 2 is not rewritten before barrier e + 2, which nobody reaches before
+everyone has left barrier e. Cost: three stores and 2W loads, no messages.
 
-Read next: runtime/world.py (how groups are created), runtime/mesh.py.
+Read next: runtime/records.py, runtime/watch.py, runtime/world.py
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from typing import Any, Callable
@@ -44,20 +61,25 @@ import numpy as np
 from minidist.runtime import call
 from minidist.runtime.errors import CollectiveMismatch, CollectiveTimeout, RankFailure
 from minidist.runtime.errors import rank_prefix
-from minidist.runtime.job import DONE, EXITING, JobBoard, RankHealth
+from minidist.runtime.flight import cells
+from minidist.runtime.job import JobBoard, RankHealth
 from minidist.runtime.p2p import Mailboxes
+from minidist.runtime.records import CallRecords, Template
 from minidist.runtime.shm import ALIGN, Arena, Ordering
 from minidist.runtime.wait import wait_until
+from minidist.runtime.watch import PeerWatch
 
 RUNTIME_ERRORS = (CollectiveMismatch, CollectiveTimeout, RankFailure)
 
 
 class SharedBuffer:
-    """`nbytes` per member, in shared memory: write your own part, read anyone's."""
+    """`nbytes` per member, in shared memory: write your own part, read anyone's.
+    `state` is the algorithm's own (e.g. a call counter, typed views it made once)."""
 
     def __init__(self, arena: Arena, base: int, stride: int, rank: int, nbytes: int):
         self.arena, self.base, self.stride = arena, base, stride
         self.rank, self.nbytes = rank, nbytes
+        self.state: dict = {}
 
     def peer(self, r: int, dtype, count: int, offset: int = 0) -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -104,25 +126,19 @@ class ProcessGroup:
         self.board, self.arena, self.ordering = board, arena, ordering
         self.group_names, self.timeout, self.spin = group_names, timeout, spin
         self.prefix = rank_prefix(global_rank, world_size)
-        self._bar = arena.view(arena.alloc(ALIGN * self.size, "barrier"), np.int64,
-                               8 * self.size)[::8]          # one counter per cache line
+        lines = arena.view(arena.alloc(ALIGN * self.size, "barrier"), np.int64, 8 * self.size)
+        self._bar = [cells(lines[8 * r:8 * r + 8]) for r in range(self.size)]
+        self._epoch = 0
         self._meta = arena.view(arena.alloc(ALIGN * self.size, "shared() check"),
                                 np.int64, 8 * self.size).reshape(self.size, 8)
-        self._epoch = 0
         self.mail = Mailboxes(self, arena, self.rank, self.size, nslots, slot_bytes, ordering)
         self.stats = self.mail.stats
-        self.seq = 0
-        self._p2p_record = call.pack(gid, 0, "p2p", None)
-        self.record = self._p2p_record
-        self.ident = self._p2p_ident = self.record[call.IDENTITY].tobytes()
-        self._templates: dict[tuple, np.ndarray] = {}
-        self._mine = board.calls[global_rank, gid]          # my published call record
-        self._version = board.versions[global_rank, gid:gid + 1]
-        self._writes = 0                                    # the seqlock's version, even
-        self._verified = True
+        self.records = CallRecords(board, gid, global_rank, board.recorder(global_rank))
+        self._p2p = Template(call.pack(gid, 0, "p2p", None))
+        self.record, self.key = self._p2p.record, self._p2p.key   # the call in progress
+        self._ident: bytes | None = None                         # its identity, when asked
         self._buffers: dict[str, SharedBuffer] = {}
-        self.algo_state: dict = {}        # per-algorithm state, e.g. direct_small's flags
-        self._recorder = board.recorder(global_rank)
+        self.prepared: dict = {}          # collectives/api.py's validated calls, by signature
         self._queue: queue.Queue | None = None
         self._pending = 0
         self._cv = threading.Condition()
@@ -132,11 +148,22 @@ class ProcessGroup:
     @staticmethod
     def region_bytes(size: int, nslots: int, slot_bytes: int) -> int:
         """Arena bytes a group of `size` ranks takes before any shared() buffer:
-        barrier counters and shared() checks (64 B per member each), and mailboxes."""
+        barrier lines and shared() checks (64 B per member each), and mailboxes."""
         return 2 * ALIGN * size + Mailboxes.nbytes(size, nslots, slot_bytes)
 
     def __repr__(self) -> str:
         return f"ProcessGroup({self.name!r}, rank {self.rank} of {self.size}, ranks {self.ranks})"
+
+    @property
+    def seq(self) -> int:
+        return self.records.seq
+
+    def identity(self) -> bytes:
+        """The identity bytes of the call in progress (call.identity), made when first
+        asked: messages are checked against them (runtime/p2p.py)."""
+        if self._ident is None:
+            self._ident = call.identity(self.record)
+        return self._ident
 
     # --- point to point (group ranks) ---
     def send(self, x: np.ndarray, dst: int) -> None:
@@ -159,33 +186,44 @@ class ProcessGroup:
 
     # --- synchronisation and shared regions ---
     def barrier(self) -> None:
-        self._epoch += 1
-        e, bar, load = self._epoch, self._bar, self.ordering.load
-        self.ordering.store(bar, self.rank, e)
-        for r in range(self.size):
-            if load(bar, r) < e:
-                ready = lambda r=r: load(bar, r) >= e                  # noqa: E731
+        self._epoch = e = self._epoch + 1
+        half = 1 + 2 * (e & 1)                 # cells 1-2 or 3-4: the call, (s, key)
+        mine, seq, key = self._bar[self.rank], self.records.seq, self.key
+        mine[half], mine[half + 1] = seq, key
+        ordering = self.ordering
+        if ordering.lock is None:              # x86: plain stores and loads are ordered
+            mine[0] = e                        # arrive: everything above is visible first
+            for line in self._bar:
+                if line[0] < e:
+                    break
+            else:                              # everyone is here already: no wait to set up
+                return self._check_barrier(half, seq, key)
+        else:
+            ordering.store(mine, 0, e)
+        load = ordering.load
+        for r, line in enumerate(self._bar):
+            if load(line, 0) < e:
+                ready = lambda line=line: load(line, 0) >= e            # noqa: E731
                 wait_until(ready, self.watch(r, ready, "meet at a barrier with"), self.timeout,
                            self.spin)
-        if not self._verified:
-            self._verify_peers()
+        self._check_barrier(half, seq, key)
 
-    def _verify_peers(self) -> None:
-        """First barrier of a call: every member that is at this sequence number must be
-        making the same call (algorithms that talk only through shared memory and
-        barriers have no message header to compare)."""
-        self._verified = True
-        rec, seq, ident = self.record, self.record[call.SEQ], self.ident
-        for r, peer in enumerate(self.ranks):
-            theirs = self.board.read_call(peer, self.gid)
-            if theirs is not None and theirs[call.SEQ] == seq and \
-                    call.identity(theirs) != ident:
-                names = self.group_names
-                raise CollectiveMismatch(
-                    f"{self.prefix} this rank is in [{call.describe(rec, names)}] but rank "
-                    f"{self.ranks[r]} is in [{call.describe(theirs, names)}]. Every rank of a "
-                    "group must make the same collective calls, with the same dtype, shape, "
-                    "root and op, in the same order.")
+    def _check_barrier(self, half: int, seq: int, key: int) -> None:
+        """Every member arrived at this barrier from the call (seq, key) too?"""
+        for r, line in enumerate(self._bar):
+            if line[half] != seq or line[half + 1] != key:
+                self._barrier_mismatch(r, line[half])
+
+    def _barrier_mismatch(self, r: int, their_seq: int) -> None:
+        """Rank r met this rank at a barrier from another call: name both calls."""
+        names, peer = self.group_names, self.ranks[r]
+        theirs = self.board.read_call(peer, self.gid)
+        what = (call.describe(theirs, names) if theirs is not None and theirs[call.SEQ] ==
+                their_seq else f"call #{their_seq} on '{self.name}'")
+        raise CollectiveMismatch(
+            f"{self.prefix} this rank is in [{call.describe(self.record, names)}] but rank "
+            f"{peer} is in [{what}]. Every rank of a group must make the same collective "
+            "calls, with the same dtype, shape, root and op, in the same order.")
 
     def shared(self, tag: str, nbytes: int) -> SharedBuffer:
         """COLLECTIVE: a region of `nbytes` per member (see module docstring)."""
@@ -212,16 +250,15 @@ class ProcessGroup:
                    reduce_op: str | None = None, algo: str = "",
                    p2p: tuple[int, int, int] | None = None) -> "CallScope":
         """`with group.collective(...)`: the scope of one call (see the module docstring);
-        p2p = (src, dst, tag) for a send or recv."""
-        key = (op, None if x is None else (x.dtype, x.shape), root, reduce_op, algo, p2p)
-        template = self._templates.get(key)
-        if template is None:                     # pack once per distinct call, reuse after
-            if len(self._templates) > 4096:
-                self._templates.clear()
-            template = call.pack(self.gid, 0, op, x, root, reduce_op, algo, p2p)
-            template[call.STATE] = call.STARTED
-            self._templates[key] = template
-        return CallScope(self, template)
+        p2p = (src, dst, tag) for a send or recv. The scope can be kept and entered again
+        for the next call with the same signature (collectives/api.py does)."""
+        return CallScope(self, self.records.template(op, x, root, reduce_op, algo, p2p))
+
+    def unread(self) -> list[str]:
+        """A description of each message that arrived and was never received."""
+        return [f"an unread message from rank {src} of group '{self.name}', sent in "
+                f"[{call.describe(h[:call.NFIELDS], self.group_names)}] (chunk at byte {off})"
+                for src, h, off in self.mail.unread()]
 
     # --- async: one FIFO worker thread per group ---
     def submit(self, fn: Callable[[], Any]) -> Work:
@@ -259,118 +296,33 @@ class ProcessGroup:
                     self._pending -= 1
                     self._cv.notify_all()
 
-    # --- what a stalled wait checks (runtime/wait.py) ---
-    def watch(self, peer: int, ready: Callable[[], bool], what: str) -> "PeerWatch":
+    # --- what a stalled wait checks (runtime/wait.py, runtime/watch.py) ---
+    def watch(self, peer: int, ready: Callable[[], bool], what: str) -> PeerWatch:
         return PeerWatch(self, peer, ready, what)
 
 
 class CallScope:
     """Entering: next sequence number, publish the record; leaving: mark it done/failed."""
 
-    def __init__(self, group: ProcessGroup, template: np.ndarray):
+    __slots__ = ("g", "template")
+
+    def __init__(self, group: ProcessGroup, template: Template):
         self.g, self.template = group, template
 
     def __enter__(self) -> ProcessGroup:
-        g = self.g
+        g, t = self.g, self.template
         if g.health.error is not None:        # an async call failed: do not wait for peers
-            g.health.check(g.prefix, f"{call.decode(int(self.template[call.OP]))} on "
+            g.health.check(g.prefix, f"{call.decode(int(t.record[call.OP]))} on "
                            f"'{g.name}' not started")
-        g.seq += 1
-        rec, version = g._mine, g._version    # my record on the board: peers read it
-        g._writes += 2
-        version[0] = g._writes - 1            # seqlock (job.py): odd while rewriting
-        rec[:] = self.template
-        rec[call.SEQ] = g.seq
-        version[0] = g._writes
-        g._recorder.start(rec)
-        g.record, g.ident, g._verified = rec, call.identity(rec), False
+        g.records.begin(t)
+        g.record, g.key, g._ident = g.records.current, t.key, None
         return g
 
     def __exit__(self, exc_type, exc, tb) -> None:
         g = self.g
-        state = call.DONE if exc_type is None else call.FAILED
-        if exc_type is not None:
+        if exc_type is None:
+            g.records.end(call.DONE)
+        else:
             g.failed_call = call.describe(g.record, g.group_names)
-        g._mine[call.STATE] = state
-        g._recorder.finish(state)
-        g.record, g.ident, g._verified = g._p2p_record, g._p2p_ident, True
-
-
-class PeerWatch:
-    """Decides whether a wait on group rank `peer` can still succeed."""
-
-    def __init__(self, group: ProcessGroup, peer: int, ready: Callable[[], bool], what: str):
-        self.g, self.peer, self.ready, self.what = group, peer, ready, what
-
-    def _doing(self) -> str:
-        g = self.g
-        if g.record[call.OP] == call.encode("p2p"):
-            return f"point-to-point on group '{g.name}'"
-        return call.describe(g.record, g.group_names)
-
-    def check(self, late: bool) -> None:
-        g, board = self.g, self.g.board
-        peer_global = g.ranks[self.peer]
-        failed = board.first_failed()
-        if failed == g.global_rank:          # this rank failed: an async call on another group
-            g.health.check(g.prefix, f"stopped waiting to {self.what} group rank "
-                           f"{self.peer} in {self._doing()}")
-        if failed is not None:
-            raise RankFailure(
-                f"{g.prefix} rank {failed} {board.describe_status(failed)}; this rank stopped "
-                f"while waiting to {self.what} group rank {self.peer} in {self._doing()}.",
-                rank=failed)
-        if not board.launcher_alive():
-            raise RankFailure(f"{g.prefix} the launcher process is gone; stopping.", rank=-1)
-        gone = board.status[peer_global] == DONE or (
-            board.status[peer_global] == EXITING and g.record[call.OP] != call.encode("exit"))
-        if gone and not self.ready():
-            raise CollectiveMismatch(
-                f"{g.prefix} rank {peer_global} returned from its function without making "
-                f"{self._doing()}, which this rank is in (waiting to {self.what} it).")
-        if g.record[call.OP] != call.encode("p2p"):
-            theirs = board.read_call(peer_global, g.gid)
-            if theirs is not None:
-                self._probe_mismatch(theirs, peer_global)
-        if late:
-            missing = self._missing()
-            raise CollectiveTimeout(self._timeout_text(), missing=missing,
-                                    hung=tuple(g.ranks[r] for r in missing))
-
-    def _probe_mismatch(self, theirs: np.ndarray, peer_global: int) -> None:
-        g = self.g
-        mine = g.record
-        if theirs[call.SEQ] < mine[call.SEQ] or self.ready():
-            return
-        if theirs[call.SEQ] == mine[call.SEQ] and call.same_call(theirs, mine):
-            return
-        names = g.group_names
-        raise CollectiveMismatch(
-            f"{g.prefix} this rank is in [{call.describe(mine, names)}] but rank {peer_global} "
-            f"is in [{call.describe(theirs, names)}]. Every rank of a group must make the same "
-            "collective calls, with the same dtype, shape, root and op, in the same order.")
-
-    def _missing(self) -> tuple[int, ...]:
-        g = self.g
-        seqs = g.board.calls[list(g.ranks), g.gid, call.SEQ]
-        return tuple(r for r in range(g.size) if seqs[r] < g.record[call.SEQ])
-
-    def _timeout_text(self) -> str:
-        g = self.g
-        missing = self._missing()
-        who = (f"group ranks {list(missing)} (global {[g.ranks[r] for r in missing]}) have not "
-               "reached this call" if missing else "every rank reached this call")
-        return (f"{g.prefix} {self._doing()} waited {g.timeout:g} s to {self.what} group rank "
-                f"{self.peer} (global rank {g.ranks[self.peer]}); {who}. Usually a rank is hung "
-                "or called a different collective, or the same ones in a different order.\n"
-                + g._recorder.render(g.ranks, g.group_names) + self._trace_file())
-
-    def _trace_file(self) -> str:
-        """With MINIDIST_TRACE_DIR set, write every member's last calls as a Chrome trace."""
-        folder = os.environ.get("MINIDIST_TRACE_DIR")
-        if not folder:
-            return "\n(set MINIDIST_TRACE_DIR to also get these calls as a Chrome trace)"
-        g = self.g
-        path = os.path.join(folder, f"minidist-hang-rank{g.global_rank}-{os.getpid()}.json")
-        g._recorder.trace(g.ranks, g.group_names).write(path)
-        return f"\nChrome trace of these calls: {path} (open in ui.perfetto.dev)"
+            g.records.end(call.FAILED)
+        g.record, g.key, g._ident = g._p2p.record, g._p2p.key, None

@@ -11,7 +11,10 @@ It lives at the start of the shared arena (runtime/shm.py) and holds:
                        so a waiting rank can compare its call with a peer's;
                        guarded by a seqlock, versions (W, G): odd while the owner
                        rewrites the record, so a reader never trusts a torn copy
-    flight rings       the flight recorder (observe/flight.py)
+    flight rings       the flight recorder (runtime/flight.py)
+    beats (W,)         per rank, the time (CLOCK_MONOTONIC, ns) it last checked on a
+                       wait: a rank stuck in a call whose beat is old is not waiting
+                       for anyone, it is hung or slow (runtime/watch.py)
 
 One rank's view: write only your own rows; read anyone's. All of these are
 single-writer cells, so no locks are needed for correctness (runtime/shm.py
@@ -32,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from minidist.observe.flight import DEPTH, FlightRecorder
+from minidist.runtime.flight import DEPTH, FlightRecorder
 from minidist.runtime import call
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.shm import ALIGN, Arena
@@ -46,7 +49,7 @@ def _layout(W: int, G: int) -> dict[str, tuple[int, ...]]:
     """The board's int64 arrays and their shapes, in allocation order."""
     F = call.NFIELDS
     return {"status": (W,), "exit_info": (W,), "abort": (1,), "calls": (W, G, F),
-            "versions": (W, G), "rings": (W, DEPTH, F), "flight_pos": (W,)}
+            "versions": (W, G), "rings": (W, DEPTH, F), "flight_pos": (W,), "beats": (W,)}
 
 
 class JobBoard:

@@ -57,12 +57,10 @@ from typing import Any, Callable
 import multiprocess as mp
 import multiprocess.connection
 
-from minidist.runtime import call
 from minidist.runtime.errors import CollectiveMismatch, RankFailure
 from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import DEAD, DONE, EXITING, FAILED, RUNNING, JobBoard
-from minidist.runtime.p2p import CHUNK_OFF
-from minidist.runtime.rank_env import setup_rank_process
+from minidist.runtime.process_setup import setup_rank_process
 from minidist.runtime.report import Reports
 from minidist.runtime.shm import Arena, strong_ordering
 from minidist.runtime.world import Job, RuntimeConfig, current_job, is_initialized, set_job
@@ -222,16 +220,11 @@ def _finish(job: Job) -> None:
     with job.world.collective("exit", None):
         job.world.barrier()
     for g in job.groups:
-        if g is None:
-            continue
-        for src, ch in g.mail.inc.items():
-            if ch.head() > ch.done:
-                h = ch.hdrs[ch.done % ch.nslots]
-                raise CollectiveMismatch(
-                    f"{g.prefix} finished with an unread message from rank {src} of group "
-                    f"'{g.name}', sent in [{call.describe(h[:call.NFIELDS], g.group_names)}] "
-                    f"(chunk at byte {int(h[CHUNK_OFF])}). This rank never received it: the "
-                    "ranks made different calls.")
+        unread = [] if g is None else g.unread()
+        if unread:
+            raise CollectiveMismatch(
+                f"{g.prefix} finished with {unread[0]}. This rank never received it: "
+                "the ranks made different calls.")
 
 
 def _supervise(procs, readers, board: JobBoard, join_timeout: float | None) -> list[Any]:

@@ -73,7 +73,7 @@ class MpiGroup:
         self._p2p = call.pack(gid, 0, "p2p", None)
         self.record = self._p2p
         self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0}
-        self.algo_state: dict = {}
+        self.prepared: dict = {}          # collectives/api.py's validated calls, by signature
 
     # --- messages: header, then payload ---
     def _header(self, x: np.ndarray) -> np.ndarray:

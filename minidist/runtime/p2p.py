@@ -92,8 +92,8 @@ def byte_view(x: np.ndarray) -> np.ndarray:
 class Mailboxes:
     """This rank's outgoing and incoming channels in one group, and the
     operations on them. `link` is the owning group: it supplies the current
-    call record (`record`, and its identity bytes `ident`), the timeout, and
-    the watcher for stalled waits."""
+    call record (`record`, and its identity bytes `identity()`), the timeout,
+    and the watcher for stalled waits."""
 
     def __init__(self, link, arena: Arena, rank: int, size: int, nslots: int,
                  slot_bytes: int, ordering: Ordering):
@@ -138,7 +138,7 @@ class Mailboxes:
         k = ch.done % ch.nslots
         h = ch.hdrs[k]
         off, n = int(h[CHUNK_OFF]), int(h[CHUNK_NBYTES])
-        if off == 0 and (h[1:13].tobytes() != self.link.ident or h[MSG_NBYTES] != out.nbytes
+        if off == 0 and (h[1:13].tobytes() != self.link.identity() or h[MSG_NBYTES] != out.nbytes
                          or h[MSG_DTYPE] != call.dtype_code(out.dtype)):
             self._mismatch(h, src, out)
         if combine is None:
@@ -204,6 +204,11 @@ class Mailboxes:
         self._count(total)
         self.stats["bytes_recv"] += out.nbytes
         return out
+
+    def unread(self) -> list[tuple[int, np.ndarray, int]]:
+        """(src, header, byte offset) of the first unreceived chunk from each sender."""
+        return [(src, ch.hdrs[ch.done % ch.nslots], int(ch.hdrs[ch.done % ch.nslots][CHUNK_OFF]))
+                for src, ch in self.inc.items() if ch.head() > ch.done]
 
     def _count(self, nbytes: int) -> None:
         self.stats["bytes_sent"] += nbytes

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minidist.runtime import call
 from minidist.runtime.errors import CollectiveMismatch, rank_prefix
 from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import JobBoard, RankHealth
@@ -194,15 +193,13 @@ class Job:
         name = name or f"group{len(self.groups)}"
         key = zlib.crc32(repr((ranks, name)).encode()) & 0x7FFFFFFF
         with self.world.collective("new_group", np.asarray(ranks), root=key):
-            self.world.barrier()
-            for r in range(W):
-                theirs = self.board.read_call(r, 0)       # stable: everyone is in this call
-                if theirs is not None and not call.same_call(theirs, self.world.record):
-                    raise CollectiveMismatch(
-                        f"{rank_prefix(self.rank, W)} new_group({list(ranks)}, {name!r}) here, "
-                        f"but rank {r} made [{call.describe(theirs, self.group_names)}]. "
-                        "Every rank must create the same groups in the same order.")
-            self.world.barrier()
+            try:                          # the barrier compares every rank's call (group.py)
+                self.world.barrier()
+            except CollectiveMismatch as e:
+                raise CollectiveMismatch(
+                    f"{rank_prefix(self.rank, W)} new_group({list(ranks)}, {name!r}) here, but "
+                    f"{str(e).split(' but ', 1)[-1].split('. Every', 1)[0]}. Every rank must "
+                    "create the same groups in the same order.") from None
         return self._create(ranks, name)
 
 

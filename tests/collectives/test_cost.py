@@ -9,7 +9,7 @@ import pytest
 
 from minidist import collectives as C
 from minidist.collectives import api, cost
-from minidist.collectives.ring import PIPELINE_BYTES
+from minidist.collectives.ring import SEGMENT_BYTES
 from minidist.runtime.launch import spawn
 
 MSG, BYTE, RED = cost.Constants(1, 0, 0), cost.Constants(0, 1, 0), cost.Constants(0, 0, 1)
@@ -28,7 +28,7 @@ MSG, BYTE, RED = cost.Constants(1, 0, 0), cost.Constants(0, 1, 0), cost.Constant
     ("all_gather", "ring", 4, 100, BYTE, 300),
     ("reduce_scatter", "halving", 8, 800, BYTE, 700),
     ("reduce_scatter", "halving", 6, 800, BYTE, 3 / 4 * 800 + 800 + 800 / 6),
-    ("broadcast", "ring", 4, 4 * PIPELINE_BYTES, BYTE, (2 + 4) * PIPELINE_BYTES),
+    ("broadcast", "ring", 4, 4 * SEGMENT_BYTES, BYTE, (2 + 4) * SEGMENT_BYTES),
     ("gather", "tree", 5, 100, BYTE, 400),
     # bytes reduced (gamma = 1)
     ("all_reduce", "tree", 8, 800, RED, 2400), ("all_reduce", "ring", 8, 800, RED, 700),

@@ -123,6 +123,27 @@ def test_a_timeout_names_the_rank_that_never_arrived_first_and_once():
     assert elapsed < 1.0 + 1.0, f"took {elapsed:.2f} s"        # the sleeper is not waited for
 
 
+def _stop_inside_a_call(ctx, stopped):
+    g = ctx.world
+    C.all_reduce(np.ones(4), group=g)
+    if ctx.rank == stopped:                 # enters barrier #2, then stops inside it
+        with g.collective("barrier", None):
+            os.kill(os.getpid(), signal.SIGSTOP)
+    C.barrier(group=g)
+
+
+@pytest.mark.parametrize("stopped", [1, 3])
+def test_a_rank_stopped_inside_a_call_every_rank_reached_is_the_one_named_hung(stopped):
+    # Every rank reached barrier #2, so sequence numbers cannot tell who hangs; the
+    # stopped rank is the one that no longer waits (its beat on the board is old).
+    with pytest.raises(RankFailure) as info:
+        spawn(4, _stop_inside_a_call, stopped, collective_timeout=1.0)
+    err, text = info.value, str(info.value)
+    assert err.rank == stopped and err.hung == (stopped,)
+    assert text.startswith(f"rank {stopped} of 4 is hung: rank ")
+    assert f"group ranks [{stopped}] (global [{stopped}]) stopped inside it" in text
+
+
 def _hello(ctx):
     ctx.new_group([0, 1], name="pair")
     C.barrier(group=ctx.world)

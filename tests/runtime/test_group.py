@@ -5,6 +5,8 @@ import time
 import numpy as np
 import pytest
 
+from minidist import collectives as C
+
 from minidist.runtime import RankFailure, spawn
 from minidist.runtime.mesh import DeviceMesh
 
@@ -147,3 +149,24 @@ def _bad_mesh(ctx):
 def test_mesh_shape_must_cover_the_world():
     with pytest.raises(RankFailure, match="ValueError.*shape \\(2, 2\\) has 4 ranks"):
         spawn(3, _bad_mesh)
+
+
+def _barrier_from_different_calls(ctx, shift):
+    g = ctx.world
+    for _ in range(shift):
+        C.barrier(group=g)                      # both ranks: the barriers line up
+    if ctx.rank == 0:
+        C.barrier(group=g)
+    else:                                       # its only wait is direct_small's barrier
+        C.all_reduce(np.ones(2, np.float32), group=g, algo="direct")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("shift", [0, 3])
+def test_ranks_meeting_at_a_barrier_from_different_calls_is_a_mismatch_naming_both(shift):
+    with pytest.raises(RankFailure) as info:
+        spawn(2, _barrier_from_different_calls, shift)
+    text = str(info.value)
+    assert "CollectiveMismatch" in text
+    assert f"barrier #{shift + 1} on 'world'" in text
+    assert f"all_reduce #{shift + 1} on 'world' (float32 (2,), op sum, algo direct)" in text

@@ -26,7 +26,11 @@ _EXPORTS = {
     "minidist.runtime": ("spawn", "init", "get_rank", "get_world_size", "new_group",
                          "RankFailure", "CollectiveTimeout", "CollectiveMismatch"),
     "minidist.collectives": ("broadcast", "reduce", "all_reduce", "reduce_scatter",
-                             "all_gather", "gather", "scatter", "all_to_all", "barrier"),
+                             "all_gather", "gather", "scatter", "all_to_all", "barrier",
+                             "send", "recv"),
+    "minidist.collectives.api": ("isend", "irecv"),
+    "minidist.runtime.process_group_api": ("init_process_group", "destroy_process_group",
+                                           "is_initialized", "get_backend"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -37,18 +37,54 @@ def _error(message: str) -> int:
 
 def _run(argv: list[str]) -> int:
     from minidist.baseline import CliParser, at_least
-    p = CliParser(prog="python -m minidist run",
-                  description="Run SCRIPT on N ranks; it calls minidist.init().")
-    p.add_argument("-n", "--nproc", type=at_least(1), required=True, help="number of ranks")
+
+    def ranks(text: str) -> set[int]:
+        try:
+            return {int(r) for r in text.split(",")}
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be ranks separated by commas, e.g. 0 or "
+                                             f"0,2; got {text!r}") from None
+    p = CliParser(prog="python -m minidist run", description=(
+        "Run SCRIPT on N ranks, as torchrun does. Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, "
+        "LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and "
+        "MASTER_PORT=29500 (nothing listens there: the ranks meet in shared memory), and its "
+        "output lines arrive tagged [rank<r>]:. SCRIPT calls minidist.init() or "
+        "minidist.init_process_group()."))
+    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc",
+                   type=at_least(1), default=1, metavar="N",
+                   help="number of ranks (default: 1, as torchrun's --nproc-per-node; a "
+                        "default of os.cpu_count() would make one command compute different "
+                        "things on different machines)")
     p.add_argument("--timeout", type=at_least(1e-3, float), default=None,
                    help="seconds any one collective wait may take (default 60)")
-    p.add_argument("script")
-    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.add_argument("--no-prefix", action="store_true",
+                   help="print the ranks' lines without the [rank<r>]: tag")
+    p.add_argument("--log-dir", "--log_dir", metavar="DIR",
+                   help="also write each rank's stdout and stderr lines, untagged, to "
+                        "DIR/rank<r>.log (DIR is created if missing)")
+    p.add_argument("--local-ranks-filter", "--local_ranks_filter", metavar="R,R,...",
+                   type=ranks, default=None,
+                   help="show only these ranks' lines (e.g. 0 or 0,2); with --log-dir every "
+                        "rank's lines still reach its file")
+    p.add_argument("script", help="the Python file every rank runs as __main__")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (all after SCRIPT)")
     a = p.parse_args(argv)
     if not os.path.isfile(a.script):
         p.error(f"no such script: {os.path.abspath(a.script)}")
+    outside = sorted(r for r in a.local_ranks_filter or () if not 0 <= r < a.nproc)
+    if outside:
+        p.error(f"--local-ranks-filter names rank {outside[0]}, but this run has ranks "
+                f"0..{a.nproc - 1} (-n {a.nproc})")
+    if a.log_dir is not None:
+        if os.path.exists(a.log_dir) and not os.path.isdir(a.log_dir):
+            p.error(f"--log-dir {a.log_dir} is a file; give a folder (it is created if missing)")
+        try:
+            os.makedirs(a.log_dir, exist_ok=True)
+        except OSError as e:
+            p.error(f"--log-dir {a.log_dir}: cannot create it ({e.strerror})")
     from minidist.runtime.launch import run_script
-    return run_script(a.nproc, a.script, a.args, collective_timeout=a.timeout)
+    return run_script(a.nproc, a.script, a.args, collective_timeout=a.timeout,
+                      prefix=not a.no_prefix, log_dir=a.log_dir, show=a.local_ranks_filter)
 
 
 def _demos() -> list[str]:

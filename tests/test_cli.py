@@ -115,7 +115,7 @@ def test_a_closed_stdout_ends_train_quietly(layout):
 def _interrupt_after_first_step(proc: subprocess.Popen) -> tuple[list[int], str]:
     """Wait for the first step line, SIGINT the whole process group as Ctrl-C does;
     return the launcher's children seen before, and stderr."""
-    while not (line := proc.stdout.readline()).startswith(("step", "ready")):
+    while not (line := proc.stdout.readline()).startswith(("step", "[rank0]:ready")):
         assert line, proc.communicate(timeout=30)[1]
     kids = child_pids(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)

@@ -34,7 +34,7 @@ def test_run_starts_one_process_per_rank(tmp_path):
     res = _run(tmp_path, "-n", "3")
     assert res.returncode == 0, res.stderr
     lines = sorted(res.stdout.splitlines())
-    assert lines == [f"rank {r}/3 got {(r - 1) % 3} args ['--x']" for r in range(3)]
+    assert lines == [f"[rank{r}]:rank {r}/3 got {(r - 1) % 3} args ['--x']" for r in range(3)]
 
 
 @pytest.mark.multiproc

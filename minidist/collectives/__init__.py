@@ -13,7 +13,8 @@ Reading order:
 """
 
 from minidist.collectives.api import (all_gather, all_reduce, all_to_all, barrier, broadcast,
-                                      gather, recv, reduce, reduce_scatter, scatter, send)
+                                      gather, irecv, isend, recv, reduce, reduce_scatter,
+                                      scatter, send)
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "gather", "recv",
-           "reduce", "reduce_scatter", "scatter", "send"]
+__all__ = ["all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "gather", "irecv",
+           "isend", "recv", "reduce", "reduce_scatter", "scatter", "send"]

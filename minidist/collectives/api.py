@@ -16,7 +16,6 @@ op, algo) was validated before runs steps 3-5 prepared (see `_remember`): after 
 dict lookup, straight into its header scope and algorithm. A small all_reduce costs
 a few microseconds of Python this way (bench/collectives.py measures it against MPI).
 
-
 Contract shared by all calls:
     x            a NumPy array (a NumPy scalar is taken as 0-d). A non-C-contiguous x
                  is copied into a contiguous one first (the algorithms slice flat views
@@ -40,6 +39,8 @@ Contract shared by all calls:
     barrier()                 -> None, once every rank has arrived
     send(x, dst, tag)         -> None (or a Work): x goes to group rank dst
     recv(out, src, tag)       -> out, filled with the message of the matching send
+    isend(x, dst, tag)        -> Work: send with async_op=True (wait() gives None)
+    irecv(out, src, tag)      -> Work: recv with async_op=True (wait() gives out)
 
 Algorithms (cost.ALGOS): ring.py, tree.py, halving_doubling.py ("halving"),
 direct.py (canonical rank order, bitwise reproducible), all_to_all.py ("pairwise").
@@ -336,6 +337,10 @@ def barrier(group=None, async_op: bool = False):
 # that rank's k-th recv from this one: same tag, dtype and shape, or CollectiveMismatch.
 # Use them on a group whose other ranks make no calls in between (e.g. a 2-rank group
 # per direction, as parallel/pipeline.py does): sequence numbers count every call.
+# isend/irecv (torch.distributed's names) are send/recv with async_op=True: they run on
+# the group's worker in program order, under the same rule. So, unlike torch, two ranks
+# that swap messages write it as rank 0: isend then irecv, rank 1: irecv then isend (both
+# posting isend first is a CollectiveMismatch naming both sends, at once, never a hang).
 
 def _tag(tag: Any, what: str) -> int:
     if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or tag < 0:
@@ -368,17 +373,43 @@ def send(x: np.ndarray, dst: int, group=None, tag: int = 0, async_op: bool = Fal
     return _run(g, "send", x, lambda: g.send(x, dst), async_op, p2p=(g.rank, dst, tag))
 
 
-def recv(out: np.ndarray, src: int, group=None, tag: int = 0) -> np.ndarray:
+def recv(out: np.ndarray, src: int | None = None, group=None, tag: int = 0,
+         async_op: bool = False):
     """Fill `out` (and return it) with the message of group rank src's matching send.
 
     Blocks until it has arrived or the group's timeout passes (CollectiveTimeout naming
     this recv and the flight recorder); a different tag, dtype or shape is a
-    CollectiveMismatch naming both calls.
+    CollectiveMismatch naming both calls. async_op=True returns a Work at once; its
+    wait() returns out. Unlike torch.distributed (whose recv returns the sender's rank
+    and takes src=None for any sender), src is required: every message is matched to a
+    numbered call on both ranks, so the receiver names its sender.
     """
     g = _group(group)
     if not isinstance(out, np.ndarray) or not out.flags.c_contiguous:
         raise ValueError("recv: out must be a C-contiguous NumPy array to receive into "
                          f"(got {type(out).__name__}); make one with np.empty(shape, dtype).")
+    if src is None:
+        raise ValueError("recv: src=None (receive from any rank) is not supported: minidist "
+                         "matches each message to a numbered call on both ranks, so the "
+                         "receiver must name its sender. Pass src=<the sender's group rank>.")
     src = _other_rank(src, g, "recv", "src")
     tag = _tag(tag, "recv")
-    return _run(g, "recv", out, lambda: g.recv(src, out), False, p2p=(src, g.rank, tag))
+    return _run(g, "recv", out, lambda: g.recv(src, out), async_op, p2p=(src, g.rank, tag))
+
+
+def isend(x: np.ndarray, dst: int, group=None, tag: int = 0):
+    """Start sending x to group rank `dst`; return its Work (wait() returns None).
+
+    send(x, dst, group, tag, async_op=True), named as in torch.distributed. Do not
+    modify x before wait(). Matching rule: see this section's comment above.
+    """
+    return send(x, dst, group=group, tag=tag, async_op=True)
+
+
+def irecv(out: np.ndarray, src: int | None = None, group=None, tag: int = 0):
+    """Start receiving src's matching send into `out`; return its Work (wait() returns out).
+
+    recv(out, src, group, tag, async_op=True), named as in torch.distributed. Read out
+    only after wait() (or once is_completed() is True). src is required (see recv).
+    """
+    return recv(out, src, group=group, tag=tag, async_op=True)

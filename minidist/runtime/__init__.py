@@ -1,7 +1,8 @@
 """The rank runtime: launching ranks, the shared-memory wire, groups and meshes.
 
-Read in this order: launch.py, report.py, shm.py, wait.py, p2p.py, call.py, group.py,
-job.py, world.py, mesh.py.
+Read in this order: launch.py (process_setup.py, rank_output.py), report.py, shm.py,
+wait.py, p2p.py, call.py, records.py, flight.py, watch.py, group.py, job.py, world.py,
+mesh.py, then process_group_api.py (the torch.distributed-style lifecycle) and mpi.py.
 """
 
 from minidist.runtime.errors import CollectiveMismatch, CollectiveTimeout, RankFailure

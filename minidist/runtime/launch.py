@@ -4,7 +4,9 @@
 processes and runs `fn(ctx, *args)` in each, where `ctx` carries the rank,
 the world size and the world group. It returns the W results in rank order.
 `python -m minidist run -n W script.py` does the same for a script that
-calls `minidist.init()` (the torchrun of minidist).
+calls `minidist.init()` (the torchrun of minidist, `run_script`): each rank
+gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) and its output
+lines arrive tagged "[rank1]:" (runtime/rank_output.py).
 
 Failure semantics (the heart of the runtime):
     a rank raises        it marks itself FAILED on the job board, which raises
@@ -60,6 +62,7 @@ import multiprocess.connection
 from minidist.runtime.errors import CollectiveMismatch, RankFailure
 from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import DEAD, DONE, EXITING, FAILED, RUNNING, JobBoard
+from minidist.runtime.rank_output import RankOutput
 from minidist.runtime.process_setup import setup_rank_process
 from minidist.runtime.report import Reports
 from minidist.runtime.shm import Arena, strong_ordering
@@ -294,11 +297,18 @@ def _kill(procs) -> set[int]:
     return killed
 
 
+MASTER_ADDR, MASTER_PORT = "127.0.0.1", 29500     # torchrun's defaults; nothing listens here
+_LEFT: list = []             # the job destroy_process_group() left; init() rejoins it
+
+
 def init():
     """In a script run by `python -m minidist run`, return this rank's context;
     under mpiexec, join the MPI job (runtime/mpi.py); in a plain Python process,
-    start a one-rank job and return its context."""
+    start a one-rank job and return its context. After `leave()` it rejoins the job
+    this process left (a rank of a launched job stays that rank)."""
     from minidist.runtime.mpi import init_mpi, under_mpiexec
+    if not is_initialized() and _LEFT:
+        set_job(_LEFT.pop())
     if not is_initialized() and under_mpiexec():
         set_job(init_mpi())             # the default group, get_rank(), ... work under MPI too
     if not is_initialized():
@@ -310,25 +320,80 @@ def init():
     return RankContext(job.rank, job.cfg.world_size, job.world, job)
 
 
-def _script_on_rank(ctx: RankContext, path: str, argv: list[str]) -> int:
+def leave() -> None:
+    """Stop being initialised (torch's destroy_process_group): wait for this rank's async
+    calls, then forget the job, so collectives raise "not initialised". The job itself
+    stays: under spawn or `minidist run` the rank still meets the others at the exit
+    barrier after fn returns, and its peers may still read its shared buffers; init()
+    rejoins it."""
+    job = current_job()
+    for g in getattr(job, "groups", [job.world]):
+        if g is not None:
+            g.drain()
+    _LEFT[:] = [job]
+    set_job(None)
+
+
+def torchrun_env(rank: int, world_size: int) -> dict[str, str]:
+    """The variables torchrun gives each worker, for one node running every rank."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+            "ROLE_NAME": "default", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": str(MASTER_PORT)}
+
+
+def _script_on_rank(ctx: RankContext, path: str, argv: list[str],
+                    output: RankOutput | None = None) -> int:
+    """One rank of `run_script`: its output into its pipes, torchrun's variables, then
+    the script as __main__. A closed launcher stdout (`| head`) fails the rank with
+    BrokenPipeError, quietly (what it still has buffered goes to /dev/null)."""
+    if output is not None:
+        output.attach(ctx.rank)
+    os.environ.update(torchrun_env(ctx.rank, ctx.world_size))
     sys.argv = [path, *argv]
     try:
-        runpy.run_path(path, run_name="__main__")
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            raise
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise
+        sys.stdout.flush()              # here, where a closed pipe is handled, not at exit
+    except BrokenPipeError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.close(null)
+        raise
     return 0
 
 
 def run_script(world_size: int, path: str, argv: list[str],
-               collective_timeout: float | None = None) -> int:
-    """`python -m minidist run -n W script.py args`: returns the process exit code."""
+               collective_timeout: float | None = None, *, prefix: bool = True,
+               log_dir: str | None = None, show: set[int] | None = None) -> int:
+    """`python -m minidist run -n W script.py args`: returns the process exit code.
+
+    Each rank's stdout and stderr lines reach the launcher's stdout and stderr tagged
+    "[rank<r>]:" (prefix=False: untagged), only for the ranks in `show` (None: all),
+    and with log_dir also DIR/rank<r>.log (runtime/rank_output.py). Returns 0, or 1
+    after printing the RankFailure report on stderr, after every rank's output. Raises
+    BrokenPipeError when the launcher's stdout was closed by its reader (`| head`).
+    """
     if not os.path.isfile(path):
         raise ValueError(f"run: no such script {path!r}")
-    try:
-        spawn(world_size, _script_on_rank, os.path.abspath(path), list(argv),
-              collective_timeout=collective_timeout)
-    except RankFailure as e:
-        print(f"minidist run: {e}", file=sys.stderr)
+    if show is not None and not set(show) <= set(range(world_size)):
+        raise ValueError(f"run: show={sorted(show)} names ranks outside 0..{world_size - 1}; "
+                         f"the job has {world_size} ranks.")
+    sys.stdout.flush()                  # the launcher's own lines come first
+    sys.stderr.flush()
+    failure = None
+    with RankOutput(world_size, prefix=prefix, log_dir=log_dir, show=show) as output:
+        try:                            # leaving the with: every rank is reaped; drain
+            spawn(world_size, _script_on_rank, os.path.abspath(path), list(argv), output,
+                  collective_timeout=collective_timeout)
+        except RankFailure as e:
+            failure = e
+    if output.stdout_closed:
+        raise BrokenPipeError("the reader of this run's stdout has gone")
+    if failure is not None:
+        print(f"minidist run: {failure}", file=sys.stderr)
         return 1
     return 0

@@ -15,11 +15,11 @@ and looks, in this order, at:
                               hung ranks (`hung`) and carries every member's
                               last calls from the flight recorder (and, with
                               MINIDIST_TRACE_DIR, a Chrome trace of them).
-Which ranks are hung: those that never reached this call (their sequence number
-is behind); if every rank reached it, those still inside it that have stopped
-waiting for anyone: each check stamps this rank's beat on the board, so a rank
-whose beat is older than STALE is not in a wait (stopped, in a loop, asleep);
-if none is found either, the peer this rank waited for.
+Which ranks are hung: each check stamps this rank's beat on the board, so a rank
+whose beat is older than STALE is not in a wait (stopped, in a loop, asleep). A
+rank that is waiting is not hung: it waits for the hung one. So the hung ranks
+are those not waiting that are behind this call, else inside it, else anywhere
+in the job (see `_hung`).
 Nothing here runs while data flows: only a wait that is not satisfied at once
 builds a watch, so it costs nothing on the fast path.
 
@@ -37,7 +37,7 @@ import numpy as np
 
 from minidist.runtime import call
 from minidist.runtime.errors import CollectiveMismatch, CollectiveTimeout, RankFailure
-from minidist.runtime.job import DONE, EXITING
+from minidist.runtime.job import DONE, EXITING, RUNNING
 
 STALE = 0.5                    # seconds without a beat: the rank is not waiting (see above)
 
@@ -80,10 +80,9 @@ class PeerWatch:
             if theirs is not None:
                 self._probe_mismatch(theirs, peer_global)
         if late:
-            missing, stalled = self._missing(), self._stalled()
-            hung = missing or stalled or (self.peer,)
-            raise CollectiveTimeout(self._timeout_text(missing, stalled), missing=missing,
-                                    hung=tuple(g.ranks[r] for r in hung))
+            missing = self._missing()
+            hung, why = self._hung(missing)
+            raise CollectiveTimeout(self._timeout_text(hung, why), missing=missing, hung=hung)
 
     def _probe_mismatch(self, theirs: np.ndarray, peer_global: int) -> None:
         g = self.g
@@ -103,35 +102,49 @@ class PeerWatch:
         seqs = g.board.calls[list(g.ranks), g.gid, call.SEQ]
         return tuple(r for r in range(g.size) if seqs[r] < g.record[call.SEQ])
 
-    def _stalled(self) -> tuple[int, ...]:
-        """Group ranks inside this call (not done with it) that are not waiting: their
-        beat is older than STALE (or they never waited at all)."""
-        g, board = self.g, self.g.board
-        seq, now = g.record[call.SEQ], time.monotonic_ns()
-        stale = min(STALE, g.timeout / 2) * 1e9
-        out = []
-        for r, peer in enumerate(g.ranks):
-            rec = board.read_call(peer, g.gid)
-            if peer != g.global_rank and rec is not None and rec[call.SEQ] == seq and \
-                    rec[call.STATE] == call.STARTED and now - board.beats[peer] > stale:
-                out.append(r)
-        return tuple(out)
+    def _stale(self, peer: int) -> bool:
+        """Global rank `peer` is not in a wait: its beat is older than STALE (or it never
+        waited at all)."""
+        stale = min(STALE, self.g.timeout / 2) * 1e9
+        return time.monotonic_ns() - self.g.board.beats[peer] > stale
 
-    def _timeout_text(self, missing: tuple[int, ...], stalled: tuple[int, ...]) -> str:
-        g = self.g
+    def _hung(self, missing: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+        """(the hung global ranks, why): the first of these that names anyone.
+            1. group ranks behind this call that are not waiting (a rank behind that IS
+               waiting, in an earlier call or on another group, waits for the hung one);
+            2. group ranks inside this call, not done with it, that are not waiting;
+            3. ranks of the job outside this group that are running and not waiting
+               (the members this rank waits for wait on one of them);
+            4. the ranks behind this call, else the peer this rank waited for."""
+        g, board = self.g, self.g.board
+        behind = tuple(g.ranks[r] for r in missing if self._stale(g.ranks[r]))
+        if behind:
+            return behind, "not waiting for anyone and behind this call"
+        inside = []
+        for peer in g.ranks:
+            rec = board.read_call(peer, g.gid)
+            if peer != g.global_rank and rec is not None and rec[call.SEQ] == \
+                    g.record[call.SEQ] and rec[call.STATE] == call.STARTED and self._stale(peer):
+                inside.append(peer)
+        if inside:
+            return tuple(inside), ("inside this call but not waiting for anyone (stopped, "
+                                   "looping or asleep)")
+        outside = tuple(q for q in range(board.world_size) if q not in g.ranks and
+                        board.status[q] == RUNNING and self._stale(q))
+        if outside:
+            return outside, ("outside this group, running and not waiting for anyone while "
+                             "this group's ranks wait")
         if missing:
-            who = (f"group ranks {list(missing)} (global {[g.ranks[r] for r in missing]}) "
-                   "have not reached this call, so they are hung (or made other calls)")
-        elif stalled:
-            who = (f"every rank reached this call, but group ranks {list(stalled)} (global "
-                   f"{[g.ranks[r] for r in stalled]}) stopped inside it without waiting for "
-                   "anyone: they are hung (stopped, looping or asleep)")
-        else:
-            who = (f"every rank reached this call and all are waiting; group rank {self.peer} "
-                   f"(global {g.ranks[self.peer]}) never answered, so it is the one named hung")
+            return tuple(g.ranks[r] for r in missing), "behind this call (not reached)"
+        return (g.ranks[self.peer],), "the peer this rank waited for, which never answered"
+
+    def _timeout_text(self, hung: tuple[int, ...], why: str) -> str:
+        g = self.g
+        who = f"global rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))}: {why}"
         return (f"{g.prefix} {self._doing()} waited {g.timeout:g} s to {self.what} group rank "
-                f"{self.peer} (global rank {g.ranks[self.peer]}); {who}. Usually a rank is hung "
-                "or called a different collective, or the same ones in a different order.\n"
+                f"{self.peer} (global rank {g.ranks[self.peer]}); {who}, so "
+                f"{'they are' if len(hung) > 1 else 'it is'} hung (or called a different "
+                "collective, or the same ones in a different order).\n"
                 + g.records.recorder.render(g.ranks, g.group_names) + self._trace_file())
 
     def _trace_file(self) -> str:

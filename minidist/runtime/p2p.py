@@ -154,7 +154,8 @@ class Mailboxes:
         mine, theirs = self.link.record, h[:call.NFIELDS]
         names = self.link.group_names
         raise CollectiveMismatch(
-            f"{self.link.prefix} rank {src} of group '{self.link.name}' sent a message of "
+            f"{self.link.prefix} rank {src} of group '{self.link.name}' (global rank "
+            f"{self.link.ranks[src]}) sent a message of "
             f"{int(h[MSG_NBYTES])} B {call.dtype_name(int(h[MSG_DTYPE]))} from call "
             f"[{call.describe(theirs, names)}] while this rank expected {out.nbytes} B "
             f"{out.dtype} in call [{call.describe(mine, names)}]. The ranks called different "

@@ -214,6 +214,17 @@ class DataParallel(Engine):
         """The optimizer's state_dict(), the layout baseline.py returns (gathered over tp)."""
         return self._global_state(self.opt.state_dict())
 
+    def load_full_state(self, params: dict, optimizer_state: dict) -> None:
+        """Every replica keeps its pieces (tp, stage, experts) of the global parameters and
+        optimizer state (engine.py); copies only, no communication. Between steps (the
+        gradient buffers, plain or buckets, hold nothing then)."""
+        local, state = self._local_full_state(params, optimizer_state)
+        xp = backend.xp
+        for n, p in zip(self.names, self.params):       # in place: views of p.data stay live
+            p.data[...] = xp.asarray(local[n])
+        self.opt.load_state_dict({k: xp.asarray(v) if isinstance(v, np.ndarray) else v
+                                  for k, v in state.items()})
+
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds: parameters, gradients (during a step), optimizer state."""
         state = self.opt.state_dict()

@@ -10,15 +10,29 @@ optimizer, and calls only these:
                                  -> (logits, loss); ZeRO-3 gathers parameters here
     engine.step(lr, clip_grad)   finish communication, clip by the GLOBAL norm,
                                  update; returns that norm
-    engine.full_params(), engine.full_optimizer_state(), engine.memory()
+    engine.full_params()         COLLECTIVE: {name: full global array}, in the
+                                 single-process model's order (baseline.py's params)
+    engine.full_optimizer_state()  COLLECTIVE: the single-process optimizer's state_dict():
+                                 "step", "m.i", "v.i" (AdamW) or "momentum_buffer.i" (SGD),
+                                 i = index in the single-process model.parameters()
+    engine.load_full_state(params, optimizer_state)
+                                 the inverse of the two, between steps: every rank is handed
+                                 the same global arrays and keeps its pieces (no
+                                 communication), so a state saved under any Plan loads under
+                                 any other and training goes on bitwise as it would have;
+                                 full_params() / full_optimizer_state() then return the
+                                 loaded arrays bitwise (and the integer step). ValueError
+                                 naming the key for a missing or unexpected name, a wrong
+                                 shape or dtype, or another optimizer's state.
+    engine.memory()
     engine.comm_wait_s           seconds the last step() waited for communication
 
 Engines: parallel/data.py's DataParallel (ZeRO stage 0) and parallel/zero.py's
 ZeroEngine (stages 1-3). An engine syncs gradients over ONE group, the dp group, for
 whatever parameters the model holds: under tensor parallelism those are this rank's tp
 shards, and the engine's `sharding` (parallel/sharding.py) turns dp-global values into
-global ones (norm over tp, full parameters gathered over tp). This base class holds what
-they share: the no_sync switch and that last step.
+global ones (norm over tp, full parameters gathered over tp) and back (`local_values`).
+This base class holds what they share: the no_sync switch and those last steps.
 Read next: parallel/data.py.
 """
 
@@ -27,6 +41,11 @@ from __future__ import annotations
 import contextlib
 import math
 from typing import Iterator
+
+import numpy as np
+
+from minidist.optim import SGD, AdamW
+from minidist.parallel.sharding import check_state, check_values
 
 
 class Engine:
@@ -46,6 +65,44 @@ class Engine:
     def _global_state(self, state: dict) -> dict:
         return state if self.sharding is None else self.sharding.full_optimizer_state(state)
 
+    def load_full_state(self, params: dict, optimizer_state: dict) -> None:
+        """Load the global training state (see the module docstring); per engine."""
+        raise NotImplementedError
+
+    def _local_full_state(self, params: dict, optimizer_state: dict) -> tuple[dict, dict]:
+        """(this rank's pieces of the parameters, its optimizer state_dict()), both checked
+        before anything is written; a ValueError says which rank refused."""
+        try:
+            return self._local_params(params), self._local_state(optimizer_state)
+        except ValueError as e:
+            prefix = getattr(getattr(self, "group", None), "prefix", "")
+            raise ValueError(f"{prefix} {e}".lstrip()) from None
+
+    def _local_params(self, full: dict) -> dict:
+        """{name: this rank's piece} of the full parameters, validated."""
+        if self.sharding is not None:
+            return self.sharding.local_values(full)
+        names, shapes, dtype = self._catalogue()
+        check_values(full, names, shapes, dtype)
+        return {n: np.array(full[n], copy=True) for n in names}
+
+    def _local_state(self, full_state: dict) -> dict:
+        """This rank's optimizer state_dict() ("m.i": i in this rank's parameter order) of
+        the single-process one, validated against the kind of self.opt."""
+        layout = state_layout(self.opt)
+        if self.sharding is not None:
+            return self.sharding.local_optimizer_state(full_state, layout)
+        names, shapes, dtype = self._catalogue()
+        check_state(full_state, names, shapes, dtype, layout)
+        return {k: v.copy() if isinstance(v, np.ndarray) else int(v)
+                for k, v in full_state.items()}
+
+    def _catalogue(self) -> tuple[list[str], list[tuple], np.dtype]:
+        """(names, shapes, dtype) of the whole model's parameters (no sharding)."""
+        named = list(self.model.named_parameters())
+        return ([n for n, _ in named], [tuple(p.shape) for _, p in named],
+                np.dtype(named[0][1].dtype))
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward inside accumulates gradients locally and communicates nothing."""
@@ -54,3 +111,14 @@ class Engine:
             yield
         finally:
             self._sync = previous
+
+
+def state_layout(opt) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(name, scalar keys, per-parameter prefixes) of opt.state_dict(): what a loaded
+    optimizer state must hold."""
+    if isinstance(opt, AdamW):
+        return "AdamW", ("step",), ("m", "v")
+    if isinstance(opt, SGD):
+        return f"SGD (momentum={opt.momentum})", (), ("momentum_buffer",) if opt.momentum \
+            else ()
+    raise ValueError(f"load_full_state: no state layout known for {type(opt).__name__}.")

@@ -17,6 +17,11 @@ every layout (the engines add what the dp axis does; zero.py shards over dp as w
                             (padding cropped); Replicate values as they are
     full_optimizer_state    the same for m, v or momentum buffers ("m.i" has param i's
                             placement), in baseline.py's state_dict() layout
+    local_values(full)      the inverse, with no communication (every rank is handed the
+    local_optimizer_state   full arrays): this rank's pieces, cut as at initialisation
+                            (placement.shard, padding zeros), only my stage's parameters
+                            and my ep rank's experts, the state renumbered to my order:
+                            so the global state saved under one Plan loads under any other
 
 Check mode adds a runtime proof of the placements of the gradients: a parameter that is
 Replicate over tp must end every backward with the SAME gradient on every tp rank (its
@@ -38,8 +43,9 @@ optimizer state from this stage's parameter order to the single-process one.
 One rank's view: build GPT(cfg, seed) -> parallelize(model, tp) (tp > 1) ->
 parallelize_context(model, cp) (cp > 1) -> cut it to my pipeline stage (pp > 1) -> hand
 the model to the gradient-sync engine of the dp x cp group (parallel/data.py, zero.py).
-Communication: none to shard; full_values all-gathers each sharded parameter over tp and
-broadcasts it over pp from its stage.
+Communication: none to shard, nor to take my pieces of the global values (local_values);
+full_values all-gathers each sharded parameter over tp and broadcasts it over pp from its
+stage.
 Read next: parallel/data.py.
 """
 
@@ -149,6 +155,40 @@ class ModelSharding:
             out.update({f"{prefix}.{self.global_names.index(n)}": v for n, v in full.items()})
         return out
 
+    # --- the inverse: this rank's pieces of the global values (no communication) ---
+    def local_values(self, full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """{name: this rank's piece} of {name: full array} (every parameter of the
+        single-process model, as full_values returns them): the tp piece that
+        placement.shard cuts at initialisation (padding zeros), only the parameters of my
+        pipeline stage, only my ep rank's experts. ValueError naming the key for a missing
+        or unexpected name, a wrong shape or dtype (check_values)."""
+        check_values(full, self.global_names, self.global_shapes, self._dtype)
+        return {n: self._piece(full[n], p) for n, p in zip(self.names, self.params)}
+
+    def local_optimizer_state(self, full_state: dict, layout: tuple | None = None) -> dict:
+        """This rank's optimizer state_dict() from baseline's layout: "m.j" (j in the
+        single-process order) -> "m.i" (i in this rank's order), cut like parameter i;
+        scalars ("step") as they are. layout (optimizer name, scalar keys, prefixes) is what
+        the optimizer keeps (check_state: ValueError on another optimizer's state)."""
+        prefixes = check_state(full_state, self.global_names, self.global_shapes, self._dtype,
+                               layout)
+        out = {k: int(v) for k, v in full_state.items() if not isinstance(v, np.ndarray)}
+        j = {n: k for k, n in enumerate(self.global_names)}
+        for prefix in prefixes:
+            for i, (n, p) in enumerate(zip(self.names, self.params)):
+                out[f"{prefix}.{i}"] = self._piece(full_state[f"{prefix}.{j[n]}"], p)
+        return out
+
+    @property
+    def _dtype(self) -> np.dtype:
+        return np.dtype(self.model.cfg.dtype)
+
+    def _piece(self, full: np.ndarray, p) -> np.ndarray:
+        """My piece of one full array, cut as parameter p was at initialisation (a copy)."""
+        if self.tp is None:
+            return np.array(full, copy=True)
+        return pl.shard(full, pl.placement_of(p, "tp"), self.tp.group.size, self.tp_rank)
+
     def _over_experts(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """COLLECTIVE over ep: every expert of my layers, each broadcast from the ep rank
         holding it (expert e lives on ep rank e // (E/ep)); other values as they are."""
@@ -205,6 +245,77 @@ class ModelSharding:
                     "sees only its positions: pass the parameter through f "
                     "(TensorParallel.sum_grad) so its gradient is summed over tp.")
         return check
+
+
+def check_values(full: dict, names: list[str], shapes: list[tuple], dtype) -> None:
+    """ValueError unless `full` holds exactly `names`, names[i] a numpy array of shape
+    shapes[i] and of `dtype` (a load only copies, so nothing is cast or reshaped)."""
+    if not isinstance(full, dict):
+        raise ValueError(f"load_full_state: params is a {type(full).__name__}; expected a "
+                         "dict {name: full array}, as full_params() returns it.")
+    expected = dict(zip(names, shapes))
+    for name in full:
+        if name not in expected:
+            raise ValueError(f"load_full_state: params has an unexpected key {name!r}, which "
+                             f"is no parameter of this model; expected the {len(names)} names "
+                             f"of the single-process model ({names[0]!r}, ..., {names[-1]!r}).")
+    for name, shape in expected.items():
+        if name not in full:
+            raise ValueError(f"load_full_state: params has no {name!r}; expected every "
+                             f"parameter of the single-process model, full shape {shape}.")
+        _check_array(f"params[{name!r}]", full[name], shape, dtype)
+
+
+def check_state(state: dict, names: list[str], shapes: list[tuple], dtype,
+                layout: tuple | None = None) -> tuple[str, ...]:
+    """ValueError unless `state` is an optimizer state_dict() in baseline's layout: the
+    scalars (int >= 0) and, per prefix, "prefix.i" for every parameter i (shape shapes[i],
+    `dtype`), nothing else. layout = (optimizer name, scalar keys, prefixes) it must be
+    (None: whatever `state` holds). Returns the prefixes."""
+    if not isinstance(state, dict):
+        raise ValueError(f"load_full_state: optimizer_state is a {type(state).__name__}; "
+                         "expected a dict, as full_optimizer_state() returns it.")
+    arrays = {k.rsplit(".", 1)[0] for k, v in state.items() if isinstance(v, np.ndarray)}
+    name, scalars, prefixes = layout if layout is not None else (
+        "the optimizer", tuple(k for k, v in state.items() if not isinstance(v, np.ndarray)),
+        tuple(sorted(arrays)))
+    keys = ", ".join([repr(s) for s in scalars] + [f"'{p}.i'" for p in prefixes]) or "nothing"
+    keeps = f"keeps {keys} (i < {len(names)})"
+    want = f"{name} {keeps}"
+    if arrays - set(prefixes):
+        raise ValueError(f"load_full_state: optimizer_state holds {sorted(arrays)} state, but "
+                         f"this engine's optimizer is {name}, which {keeps}: an optimizer kind "
+                         "mismatch. Load a state saved with the same optimizer.")
+    valid = {*scalars, *(f"{p}.{i}" for p in prefixes for i in range(len(names)))}
+    for key in state:
+        if key not in valid:
+            raise ValueError(f"load_full_state: optimizer_state has an unexpected key {key!r};"
+                             f" {want}.")
+    for key in scalars:
+        if key not in state:
+            raise ValueError(f"load_full_state: optimizer_state has no {key!r}; {want}.")
+        v = state[key]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"load_full_state: optimizer_state[{key!r}] is {v!r}; {want}, "
+                             f"{key!r} an int >= 0.")
+    for prefix in prefixes:
+        for i, (n, shape) in enumerate(zip(names, shapes)):
+            key = f"{prefix}.{i}"
+            if key not in state:
+                raise ValueError(f"load_full_state: optimizer_state has no {key!r} (the state "
+                                 f"of parameter {i}, {n!r}); {want}.")
+            _check_array(f"optimizer_state[{key!r}] (parameter {n!r})", state[key], shape, dtype)
+    return tuple(prefixes)
+
+
+def _check_array(what: str, x, shape: tuple, dtype) -> None:
+    if not isinstance(x, np.ndarray):
+        raise ValueError(f"load_full_state: {what} is a {type(x).__name__}; expected a numpy "
+                         f"array of shape {tuple(shape)} and dtype {np.dtype(dtype)}.")
+    if x.shape != tuple(shape) or x.dtype != np.dtype(dtype):
+        raise ValueError(f"load_full_state: {what} has shape {x.shape} and dtype {x.dtype}; "
+                         f"expected the full tensor, shape {tuple(shape)}, dtype "
+                         f"{np.dtype(dtype)} (a load only copies: nothing is cast or cut).")
 
 
 def _stage(cut, stage: int):

@@ -226,6 +226,28 @@ class ZeroEngine(Engine):
                 state[f"{prefix}.{slot.index}"] = view.copy()
         return self._global_state(state)
 
+    def load_full_state(self, params: dict, optimizer_state: dict) -> None:
+        """The inverse of full_params / full_optimizer_state, between steps (engine.py):
+        each unit's flat vector is packed from this rank's pieces (flat.py: zero padding, as
+        a step leaves it) and cut to my shard; stages 1-2 overwrite the full flat copy
+        (the Parameters are views of it, w_shard a view of those), stage 3 w_shard. The
+        optimizer's m, v or momentum shards are cut alike, its step count set. No
+        communication: every rank is handed the same global arrays."""
+        local, state = self._local_full_state(params, optimizer_state)
+        opt = {k: v for k, v in state.items() if not isinstance(v, np.ndarray)}
+        prefixes = {k.rsplit(".", 1)[0] for k, v in state.items() if isinstance(v, np.ndarray)}
+        for i, u in enumerate(self.units):
+            lo, hi = u.shard_range(self._rank(i))
+            full = u.pack([local[s.name] for s in u.slots], self.dtype)     # (W S_u,)
+            if self.stage < 3:
+                self.p_full[i][...] = full
+            else:
+                self.shards[i].data[...] = full[lo:hi]
+            for prefix in prefixes:
+                flat = u.pack([state[f"{prefix}.{s.index}"] for s in u.slots], self.dtype)
+                opt[f"{prefix}.{i}"] = flat[lo:hi]
+        self.opt.load_state_dict(opt)
+
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now, from the arrays themselves (zero_memory.py predicts
         them): params, grads, optimizer; peak_unsharded_grads (stage 2-3) and

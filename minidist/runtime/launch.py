@@ -127,7 +127,7 @@ def _rank_main(rank, cfg, arena, lock, launcher_pid, conn, fn, args, kwargs) -> 
     groups' regions of the arena), in fn, in finishing, or in an async call (sent at
     once from the group's worker thread, see job.py's RankHealth)."""
     _die_with_parent(launcher_pid)
-    setup_rank_process()
+    setup_rank_process(rank, cfg.world_size)
     out = _Outbox(conn, _board(cfg, arena, launcher_pid), rank)
     job = None
     try:

@@ -251,3 +251,17 @@ def test_a_hang_report_can_be_written_as_a_chrome_trace(tmp_path, monkeypatch):
     # out too (the two deadlines fall milliseconds apart): "started" or "failed"
     assert all(e.args["state"] == "started" if e.rank == writer else
                e.args["state"] in ("started", "failed") for e in events)
+
+
+def _cores(ctx):
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_each_rank_gets_a_core_of_its_own_when_there_are_enough(monkeypatch):
+    cpus = sorted(os.sched_getaffinity(0))
+    assert spawn(2, _cores) == [[cpus[0]], [cpus[1]]]
+    over = len(cpus) + 1                            # more ranks than cores: no binding
+    assert all(c == cpus for c in spawn(over, _cores))
+    monkeypatch.setenv("MINIDIST_BIND", "0")
+    assert spawn(2, _cores) == [cpus, cpus]

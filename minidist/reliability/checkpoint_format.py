@@ -1,0 +1,322 @@
+"""Checkpoint format: what a checkpoint directory holds, byte by byte, and how it is read back.
+
+A checkpoint is layout-free: it holds the full, global arrays of the single-process model
+(parameters in the baseline's order, the optimizer's state_dict) and the non-array state
+(step, RNG streams, data cursor, losses, run config), never one rank's shard. So a run
+saved under one layout resumes under any other, on any number of ranks. Writing is still
+shared: with W writers every array is flattened and cut into W contiguous ranges
+(np.array_split order), and writer r writes range r of every array into a file of its own.
+
+One rank's view (writer r of W; checkpoint.py decides when, under which names, and how
+each write is made crash-safe):
+    writes  rank{r:05d}.safetensors: header, then elements [lo_r, hi_r) of every flat
+            array (`_rank_file_parts`); rank 0 also manifest.json (`_manifest`)
+    reads   (`load`, on any rank, whatever W was) the manifest, then every file and
+            every piece, each checked before its bytes are used; arrays come back whole
+
+On disk (W = 2):
+    D/latest                                "step00000012\\n"
+    D/step00000012/manifest.json            the index (`_manifest`), checksummed
+    D/step00000012/rank00000.safetensors    piece 0 of every array
+    D/step00000012/rank00001.safetensors    piece 1 of every array
+A rank file is a plain safetensors file (8-byte little-endian header length N, N bytes of
+JSON {name: {dtype, shape, data_offsets}} padded with spaces to a multiple of 8, raw
+little-endian bytes): tensor "params/wte" holds elements [lo, hi) of the flat wte, shape
+[hi - lo]. The reader trusts nothing: the manifest carries a checksum of itself, each file
+its size and sha256, each piece its sha256 (a reader of one piece can check just that);
+a directory holding any other file (a planted .pkl, an .npy of objects) is refused by
+name. Only json and np.frombuffer touch the bytes; nothing is ever unpickled.
+
+Cost: `load` reads and checks all S bytes of the checkpoint (S its size).
+Numbers: arrays are bitwise exact for bool, (u)int8-64, float16/32/64, in any byte order
+(loaded as little-endian); JSON floats are exact (repr round trip), every NaN loss comes
+back as the standard NaN, and tuples in rng/data_cursor/extra come back as lists.
+
+References:
+    safetensors -- github.com/huggingface/safetensors, README "Format".
+Read next: reliability/faults.py, reliability/recovery.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT, VERSION = "minidist-checkpoint", 1
+_DTYPES = {"BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "U16": "<u2", "F16": "<f2",
+           "I32": "<i4", "U32": "<u4", "F32": "<f4", "F64": "<f8", "I64": "<i8", "U64": "<u8"}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+_STEP_DIR, _RANK_FILE = re.compile(r"step(\d{8,})"), re.compile(r"rank\d{5}\.safetensors")
+_MAX_HEADER = 100 << 20       # the reference reader's limit on a header's length
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, found or read; the message names the file and the fix."""
+
+
+@dataclass
+class CheckpointState:
+    """A training run after `step` completed steps; arrays are full (global), not shards."""
+    step: int
+    params: dict[str, np.ndarray]                     # in the single-process model's order
+    optimizer: dict[str, Any] = field(default_factory=dict)   # state_dict(): arrays, ints, floats
+    rng: dict[str, Any] = field(default_factory=dict)         # JSON-able, e.g. seeds, counters
+    data_cursor: dict[str, Any] = field(default_factory=dict)  # JSON-able
+    losses: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)       # JSON-able: plan, run config ...
+
+
+def _step_name(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def _rank_file(r: int) -> str:
+    return f"rank{r:05d}.safetensors"
+
+
+def _bounds(n: int, world: int) -> list[int]:
+    """Start of each of np.array_split's W ranges of n elements, then n (the first n % W
+    ranges hold one element more)."""
+    return [r * (n // world) + min(r, n % world) for r in range(world + 1)]
+
+
+def _sha(data: Any) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _checksum(body: dict) -> str:
+    return _sha(json.dumps(body, separators=(",", ":")).encode())
+
+
+def _dtype_name(a: Any, what: str) -> str:
+    dt = np.asarray(a).dtype
+    name = _NAMES.get(dt if dt.isnative or dt.itemsize == 1 else dt.newbyteorder("="))
+    if name is None:
+        raise ValueError(f"checkpoint: {what} has dtype {dt}, which safetensors cannot store; "
+                         f"use one of bool, (u)int8-64, float16/32/64")
+    return name
+
+
+def _tensors(state: CheckpointState) -> list[tuple[str, Any]]:
+    """[(name in the files, array)]: the params, then the optimizer's arrays, in order."""
+    out = [(f"params/{k}", v) for k, v in state.params.items()]
+    return out + [(f"optimizer/{k}", v) for k, v in state.optimizer.items()
+                  if isinstance(v, (np.ndarray, np.generic))]
+
+
+def _meta(state: CheckpointState) -> dict:
+    """The non-array state as the manifest stores it; ValueError naming what cannot be."""
+    if isinstance(state.step, bool) or not isinstance(state.step, (int, np.integer)) \
+            or state.step < 0:
+        raise ValueError(f"checkpoint: step must be an int >= 0, got {state.step!r}")
+    for k, v in state.params.items():
+        if not isinstance(v, np.ndarray):
+            raise ValueError(f"checkpoint: params[{k!r}] is a {type(v).__name__}, not an ndarray")
+    for name, a in _tensors(state):
+        _dtype_name(a, name)
+    optimizer: dict[str, Any] = {}
+    for k, v in state.optimizer.items():
+        if isinstance(v, np.ndarray):
+            optimizer[k] = {"tensor": f"optimizer/{k}"}
+        elif isinstance(v, np.generic):
+            optimizer[k] = {"tensor": f"optimizer/{k}", "numpy_scalar": True}
+        elif isinstance(v, (bool, int, float)):
+            optimizer[k] = {"value": v}
+        else:
+            raise ValueError(f"checkpoint: optimizer[{k!r}] is a {type(v).__name__}; the "
+                             f"optimizer state may hold ndarrays, ints and floats only")
+    meta = {"params": list(state.params), "optimizer": optimizer,
+            "losses": [float(x) for x in state.losses]}
+    for key in ("rng", "data_cursor", "extra"):
+        try:
+            meta[key] = json.loads(json.dumps(getattr(state, key)))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint: {key} is not JSON-able ({e}); it may hold dicts, "
+                             f"lists, str, int, float, bool and None (use int(), float(), "
+                             f".tolist() on NumPy values)") from None
+    return meta
+
+
+def _rank_file_parts(state: CheckpointState, rank: int,
+                     world: int) -> tuple[bytes, dict[str, np.ndarray]]:
+    """Writer `rank`'s safetensors file as (header bytes, {tensor: piece}); the file is the
+    header, then the pieces' bytes in this order: piece `rank` of every flat array, in
+    `_tensors` order, little-endian."""
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "step": str(state.step),
+                                               "rank": str(rank), "writers": str(world)}}
+    pieces, start = {}, 0
+    for name, a in _tensors(state):
+        flat = np.asarray(a).reshape(-1)
+        lo, hi = _bounds(flat.size, world)[rank:rank + 2]
+        piece = np.ascontiguousarray(flat[lo:hi], dtype=flat.dtype.newbyteorder("<"))
+        header[name] = {"dtype": _dtype_name(a, name), "shape": [hi - lo],
+                        "data_offsets": [start, start + piece.nbytes]}
+        pieces[name] = piece
+        start += piece.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)           # as the reference writer: data 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, pieces
+
+
+def _manifest(state: CheckpointState, world: int, markers: list[dict]) -> bytes:
+    """manifest.json: every tensor's global shape, dtype and pieces; every file; the rest.
+    `markers[r]` says writer r's file name, size and sha256, and each piece's sha256."""
+    tensors = {}
+    for name, a in _tensors(state):
+        a, b = np.asarray(a), _bounds(np.asarray(a).size, world)
+        tensors[name] = {"dtype": _dtype_name(a, name), "shape": list(a.shape), "pieces": [
+            {"file": m["file"], "range": [b[r], b[r + 1]], "sha256": m["pieces"][name]}
+            for r, m in enumerate(markers)]}
+    body = {"format": FORMAT, "version": VERSION, "step": int(state.step), "writers": world,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "tensors": tensors,
+            "files": {m["file"]: {"size": m["size"], "sha256": m["sha256"]} for m in markers},
+            "state": _meta(state)}
+    return json.dumps({**body, "checksum": _checksum(body)}, indent=1).encode()
+
+
+def _parse_manifest(path: Path) -> dict:
+    where = path / "manifest.json"
+    try:
+        body = json.loads(where.read_bytes())
+        ok = body.pop("checksum") == _checksum(body)
+        ok, step, version = ok and body["format"] == FORMAT, body["step"], body["version"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}: missing: not a checkpoint directory (for a root "
+                              f"of checkpoints use latest({str(path)!r}).path)") from None
+    except (ValueError, RecursionError, AttributeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{where}: not a valid manifest ({e!r}); fall back to an "
+                              f"older checkpoint with latest()") from None
+    if not ok:
+        raise CheckpointError(f"{where}: checksum check failed: the manifest changed "
+                              f"after it was written (corruption or an edit)")
+    if version != VERSION:
+        raise CheckpointError(f"{where}: format version {version}, this minidist "
+                              f"reads version {VERSION}; load it with a matching minidist")
+    m = _STEP_DIR.fullmatch(path.name)
+    if m and int(m.group(1)) != step:
+        raise CheckpointError(f"{where}: says step {step}, its directory "
+                              f"{path.name}: it was moved or copied into the wrong place")
+    return body
+
+
+def _header(path: Path, data: bytes) -> dict[str, tuple[str, list, int, int]]:
+    """A safetensors header, checked as the reference reader does: {name: (dtype, shape,
+    first byte, end byte)} in file offsets."""
+    try:
+        (n,) = struct.unpack_from("<Q", data)
+        if n > min(_MAX_HEADER, len(data) - 8):
+            raise ValueError(f"header length {n} exceeds the file")
+        header = json.loads(data[8:8 + n])
+        header.pop("__metadata__", None)
+        out, end = {}, 0
+        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
+            a, b = e["data_offsets"]
+            size = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(_DTYPES[e["dtype"]]).itemsize
+            if a != end or b - a != size or min(e["shape"], default=0) < 0:
+                raise ValueError(f"tensor {name!r} has bytes [{a}, {b}), expected {size} at {end}")
+            out[name], end = (e["dtype"], e["shape"], 8 + n + a, 8 + n + b), b
+        if 8 + n + end != len(data):
+            raise ValueError(f"data ends at {8 + n + end}, the file at {len(data)}")
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error, RecursionError) as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({e!r})") from None
+    return out
+
+
+def _check_listing(path: Path, files: dict) -> None:
+    """Refuse a directory holding anything but manifest.json and the rank files it lists."""
+    for p in sorted(path.iterdir()):
+        if p.name != "manifest.json" and (p.name not in files or not _RANK_FILE.fullmatch(p.name)):
+            raise CheckpointError(f"{p}: unexpected file in a checkpoint directory (it holds "
+                                  f"manifest.json and the files it lists, never pickles); "
+                                  f"refusing to load it. Remove {p.name} if you put it there")
+
+
+def _read_file(path: Path, name: str, info: dict) -> tuple[bytes, dict]:
+    """The bytes of rank file `name` and its parsed header, once its name, size and sha256
+    match what the manifest says (`info`)."""
+    where = path / name
+    if not _RANK_FILE.fullmatch(name):
+        raise CheckpointError(f"{path / 'manifest.json'}: lists file {name!r}, not a "
+                              f"rank file name; refusing it")
+    data = where.read_bytes() if where.is_file() else None
+    if data is None or len(data) != info["size"]:
+        raise CheckpointError(f"{where}: size check failed: "
+                              f"{'missing' if data is None else f'{len(data)} bytes'}, the "
+                              f"manifest says {info['size']} (truncated or deleted)")
+    if _sha(data) != info["sha256"]:
+        raise CheckpointError(f"{where}: sha256 check failed: its bytes changed after it "
+                              f"was written (disk corruption or an edit)")
+    return data, _header(where, data)
+
+
+def _assemble(path: Path, name: str, t: dict, files: dict[str, tuple[bytes, dict]]) -> np.ndarray:
+    """Tensor `name` (its manifest entry `t`) put together from its pieces, each checked
+    against its file's header and its sha256; `files` maps file name to (bytes, header)."""
+    if t["dtype"] not in _DTYPES:
+        raise CheckpointError(f"{path / 'manifest.json'}: tensor {name!r} has dtype "
+                              f"{t['dtype']!r}, not a safetensors dtype; refusing it")
+    dt, n = np.dtype(_DTYPES[t["dtype"]]), int(np.prod(t["shape"], dtype=np.int64))
+    flat, lo = np.empty(n, dt), 0
+    for p in t["pieces"]:
+        where = path / p["file"]
+        data, header = files[p["file"]]
+        dtype, shape, a, b = header.get(name, (None, None, 0, 0))
+        if p["range"][0] != lo or (dtype, shape) != (t["dtype"], [p["range"][1] - lo]):
+            raise CheckpointError(f"{where}: piece of {name!r} for elements {p['range']} "
+                                  f"is missing or has another dtype or shape")
+        if _sha(memoryview(data)[a:b]) != p["sha256"]:
+            raise CheckpointError(f"{where}: sha256 check of the piece of {name!r} failed")
+        hi = p["range"][1]
+        if hi > lo:
+            flat[lo:hi] = np.frombuffer(data, dt, hi - lo, a)
+        lo = hi
+    if lo != n:
+        raise CheckpointError(f"{path / 'manifest.json'}: pieces of {name!r} cover {lo} "
+                              f"of its {n} elements")
+    return flat.reshape(t["shape"])
+
+
+def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """Check everything at `path`; return its manifest and {tensor: array}. Checks run in
+    this order: manifest, directory listing, each file (then its header), each tensor."""
+    manifest = _parse_manifest(path)
+    files = manifest["files"]
+    _check_listing(path, files)
+    read = {name: _read_file(path, name, info) for name, info in files.items()}
+    arrays = {name: _assemble(path, name, t, read) for name, t in manifest["tensors"].items()}
+    return manifest, arrays
+
+
+def load(path: str | os.PathLike) -> CheckpointState:
+    """The CheckpointState saved at `path`, bitwise, whatever the number of writers was.
+
+    Checks the manifest checksum, every file (size, sha256), every piece (sha256) and that
+    the directory holds nothing else; raises CheckpointError naming the first failure.
+    """
+    path = Path(path)
+    try:
+        manifest, arrays = _read(path)
+        meta = manifest["state"]
+        params = {k: arrays.pop(f"params/{k}") for k in meta["params"]}
+        optimizer = {}
+        for k, e in meta["optimizer"].items():
+            v = arrays.pop(e["tensor"]) if "tensor" in e else e["value"]
+            optimizer[k] = v[()] if e.get("numpy_scalar") else v
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path / 'manifest.json'}: malformed: {e!r} (a manifest this "
+                              f"code did not write?); refusing it") from None
+    if arrays:
+        raise CheckpointError(f"{path / 'manifest.json'}: tensors {sorted(arrays)} belong "
+                              f"to neither params nor optimizer")
+    return CheckpointState(manifest["step"], params, optimizer, meta["rng"],
+                           meta["data_cursor"], meta["losses"], meta["extra"])

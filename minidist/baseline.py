@@ -30,6 +30,7 @@ Read next: train.py (the per-rank loop that applies a parallel Plan).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from dataclasses import dataclass
@@ -231,6 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     return run(train_arguments("python -m minidist train").parse_args(argv))
 
 
+def params_digest(params: dict[str, np.ndarray]) -> str:
+    """sha256 over the parameters in the given (model) order: each name, dtype, shape and
+    bytes. Two runs with the same digest hold bitwise the same parameters."""
+    h = hashlib.sha256()
+    for name, value in params.items():
+        value = np.ascontiguousarray(value)
+        h.update(f"{name} {value.dtype.str} {value.shape}\n".encode())
+        h.update(value.tobytes())
+    return h.hexdigest()
+
+
 def run(a: argparse.Namespace) -> int:
     """The main job for parsed train_arguments (train.py passes its own, with more fields).
     Returns the exit code: 2 (one `error:` line on stderr) if the options make no job.
@@ -262,6 +274,7 @@ def run(a: argparse.Namespace) -> int:
                                   seed=a.seed, grad_accum=a.grad_accum, optimizer=a.optimizer,
                                   on_step=progress)
     show_samples(cfg, data_cfg, result.params)
+    print(f"params sha256: {params_digest(result.params)}")
     return 0
 
 

@@ -41,10 +41,11 @@ Read next: parallel/compose.py, parallel/schedules.py, parallel/sharding.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -56,8 +57,9 @@ from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPTConfig
 from minidist.parallel import placement, schedules
 from minidist.parallel.compose import Plan, build
+from minidist.reliability import recovery
 
-__all__ = ["Plan", "RankResult", "train_on_rank", "main"]
+__all__ = ["Plan", "RankResult", "StepEnd", "train_on_rank", "main"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,17 @@ class RankResult:
     moe: tuple[dict[str, dict], ...] = ()           # per step: {layer: routing stats}
 
 
+@dataclass(frozen=True)
+class StepEnd:
+    """What on_step_end sees after step `step`: the engine (its full_params() and
+    full_optimizer_state() are collective) and losses(), COLLECTIVE: the global losses
+    of the steps this call of train_on_rank ran so far."""
+
+    step: int
+    engine: object
+    losses: Callable[[], tuple[float, ...]]
+
+
 def _traffic(groups: dict[str, object]) -> dict[str, int]:
     """{"sent", "recv"} over all groups, and "sent.<axis>" per group, so far."""
     out = {"sent": 0, "recv": 0}
@@ -93,22 +106,45 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                   betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.0,
                   clip_grad: float | None = None, warmup_steps: int = 0,
                   lr_schedule: str = "constant", min_lr: float = 0.0,
-                  on_step: Callable[[int, float], None] | None = None) -> RankResult:
+                  on_step: Callable[[int, float], None] | None = None,
+                  start_step: int = 0, initial_state: tuple[dict, dict] | None = None,
+                  total_steps: int | None = None, injector=None,
+                  on_step_end: Callable[["StepEnd"], None] | None = None) -> RankResult:
     """Train GPT(model_cfg, seed) on this rank's share of `steps` global batches.
 
     Same arguments as baseline.train_single_process (grad_accum is plan.micro_batches)
     and, for a dense model, the same result up to the order of additions (~1e-16).
     on_step(step, global loss), for progress output, is called on every rank after each
     step; it costs one extra 8-byte all-reduce per step (not counted in bytes_per_step).
+    Resume: initial_state = (params, optimizer_state) in the global layout (a RankResult's
+    or baseline's, under any Plan) is loaded by engine.load_full_state, and the steps run
+    are start_step .. start_step + steps - 1: data, dropout and the lr schedule follow the
+    global step index, so the result is those steps of the uninterrupted run. total_steps:
+    the length of the whole run, over which the cosine schedule decays (default
+    start_step + steps; set it on every part of a run cut into parts).
+    injector (reliability/faults.Injector): this rank's injected faults, fired at the
+    start and the end of their step (nan and corrupt change the step's data).
+    on_step_end(StepEnd), on every rank after each step's update: where checkpoints are
+    taken (reliability/recovery.py); StepEnd's engine and losses() are collective.
     """
     check_compatible(model_cfg, data_cfg)
     plan.validate(model_cfg, global_batch, data_cfg.block_size)
     if not isinstance(steps, int) or steps < 0 or lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"train_on_rank: steps={steps!r} must be an int >= 0 and "
                          f"lr_schedule={lr_schedule!r} 'constant' or 'cosine'.")
+    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+        raise ValueError(f"train_on_rank: start_step={start_step!r} must be an int >= 0 (the "
+                         "global index of the first step to run).")
+    total_steps = start_step + steps if total_steps is None else total_steps
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) \
+            or total_steps < start_step + steps:
+        raise ValueError(f"train_on_rank: total_steps={total_steps!r} must be an int >= "
+                         f"start_step + steps = {start_step + steps}.")
     placement.set_checking(plan.checks)
     lay = build(ctx, plan, model_cfg, seed, optimizer=optimizer, lr=lr,
                 weight_decay=weight_decay, betas=betas, momentum=momentum)
+    if initial_state is not None:
+        lay.engine.load_full_state(*initial_state)
     engine, grad, data = lay.engine, lay.grad_group, SyntheticData(data_cfg)
     canonical = "direct" if getattr(grad, "supports_shared", False) else "auto"  # MPI: no shm
     groups = {"dp": grad}                     # the gradient sync: dp (x cp)
@@ -126,22 +162,29 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     moe_layers = {name: m for name, m in lay.model.named_modules() if hasattr(m, "take_totals")}
     moe_steps: list[dict] = []
     timing: dict[str, list[float]] = {"compute": [], "comm_wait": [], "step": [], "cpu": []}
-    for step in range(steps):
+    for step in range(start_step, start_step + steps):
         lr_s = lr if lr_schedule == "constant" else optim.lr_at(
-            step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr=min_lr)
+            step, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr)
+        if injector is not None:
+            injector.at("start", step)
         batches, n_tokens = schedules.micro_batches(data, step, global_batch, plan.dp,
                                                     lay.dp_group.rank, plan.micro_batches,
                                                     seed, positions)
+        if injector is not None:               # random tokens instead of the batch
+            batches = [replace(mb, x=injector.corrupt(step, mb.x, model_cfg.vocab_size))
+                       for mb in batches]
         if plan.checks:
             schedules.check_token_count(batches, n_tokens, grad)
         before = _traffic(groups)
         t0, c0 = time.perf_counter(), time.process_time()
-        if stage is None:
-            local.append(schedules.grad_accumulation(engine, batches, n_tokens))
-        else:
-            local.append(stage.step(engine, batches, n_tokens))
-            timelines.append([(a.kind, a.micro_batch, a.chunk, t0_, t1_)
-                              for a, t0_, t1_ in stage.record])
+        with contextlib.nullcontext() if injector is None else injector.nan_loss(lay.model,
+                                                                                 step):
+            if stage is None:
+                local.append(schedules.grad_accumulation(engine, batches, n_tokens))
+            else:
+                local.append(stage.step(engine, batches, n_tokens))
+                timelines.append([(a.kind, a.micro_batch, a.chunk, t0_, t1_)
+                                  for a, t0_, t1_ in stage.record])
         t1 = time.perf_counter()
         norms.append(float(engine.step(lr_s, clip_grad)))
         t2 = time.perf_counter()
@@ -157,6 +200,11 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
             moe_steps.append(_moe_stats(moe_layers, grad, canonical))
         if on_step is not None:
             on_step(step, float(_global_loss([local[-1]], grad, lay.pp_group, canonical)[0]))
+        if injector is not None:
+            injector.at("end", step)
+        if on_step_end is not None:
+            on_step_end(StepEnd(step, engine, lambda: tuple(float(v) for v in _global_loss(
+                local, grad, lay.pp_group, canonical))))
     losses = _global_loss(local, grad, lay.pp_group, canonical)
     return RankResult(losses=tuple(float(v) for v in losses), grad_norms=tuple(norms),
                       lrs=tuple(lrs), params=engine.full_params(),
@@ -210,9 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         a.dp = a.ep                              # the ep ranks are data-parallel ranks
     if a.pp > 1 and a.grad_accum == 1:
         a.grad_accum = 2 * a.pp                  # micro-batches to fill the pipeline
-    if a.dp == 1 and a.tp == 1 and a.cp == 1 and a.pp == 1 and a.zero == 0 and not a.check:
-        return baseline.run(a)
     try:                                         # a bad plan fails here, before spawning
+        resilience = recovery.options(a, a.dp * a.tp * a.cp * a.pp, a.pp)
+        if a.dp == a.tp == a.cp == a.pp == 1 and a.zero == 0 and not a.check \
+                and not resilience.active:
+            return baseline.run(a)
         cfg, data_cfg, plan = _job(a)
     except ValueError as e:
         return baseline.cli_error(e)
@@ -224,12 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps == 0:
         print(baseline.NOTHING_TRAINED)
         return 0
-    from minidist.runtime import RankFailure, spawn
+    from minidist.runtime import RankFailure
     try:
-        run = spawn(plan.world_size, _rank_main, a, cfg, data_cfg, plan, time.perf_counter())[0]
+        run = recovery.run(a, cfg, data_cfg, plan, resilience, _rank_main)
     except RankFailure as e:
         return _rank_failed(e)
+    except ValueError as e:                      # a checkpoint of another run
+        return baseline.cli_error(e)
     baseline.show_samples(cfg, data_cfg, run.params)
+    print(f"params sha256: {baseline.params_digest(run.params)}")
     return _check(a, cfg, data_cfg, run, layout) if a.check else 0
 
 
@@ -259,6 +312,7 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     ap.add_argument("--check", action="store_true",
                     help="also run the single-process baseline and compare")
+    recovery.add_arguments(ap)
     ap.add_argument("--check-placements", action="store_true",
                     help="assert the placement of every activation crossing a parallel "
                          "boundary (also MINIDIST_CHECK_PLACEMENTS=1)")
@@ -296,10 +350,13 @@ def _job(a) -> tuple[GPTConfig, DataConfig, Plan]:
     return cfg, data_cfg, plan
 
 
-def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: float
-               ) -> RankResult:
-    """What every rank of `train` runs: train_on_rank; rank 0 prints the progress (all
-    ranks take part in on_step's all-reduce)."""
+def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: float,
+               job: tuple) -> RankResult:
+    """What every rank of `train` runs: train_on_rank from the checkpoint (if any), with
+    its faults and checkpoints; rank 0 prints the progress (all ranks take part in
+    on_step's all-reduce)."""
+    start, initial, injector, saver = recovery.on_rank(ctx, a, plan, job)
+
     def progress(step: int, loss: float) -> None:
         if ctx.rank == 0 and (step % a.every == 0 or step == a.steps - 1):
             try:
@@ -310,8 +367,14 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
                 _stdout_to_devnull()         # quietly, so its last flush at exit succeeds
                 raise
 
-    return train_on_rank(ctx, cfg, data_cfg, plan, steps=a.steps, global_batch=a.batch,
-                         lr=a.lr, seed=a.seed, optimizer=a.optimizer, on_step=progress)
+    result = train_on_rank(
+        ctx, cfg, data_cfg, plan, steps=a.steps - start, global_batch=a.batch, lr=a.lr,
+        seed=a.seed, optimizer=a.optimizer, on_step=progress, start_step=start,
+        total_steps=a.steps, initial_state=initial, injector=injector,
+        on_step_end=None if saver is None else saver.on_step_end)
+    if saver is not None:
+        saver.close()
+    return result
 
 
 def _stdout_to_devnull() -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import minidist
-from minidist import optim
+from minidist import baseline, optim
 from minidist.baseline import answer_accuracy, main, model_config_for, train_single_process
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPT
@@ -140,5 +140,17 @@ def test_cli_prints_progress_and_samples(capsys):
     out = capsys.readouterr().out.splitlines()
     assert [line.split("|")[0].strip() for line in out if line.startswith("step")] == [
         "step    0", "step   10", "step   20"]
-    assert re.fullmatch(r"exact-match accuracy on 64 held-out prompts: \d+%", out[-1])
+    assert re.fullmatch(r"exact-match accuracy on 64 held-out prompts: \d+%", out[-2])
+    assert re.fullmatch(r"params sha256: [0-9a-f]{64}", out[-1])
     assert sum(line.endswith(")") and " | " in line for line in out) == 6    # 6 samples
+
+
+def test_params_digest_names_every_byte_and_the_order():
+    a = {"w": np.arange(3.0), "b": np.zeros(2, np.float32)}
+    d = baseline.params_digest(a)
+    assert d == baseline.params_digest({k: v.copy() for k, v in a.items()})
+    assert d != baseline.params_digest({"b": a["b"], "w": a["w"]})             # order
+    assert d != baseline.params_digest({"w": a["w"], "b": np.zeros(2)})       # dtype
+    flipped = a["w"].copy()
+    flipped.view(np.uint8)[0] ^= 1
+    assert d != baseline.params_digest({"w": flipped, "b": a["b"]})           # one bit

@@ -1,0 +1,189 @@
+"""Fault injection: make a chosen rank fail, hang, slow down or compute garbage, on purpose.
+
+Recovery code is only as good as the failures it has seen. So every failure the
+runtime and the training loop must survive can be injected, by one rank, at one
+step, at one point of that step:
+
+    python -m minidist train ... --inject sigkill:rank=1:step=5
+    MINIDIST_INJECT="sleep:rank=0:step=3:seconds=2;raise:rank=2:step=7" python script.py
+
+A spec is `kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:phase=NAME]`:
+    kind     raise     raise InjectedFault (an ordinary Python error)
+             exit      os._exit(3): the process ends without a word
+             sigkill   SIGKILL to itself: killed, as by the OOM killer
+             sigstop   SIGSTOP to itself: hung (the others time out on it)
+             sleep     time.sleep(seconds): a slow rank (a straggler, or a hang if long)
+             nan       this rank's gradients of the step are NaN (its losses are
+                       multiplied by NaN before backward): they spread to every rank
+             corrupt   this rank's batch of the step is replaced by random tokens (a
+                       bad-data loss spike); the targets stay, so the loss jumps
+    point    start     before the step's forward (default)
+             end       after the optimizer step of that step
+             save      inside the checkpoint save after that step, at the moment
+                       `phase` of reliability/checkpoint.PHASES (default
+                       rank_file_partial: this rank's file half written)
+    attempt  the restart attempt it fires on (default 0, the first run: a restarted job
+             does not fail again at the same place, or recovery would never finish)
+    seconds  for sleep (default 5)
+
+One rank's view: the training loop builds `Injector(faults, rank, attempt)` and calls
+`injector.at(point, step)` at each point; only a fault whose rank, step, point and
+attempt all match fires. nan and corrupt are not events but changes to what the step
+computes: `with injector.nan_loss(model, step)` and `injector.corrupt(step, x)`.
+
+Read next: reliability/checkpoint.py, reliability/recovery.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+KINDS = ("raise", "exit", "sigkill", "sigstop", "sleep", "nan", "corrupt")
+POINTS = ("start", "end", "save")
+ENV = "MINIDIST_INJECT"
+EXIT_CODE = 3                     # what `exit` ends the process with
+
+
+class InjectedFault(RuntimeError):
+    """The error a `raise` fault raises."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected failure (see the module docstring)."""
+
+    kind: str
+    rank: int
+    step: int
+    point: str = "start"
+    attempt: int = 0
+    seconds: float = 5.0
+    phase: str = "rank_file_partial"          # point=save: checkpoint.PHASES
+
+    def __str__(self) -> str:
+        extra = f":seconds={self.seconds:g}" if self.kind == "sleep" else ""
+        extra += f":phase={self.phase}" if self.point == "save" else ""
+        return (f"{self.kind}:rank={self.rank}:step={self.step}:point={self.point}"
+                f":attempt={self.attempt}{extra}")
+
+
+def parse(spec: str) -> Fault:
+    """`kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:phase=NAME]` -> Fault, or
+    ValueError saying what is wrong with it."""
+    usage = ("write kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:phase=NAME], "
+             "e.g. sigkill:rank=1:step=5")
+    kind, *fields = spec.strip().split(":")
+    if kind not in KINDS:
+        raise ValueError(f"--inject {spec!r}: unknown kind {kind!r}; kinds are "
+                         f"{', '.join(KINDS)} ({usage})")
+    values: dict[str, str] = {}
+    for field in fields:
+        key, eq, value = field.partition("=")
+        if not eq or key not in ("rank", "step", "point", "attempt", "seconds", "phase") \
+                or key in values:
+            raise ValueError(f"--inject {spec!r}: cannot read {field!r} ({usage})")
+        values[key] = value
+    if "rank" not in values or "step" not in values:
+        raise ValueError(f"--inject {spec!r}: rank= and step= are required ({usage})")
+    try:
+        fault = Fault(kind, int(values["rank"]), int(values["step"]),
+                      values.get("point", "start"), int(values.get("attempt", 0)),
+                      float(values.get("seconds", 5.0)),
+                      values.get("phase", "rank_file_partial"))
+    except ValueError:
+        raise ValueError(f"--inject {spec!r}: rank, step and attempt are integers and "
+                         f"seconds a number ({usage})") from None
+    if fault.point not in POINTS or min(fault.rank, fault.step, fault.attempt) < 0 \
+            or not fault.seconds >= 0:
+        raise ValueError(f"--inject {spec!r}: point is one of {', '.join(POINTS)}; rank, "
+                         f"step and attempt are >= 0, seconds >= 0 ({usage})")
+    from minidist.reliability.checkpoint import PHASES
+    if fault.phase not in PHASES:
+        raise ValueError(f"--inject {spec!r}: phase is one of {', '.join(PHASES)}")
+    if fault.kind in ("nan", "corrupt") and fault.point != "start":
+        raise ValueError(f"--inject {spec!r}: {fault.kind} changes the step's data, so its "
+                         "point is start")
+    return fault
+
+
+def from_env(environ=None) -> list[Fault]:
+    """The faults of $MINIDIST_INJECT (specs separated by ';'), for scripts."""
+    text = (os.environ if environ is None else environ).get(ENV, "")
+    return [parse(s) for s in text.split(";") if s.strip()]
+
+
+def check_ranks(faults: list[Fault], world_size: int) -> None:
+    """ValueError if a fault names a rank the job does not have (before launching)."""
+    for f in faults:
+        if f.rank >= world_size:
+            raise ValueError(f"--inject {f}: rank {f.rank} does not exist in a job of "
+                             f"{world_size} ranks (0..{world_size - 1})")
+
+
+class Injector:
+    """This rank's faults of this attempt; `at` fires them (see the module docstring)."""
+
+    def __init__(self, faults: list[Fault], rank: int, attempt: int = 0):
+        self.faults = [f for f in faults if f.rank == rank and f.attempt == attempt]
+        self.rank = rank
+
+    def _matching(self, kind: str | None, point: str, step: int) -> list[Fault]:
+        return [f for f in self.faults if f.step == step and f.point == point
+                and (kind is None or f.kind == kind)]
+
+    def at(self, point: str, step: int) -> None:
+        """Fire every event fault (raise, exit, sigkill, sigstop, sleep) set for here."""
+        for f in self._matching(None, point, step):
+            if f.kind in ("nan", "corrupt"):
+                continue
+            print(f"[rank {self.rank}] injecting {f}", flush=True)
+            if f.kind == "raise":
+                raise InjectedFault(f"injected fault {f}")
+            if f.kind == "exit":
+                os._exit(EXIT_CODE)
+            if f.kind == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if f.kind == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if f.kind == "sleep":
+                time.sleep(f.seconds)
+
+    def armed(self, point: str, step: int) -> Fault | None:
+        """The fault set for `point` of `step` (e.g. a kill inside a save), or None."""
+        found = self._matching(None, point, step)
+        return found[0] if found else None
+
+    @contextlib.contextmanager
+    def nan_loss(self, model, step: int) -> Iterator[None]:
+        """Inside: under a `nan` fault for this step, every loss this rank's model computes
+        (model.loss, nn/gpt.py) is multiplied by NaN, so backward makes all of its
+        gradients NaN and the gradient sync spreads them; otherwise nothing changes. Only a
+        rank that computes the loss can do this (under pp, one of the last stage's)."""
+        if not self._matching("nan", "start", step):
+            yield
+            return
+        loss = model.loss
+
+        def poisoned(*args, **kwargs):
+            return loss(*args, **kwargs) * float("nan")
+
+        model.loss = poisoned                     # this instance only, for this step
+        try:
+            yield
+        finally:
+            del model.loss
+
+    def corrupt(self, step: int, x: np.ndarray, vocab_size: int) -> np.ndarray:
+        """This rank's input tokens for the step: random ones under a `corrupt` fault (a
+        fixed draw from (step, rank), so a rerun corrupts the same way), else x."""
+        if not self._matching("corrupt", "start", step):
+            return x
+        rng = np.random.default_rng([step, self.rank, 0xBAD])
+        return rng.integers(0, vocab_size, size=x.shape).astype(x.dtype)

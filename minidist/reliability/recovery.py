@@ -1,0 +1,279 @@
+"""Recovery: checkpoint a training run as it goes, and restart it from there when a rank fails.
+
+    python -m minidist train --dp 2 --checkpoint-dir D --checkpoint-every 5 --max-restarts 3
+
+The run is supervised by the launcher process (`supervise`): on a RankFailure (a rank
+raised, died, or hung past the collective deadline, runtime/launch.py) it waits a
+backoff, then starts all ranks again; they load the latest complete checkpoint
+(reliability/checkpoint.py) and continue from its step. Because a checkpoint holds the
+whole global state (parameters, optimizer state, step, losses) and every step's data and
+dropout are addressed by the global step index (data.py, seed.py), the restarted run
+computes exactly what the uninterrupted run would have: the final parameters and every
+loss are bitwise equal (the run prints `params sha256: ...` to compare at a glance). The
+log says what failed, the step it resumes from, and the steps lost (done since that
+checkpoint, redone now).
+
+One rank's view (`RankCheckpoints`, called by train.py at the end of every step):
+    1. after step s, if (s + 1) is a multiple of `every` or s is the last step:
+       params = engine.full_params(), state = engine.full_optimizer_state() (collective:
+       every rank gets the global arrays), losses = all losses so far (collective);
+    2. write its piece of every array and commit (checkpoint.save: two barriers on the
+       world group), or, asynchronously, snapshot and let a thread write it (CheckFreq);
+       rank 0 also records the step in `progress`, which the launcher reads after a failure.
+The launcher's view (`supervise`): attempt k = spawn the ranks with the latest checkpoint;
+on RankFailure with attempts left: log, sleep backoff * 2^k (capped), attempt k + 1.
+
+Faults to test this with: reliability/faults.py (`--inject sigkill:rank=1:step=5`, or a
+kill inside a save with point=save). An injected fault fires on one attempt only (attempt
+0 by default), so the restarted run gets past it.
+
+Cost: a checkpoint gathers the global state onto every rank (what --check does at the
+end), then each rank writes 1/W of it. Recovery time: the backoff, the start of W
+processes (~0.3 s here), the load (every rank reads and verifies the checkpoint), and the
+steps since the checkpoint.
+Reference: torchtitan's checkpoint resume, torchrun's --max-restarts; Llama 3's report of
+466 interruptions in 54 days (Dubey et al. 2024, sec. 3.3.4).
+Read next: reliability/faults.py
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from minidist.reliability import checkpoint as ckpt
+
+MAX_BACKOFF = 10.0             # seconds, the longest wait between attempts
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a run checkpoints: into `root` every `every` steps (and after the last one),
+    keeping the newest `keep`; `resume` "auto" (continue from the latest complete
+    checkpoint) or "never" (start afresh: the folder must hold no checkpoint);
+    `asynchronous`: persist in a background thread while training goes on."""
+
+    root: str
+    every: int = 10
+    keep: int = 3
+    resume: str = "auto"
+    asynchronous: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.every, int) or self.every < 1 or not isinstance(self.keep, int) \
+                or self.keep < 1 or self.resume not in ("auto", "never"):
+            raise ValueError(f"checkpoints: every={self.every!r} and keep={self.keep!r} must "
+                             f"be ints >= 1, resume={self.resume!r} 'auto' or 'never'")
+
+    def start(self) -> tuple[ckpt.CheckpointState | None, str]:
+        """(the state to resume from, or None; a line saying what was found)."""
+        found = ckpt.latest(self.root) if Path(self.root).exists() else None
+        if found is None:
+            return None, f"no checkpoint in {self.root}: starting at step 0"
+        if self.resume == "never":
+            raise ValueError(f"--resume never, but {self.root} holds a checkpoint of step "
+                             f"{found.step}; give a new --checkpoint-dir or remove that one")
+        skipped = "".join(f"\n  skipped: {s}" for s in found.skipped)
+        return ckpt.load(found.path), f"resuming from {found.path} (step {found.step}){skipped}"
+
+
+class Progress:
+    """The last step rank 0 finished, in memory shared with the launcher (made before the
+    ranks are forked), so a failure report can say which steps were lost."""
+
+    def __init__(self):
+        self._buf = mmap.mmap(-1, 8)
+        self.cell = np.frombuffer(self._buf, np.int64, 1)
+        self.cell[0] = -1
+
+    @property
+    def step(self) -> int:
+        return int(self.cell[0])
+
+
+class RankCheckpoints:
+    """One rank's checkpointing during a run (see the module docstring); `on_step_end` is
+    train.py's hook, `close` finishes (and, async, commits) the last checkpoint."""
+
+    def __init__(self, policy: Policy, ctx, last_step: int, prior_losses: list[float],
+                 extra: dict, barrier: Callable[[], Any], progress: Progress | None = None,
+                 injector=None):
+        self.policy, self.last_step, self.prior = policy, last_step, list(prior_losses)
+        self.extra, self.progress, self.injector = extra, progress, injector
+        self.rank, self.world, self.barrier = ctx.rank, ctx.world_size, barrier
+        self.writer = ckpt.AsyncCheckpointer(policy.root, rank=self.rank, world=self.world,
+                                             barrier=barrier, keep=policy.keep) \
+            if policy.asynchronous else None
+
+    def on_step_end(self, end) -> None:
+        """After step `end.step` (train.StepEnd): save if this step is due."""
+        if self.progress is not None and self.rank == 0:
+            self.progress.cell[0] = end.step
+        s = end.step + 1                                   # steps done
+        if s % self.policy.every and end.step != self.last_step:
+            return
+        state = ckpt.CheckpointState(
+            step=s, params=end.engine.full_params(), optimizer=end.engine.full_optimizer_state(),
+            rng={"dropout": "stateless: drawn from (seed, step, sample index)"},
+            data_cursor={"next_step": s}, losses=self.prior + list(end.losses()),
+            extra=self.extra)
+        if self.writer is not None:
+            self.writer.snapshot(state)
+        else:
+            ckpt.save(state, self.policy.root, rank=self.rank, world=self.world,
+                      barrier=self.barrier, keep=self.policy.keep, on_phase=self._phase(s))
+
+    def _phase(self, steps_done: int) -> Callable[[str], None] | None:
+        """The hook that fires a fault injected into this save (point=save)."""
+        fault = None if self.injector is None else self.injector.armed("save", steps_done - 1)
+        if fault is None:
+            return None
+        return lambda name: self.injector.at("save", steps_done - 1) \
+            if name == fault.phase else None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def supervise(attempt: Callable[[int], Any], *, max_restarts: int, policy: Policy | None,
+              progress: Progress | None = None, backoff: float = 0.5,
+              log: Callable[[str], None] = print) -> Any:
+    """Run attempt(0); on RankFailure, log it and run attempt(k) again (k = 1, 2, ...), up
+    to max_restarts times, after backoff * 2^(k-1) s (capped at MAX_BACKOFF). Returns
+    what the successful attempt returns; the last RankFailure if none succeeds."""
+    from minidist.runtime import RankFailure
+    for k in range(max_restarts + 1):
+        try:
+            return attempt(k)
+        except RankFailure as e:
+            headline = str(e).splitlines()[0]
+            if k == max_restarts:
+                log(f"recovery: attempt {k} failed ({headline}); no restarts left "
+                    f"(--max-restarts {max_restarts})")
+                raise
+            found = None if policy is None else ckpt.latest(policy.root)
+            resume = 0 if found is None else found.step
+            done = None if progress is None else progress.step + 1
+            lost = "" if done is None or done <= resume else \
+                f"; steps {resume}..{done - 1} are lost and run again"
+            wait = min(MAX_BACKOFF, backoff * 2 ** k)
+            origin = "step 0 (no checkpoint yet)" if found is None else \
+                f"{found.path} (step {resume})"
+            log(f"recovery: attempt {k} failed: {headline}\n"
+                f"recovery: restarting all ranks in {wait:g} s from {origin}{lost} "
+                f"[restart {k + 1} of at most {max_restarts}]")
+            time.sleep(wait)
+
+
+# --- the train command's side (train.py calls these) -----------------------------------
+
+def add_arguments(ap) -> None:
+    """The reliability options of `python -m minidist train`."""
+    ap.add_argument("--checkpoint-dir", default=None, metavar="D",
+                    help="checkpoint into D and resume from its latest complete checkpoint")
+    ap.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+                    help="steps between checkpoints (and one after the last step)")
+    ap.add_argument("--keep", type=int, default=3, help="checkpoints kept (newest)")
+    ap.add_argument("--resume", default="auto", choices=["auto", "never"],
+                    help="auto: continue from D's latest checkpoint; never: D must be empty")
+    ap.add_argument("--async-checkpoint", action="store_true",
+                    help="persist checkpoints in a background thread (CheckFreq)")
+    ap.add_argument("--max-restarts", type=int, default=0,
+                    help="restart all ranks from the latest checkpoint after a failure")
+    ap.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                    help="inject a fault, kind:rank=R:step=S[:point=P]... "
+                         "(reliability/faults.py; also $MINIDIST_INJECT)")
+
+
+@dataclass(frozen=True)
+class Resilience:
+    """A run's reliability options: checkpoint policy (or None), faults to inject,
+    restarts allowed, and the launcher's view of rank 0's progress."""
+
+    policy: Policy | None
+    faults: tuple
+    max_restarts: int
+    progress: Progress
+
+    @property
+    def active(self) -> bool:
+        return self.policy is not None or bool(self.faults) or self.max_restarts > 0
+
+
+def options(a, world_size: int, pp: int = 1) -> Resilience:
+    """The options (and $MINIDIST_INJECT) as a Resilience; ValueError for options that
+    make no run: a fault that can never fire is one."""
+    from minidist.reliability import faults
+    injected = [faults.parse(s) for s in a.inject] + faults.from_env()
+    faults.check_ranks(injected, world_size)
+    last_stage = range(world_size - world_size // pp, world_size)  # pp is the outer axis
+    for f in injected:
+        if f.kind == "nan" and f.rank not in last_stage:
+            raise ValueError(f"--inject {f}: only the last pipeline stage's ranks "
+                             f"({last_stage.start}..{world_size - 1}) compute a loss")
+    if a.max_restarts < 0:
+        raise ValueError(f"--max-restarts {a.max_restarts}: must be >= 0")
+    policy = None if a.checkpoint_dir is None else Policy(
+        a.checkpoint_dir, a.checkpoint_every, a.keep, a.resume, a.async_checkpoint)
+    for f in injected:
+        if f.step >= a.steps:
+            raise ValueError(f"--inject {f}: step {f.step} is not run (--steps {a.steps})")
+        saves = policy is not None and ((f.step + 1) % policy.every == 0
+                                        or f.step == a.steps - 1)
+        if f.point == "save" and not saves:
+            raise ValueError(f"--inject {f}: no checkpoint is saved after step {f.step} "
+                             "(--checkpoint-dir, --checkpoint-every)")
+    return Resilience(policy, tuple(injected), a.max_restarts, Progress())
+
+
+def run_config(a, cfg, data_cfg) -> dict:
+    """What a checkpoint must agree on to be resumed by this run (the Plan may differ)."""
+    return {"model": repr(cfg), "data": repr(data_cfg), "seed": a.seed, "batch": a.batch,
+            "lr": a.lr, "optimizer": a.optimizer, "steps": a.steps}
+
+
+def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
+    """Spawn `rank_main(ctx, a, cfg, data_cfg, plan, t0, job)` on every rank, restarting
+    them from the latest checkpoint after a failure (`supervise`); the RankResult's
+    losses cover the whole run, the steps before the checkpoint included."""
+    from dataclasses import replace
+    from minidist.runtime import spawn
+    config, t0 = run_config(a, cfg, data_cfg), time.perf_counter()
+
+    def attempt(k: int):
+        state, note = (None, "") if r.policy is None else r.policy.start()
+        if note:
+            print(note, flush=True)
+        if state is not None and state.extra.get("run") != config:
+            raise ValueError(f"{r.policy.root} holds a checkpoint of another run "
+                             f"({state.extra.get('run')}); this run is {config}. Give a new "
+                             "--checkpoint-dir.")
+        result = spawn(plan.world_size, rank_main, a, cfg, data_cfg, plan, t0,
+                       (state, k, r, config))[0]
+        prior = [] if state is None else list(state.losses)[:state.step]
+        return replace(result, losses=tuple(prior) + result.losses)
+
+    return supervise(attempt, max_restarts=r.max_restarts, policy=r.policy,
+                     progress=r.progress, log=lambda line: print(line, flush=True))
+
+
+def on_rank(ctx, a, plan, job: tuple):
+    """A rank's side of `run`: (start step, initial (params, optimizer state) or None, its
+    Injector or None, its RankCheckpoints or None), for train_on_rank."""
+    from minidist import collectives as C
+    from minidist.reliability.faults import Injector
+    state, attempt, r, config = job
+    start = 0 if state is None else state.step
+    injector = Injector(list(r.faults), ctx.rank, attempt) if r.faults else None
+    saver = None if r.policy is None else RankCheckpoints(
+        r.policy, ctx, a.steps - 1, [] if state is None else list(state.losses)[:start],
+        {"run": config, "plan": plan.describe()}, lambda: C.barrier(group=ctx.world),
+        r.progress, injector)
+    initial = None if state is None else (state.params, state.optimizer)
+    return start, initial, injector, saver

@@ -1,0 +1,168 @@
+"""Recovery (reliability/recovery.py) through the train CLI: a run killed anywhere, then
+restarted from its latest checkpoint, ends bitwise equal to the uninterrupted run."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from minidist import train
+from minidist.reliability import faults
+from minidist.reliability.checkpoint import PHASES
+
+pytestmark = pytest.mark.multiproc
+
+TINY = ["--steps", "9", "--every", "100", "--n-layer", "2", "--n-embd", "16", "--n-head", "2",
+        "--batch", "8", "--dtype", "float64", "--seed", "3"]
+LAYOUTS = {"dp2": ["--dp", "2"], "dp2-zero3": ["--dp", "2", "--zero", "3"],
+           "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2-zero1": ["--dp", "2", "--zero", "1"],
+           "cp2": ["--cp", "2"], "one": []}
+_REFERENCE: dict[str, str] = {}
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    """(exit code, the launcher's stdout and stderr)."""
+    code = train.main(argv)
+    res = capsys.readouterr()
+    return code, res.out + res.err
+
+
+def _digest(out: str) -> str:
+    return re.findall(r"^params sha256: ([0-9a-f]{64})$", out, re.M)[-1]
+
+
+def _reference(layout: str, capsys) -> str:
+    """The uninterrupted run's digest (once per layout)."""
+    if layout not in _REFERENCE:
+        code, out = _run(LAYOUTS[layout] + TINY, capsys)
+        assert code == 0
+        _REFERENCE[layout] = _digest(out)
+    return _REFERENCE[layout]
+
+
+def _recovered(layout: str, spec: str, tmp_path, capsys, every: int = 2) -> str:
+    argv = LAYOUTS[layout] + TINY + ["--checkpoint-dir", str(tmp_path / "ck"),
+                                     "--checkpoint-every", str(every), "--inject", spec,
+                                     "--max-restarts", "2"]
+    code, out = _run(argv, capsys)
+    assert code == 0, out
+    assert "recovery: attempt 0 failed" in out and "recovery: attempt 1" not in out, out
+    return out
+
+
+@pytest.mark.parametrize("layout, spec", [
+    ("dp2-zero1", "sigkill:rank=1:step=5"),
+    ("tp2", "sigkill:rank=0:step=3:point=save:phase=rank_file_partial"),
+    ("pp2", "raise:rank=1:step=6:point=end"),
+])
+def test_a_run_killed_and_restarted_ends_bitwise_equal_to_the_uninterrupted_run(
+        layout, spec, tmp_path, capsys):
+    out = _recovered(layout, spec, tmp_path, capsys)
+    assert _digest(out) == _reference(layout, capsys)
+    f = faults.parse(spec)
+    resumed = (f.step + (f.point != "start")) // 2 * 2      # the last checkpoint before it
+    if f.point == "save":
+        resumed = f.step + 1 - 2                             # that save never committed
+    assert f"resuming from {tmp_path / 'ck'}/step{resumed:08d} (step {resumed})" in out
+
+
+def test_a_checkpoint_loads_under_another_layout_and_continues(tmp_path, capsys):
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"]
+    code, out = _run(LAYOUTS["dp2-zero3"] + TINY + ck + ["--inject", "raise:rank=0:step=7"],
+                     capsys)
+    assert code == 1 and "InjectedFault: injected fault raise:rank=0:step=7" in out
+    code, out = _run(LAYOUTS["tp2"] + TINY + ck + ["--check"], capsys)
+    assert code == 0, out
+    assert f"resuming from {tmp_path / 'ck'}/step00000006 (step 6)" in out
+    assert re.search(r"^OK: dp=1 x tp=2, ZeRO-0 training matches", out, re.M), out
+
+
+def test_resume_never_and_a_checkpoint_of_another_run_are_refused(tmp_path, capsys):
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"]
+    assert _run(LAYOUTS["dp2"] + TINY + ck, capsys)[0] == 0
+    assert train.main(LAYOUTS["dp2"] + TINY + ck + ["--resume", "never"]) == 2
+    assert "--resume never, but" in capsys.readouterr().err
+    assert train.main(LAYOUTS["dp2"] + TINY + ck + ["--lr", "0.01"]) == 2
+    assert "holds a checkpoint of another run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("sigkill:rank=5:step=1", "rank 5 does not exist"),
+    ("sigkill:rank=0:step=99", "step 99 is not run"),
+    ("sigkill:rank=0:step=2:point=save", "no checkpoint is saved after step 2"),
+    ("boom:rank=0:step=1", "unknown kind 'boom'"),
+    ("sigkill:rank=0", "rank= and step= are required"),
+    ("sigkill:rank=0:step=1:point=save:phase=nope", "phase is one of"),
+    ("nan:rank=0:step=1:point=end", "its point is start"),
+    ("nan:rank=0:step=1", "only the last pipeline stage's ranks (1..1) compute a loss"),
+])
+def test_a_bad_injection_is_one_line_with_exit_2(spec, why, tmp_path, capsys):
+    layout = LAYOUTS["pp2" if "last pipeline" in why else "dp2"]
+    argv = layout + TINY + ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4",
+                            "--inject", spec]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert why in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("layout, rank", [("dp2", 0), ("pp2", 1)])
+def test_an_injected_nan_makes_the_step_loss_and_the_parameters_nan(layout, rank, capfd):
+    argv = LAYOUTS[layout] + TINY + ["--every", "1", "--inject", f"nan:rank={rank}:step=4"]
+    code, out = _run(argv, capfd)                 # capfd: the ranks print the steps
+    assert code == 0, out
+    losses = dict(re.findall(r"^step +(\d+) \| loss (\S+)", out, re.M))
+    assert losses["3"] != "nan" and losses["4"] == "nan" and losses["8"] == "nan"
+
+
+def test_faults_from_the_environment_and_the_data_faults():
+    assert faults.from_env({faults.ENV: "exit:rank=1:step=2; sleep:rank=0:step=1:seconds=0.5"}) \
+        == [faults.Fault("exit", 1, 2), faults.Fault("sleep", 0, 1, seconds=0.5)]
+    inj = faults.Injector([faults.parse("nan:rank=1:step=3"),
+                           faults.parse("corrupt:rank=1:step=4")], rank=1)
+    import numpy as np
+
+    class Model:
+        def loss(self, x):
+            return 2.0 * x
+
+    m = Model()
+    with inj.nan_loss(m, 2):
+        assert m.loss(1) == 2.0
+    with inj.nan_loss(m, 3):
+        assert np.isnan(m.loss(1))
+    assert m.loss(1) == 2.0 and "loss" not in vars(m)
+    x = np.arange(12).reshape(2, 6) % 11
+    assert inj.corrupt(3, x, 11) is x
+    bad = inj.corrupt(4, x, 11)
+    assert bad.shape == x.shape and not np.array_equal(bad, x)
+    assert np.array_equal(bad, inj.corrupt(4, x, 11))            # the same draw on a rerun
+    assert faults.Injector([faults.parse("raise:rank=1:step=3")], rank=1, attempt=1).faults == []
+
+
+def _trial(seed: int) -> tuple[str, str, int]:
+    """A random (layout, fault, checkpoint interval)."""
+    rng = random.Random(seed)
+    layout = rng.choice(sorted(LAYOUTS))
+    W = 1 if layout == "one" else 2
+    every = rng.choice([1, 2, 3])
+    kind = rng.choice(["sigkill", "exit", "raise", "sigkill"])
+    point = rng.choice(["start", "end", "save"])
+    steps = [s for s in range(9) if point != "save" or (s + 1) % every == 0 or s == 8]
+    spec = f"{kind}:rank={rng.randrange(W)}:step={rng.choice(steps)}:point={point}"
+    if point == "save":
+        spec += f":phase={rng.choice(PHASES)}"
+    return layout, spec, every
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(100))
+def test_random_kills_recover_bitwise(seed, tmp_path, capsys):
+    layout, spec, every = _trial(seed)
+    argv = LAYOUTS[layout] + TINY + ["--checkpoint-dir", str(tmp_path / "ck"),
+                                     "--checkpoint-every", str(every), "--inject", spec,
+                                     "--max-restarts", "2"]
+    code, out = _run(argv, capsys)
+    assert code == 0, (layout, spec, every, out)
+    assert _digest(out) == _reference(layout, capsys), (layout, spec, every)

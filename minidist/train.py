@@ -355,7 +355,7 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
     """What every rank of `train` runs: train_on_rank from the checkpoint (if any), with
     its faults and checkpoints; rank 0 prints the progress (all ranks take part in
     on_step's all-reduce)."""
-    start, initial, injector, saver = recovery.on_rank(ctx, a, plan, job)
+    start, steps, initial, injector, saver = recovery.on_rank(ctx, a, plan, job)
 
     def progress(step: int, loss: float) -> None:
         if ctx.rank == 0 and (step % a.every == 0 or step == a.steps - 1):
@@ -368,7 +368,7 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
                 raise
 
     result = train_on_rank(
-        ctx, cfg, data_cfg, plan, steps=a.steps - start, global_batch=a.batch, lr=a.lr,
+        ctx, cfg, data_cfg, plan, steps=steps, global_batch=a.batch, lr=a.lr,
         seed=a.seed, optimizer=a.optimizer, on_step=progress, start_step=start,
         total_steps=a.steps, initial_state=initial, injector=injector,
         on_step_end=None if saver is None else saver.on_step_end)

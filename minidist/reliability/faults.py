@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -143,7 +144,8 @@ class Injector:
         for f in self._matching(None, point, step):
             if f.kind in ("nan", "corrupt"):
                 continue
-            print(f"[rank {self.rank}] injecting {f}", flush=True)
+            sys.stdout.write(f"[rank {self.rank}] injecting {f}\n")   # one write: one line
+            sys.stdout.flush()
             if f.kind == "raise":
                 raise InjectedFault(f"injected fault {f}")
             if f.kind == "exit":

@@ -143,14 +143,17 @@ class RankCheckpoints:
 
 def supervise(attempt: Callable[[int], Any], *, max_restarts: int, policy: Policy | None,
               progress: Progress | None = None, backoff: float = 0.5,
-              log: Callable[[str], None] = print) -> Any:
+              log: Callable[[str], None] = print, elastic=None) -> Any:
     """Run attempt(0); on RankFailure, log it and run attempt(k) again (k = 1, 2, ...), up
     to max_restarts times, after backoff * 2^(k-1) s (capped at MAX_BACKOFF). Returns
-    what the successful attempt returns; the last RankFailure if none succeeds."""
+    what the successful attempt returns; the last RankFailure if none succeeds. With an
+    `elastic` (reliability/elastic.py) a failure may shrink the next attempt's layout,
+    and an attempt that stopped early (capacity returns) is followed by a grown one."""
     from minidist.runtime import RankFailure
-    for k in range(max_restarts + 1):
+    k = 0
+    while True:
         try:
-            return attempt(k)
+            result = attempt(k)
         except RankFailure as e:
             headline = str(e).splitlines()[0]
             if k == max_restarts:
@@ -167,8 +170,14 @@ def supervise(attempt: Callable[[int], Any], *, max_restarts: int, policy: Polic
                 f"{found.path} (step {resume})"
             log(f"recovery: attempt {k} failed: {headline}\n"
                 f"recovery: restarting all ranks in {wait:g} s from {origin}{lost} "
-                f"[restart {k + 1} of at most {max_restarts}]")
+                f"[restart {k + 1} of at most {max_restarts}]"
+                + ("" if elastic is None else "\n" + elastic.shrink(resume)))
             time.sleep(wait)
+            k += 1
+            continue
+        if elastic is None or elastic.stop == elastic.steps:
+            return result
+        log(elastic.grow())                 # a planned stop, not a failure: no restart used
 
 
 # --- the train command's side (train.py calls these) -----------------------------------
@@ -186,6 +195,11 @@ def add_arguments(ap) -> None:
                     help="persist checkpoints in a background thread (CheckFreq)")
     ap.add_argument("--max-restarts", type=int, default=0,
                     help="restart all ranks from the latest checkpoint after a failure")
+    ap.add_argument("--elastic", action="store_true",
+                    help="after a failure, go on with one data-parallel replica less "
+                         "(reliability/elastic.py)")
+    ap.add_argument("--rejoin-after", type=int, default=None, metavar="N",
+                    help="--elastic: the lost replica comes back after N steps")
     ap.add_argument("--inject", action="append", default=[], metavar="SPEC",
                     help="inject a fault, kind:rank=R:step=S[:point=P]... "
                          "(reliability/faults.py; also $MINIDIST_INJECT)")
@@ -200,10 +214,13 @@ class Resilience:
     faults: tuple
     max_restarts: int
     progress: Progress
+    elastic: bool = False
+    rejoin_after: int | None = None
 
     @property
     def active(self) -> bool:
-        return self.policy is not None or bool(self.faults) or self.max_restarts > 0
+        return self.policy is not None or bool(self.faults) or self.max_restarts > 0 \
+            or self.elastic
 
 
 def options(a, world_size: int, pp: int = 1) -> Resilience:
@@ -229,7 +246,12 @@ def options(a, world_size: int, pp: int = 1) -> Resilience:
         if f.point == "save" and not saves:
             raise ValueError(f"--inject {f}: no checkpoint is saved after step {f.step} "
                              "(--checkpoint-dir, --checkpoint-every)")
-    return Resilience(policy, tuple(injected), a.max_restarts, Progress())
+    if (a.elastic or a.rejoin_after is not None) and (policy is None or a.max_restarts < 1
+                                                      or not a.elastic):
+        raise ValueError("--elastic (and --rejoin-after) continue from a checkpoint after a "
+                         "failure: give --elastic with --checkpoint-dir and --max-restarts >= 1")
+    return Resilience(policy, tuple(injected), a.max_restarts, Progress(), a.elastic,
+                      a.rejoin_after)
 
 
 def run_config(a, cfg, data_cfg) -> dict:
@@ -243,10 +265,14 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
     them from the latest checkpoint after a failure (`supervise`); the RankResult's
     losses cover the whole run, the steps before the checkpoint included."""
     from dataclasses import replace
+    from minidist.reliability.elastic import Elastic
     from minidist.runtime import spawn
     config, t0 = run_config(a, cfg, data_cfg), time.perf_counter()
+    elastic = Elastic(plan, cfg, a.batch, data_cfg.block_size, a.steps, r.rejoin_after) \
+        if r.elastic else None
 
     def attempt(k: int):
+        layout, stop = (plan, a.steps) if elastic is None else (elastic.plan, elastic.stop)
         state, note = (None, "") if r.policy is None else r.policy.start()
         if note:
             print(note, flush=True)
@@ -254,26 +280,28 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
             raise ValueError(f"{r.policy.root} holds a checkpoint of another run "
                              f"({state.extra.get('run')}); this run is {config}. Give a new "
                              "--checkpoint-dir.")
-        result = spawn(plan.world_size, rank_main, a, cfg, data_cfg, plan, t0,
-                       (state, k, r, config))[0]
+        result = spawn(layout.world_size, rank_main, a, cfg, data_cfg, layout, t0,
+                       (state, k, r, config, stop))[0]
         prior = [] if state is None else list(state.losses)[:state.step]
         return replace(result, losses=tuple(prior) + result.losses)
 
     return supervise(attempt, max_restarts=r.max_restarts, policy=r.policy,
-                     progress=r.progress, log=lambda line: print(line, flush=True))
+                     progress=r.progress, log=lambda line: print(line, flush=True),
+                     elastic=elastic)
 
 
 def on_rank(ctx, a, plan, job: tuple):
-    """A rank's side of `run`: (start step, initial (params, optimizer state) or None, its
-    Injector or None, its RankCheckpoints or None), for train_on_rank."""
+    """A rank's side of `run`: (first step, steps to run, initial (params, optimizer
+    state) or None, its Injector or None, its RankCheckpoints or None), for
+    train_on_rank."""
     from minidist import collectives as C
     from minidist.reliability.faults import Injector
-    state, attempt, r, config = job
+    state, attempt, r, config, stop = job
     start = 0 if state is None else state.step
     injector = Injector(list(r.faults), ctx.rank, attempt) if r.faults else None
     saver = None if r.policy is None else RankCheckpoints(
-        r.policy, ctx, a.steps - 1, [] if state is None else list(state.losses)[:start],
+        r.policy, ctx, stop - 1, [] if state is None else list(state.losses)[:start],
         {"run": config, "plan": plan.describe()}, lambda: C.barrier(group=ctx.world),
         r.progress, injector)
     initial = None if state is None else (state.params, state.optimizer)
-    return start, initial, injector, saver
+    return start, max(0, stop - start), initial, injector, saver

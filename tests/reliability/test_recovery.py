@@ -166,3 +166,51 @@ def test_random_kills_recover_bitwise(seed, tmp_path, capsys):
     code, out = _run(argv, capsys)
     assert code == 0, (layout, spec, every, out)
     assert _digest(out) == _reference(layout, capsys), (layout, spec, every)
+
+
+def _elastic_run(argv: list[str]):
+    """recovery.run as `train` runs it, returning the RankResult of the whole run."""
+    from minidist.reliability import recovery
+    a = train._arguments().parse_args(argv)
+    cfg, data_cfg, plan = train._job(a)
+    r = recovery.options(a, plan.world_size, plan.pp)
+    return a, cfg, data_cfg, recovery.run(a, cfg, data_cfg, plan, r, train._rank_main)
+
+
+@pytest.mark.parametrize("extra, lines", [
+    (["--rejoin-after", "3"], ["continuing on dp=3 (3 ranks, was 4) from step 4, until "
+                               "step 7", "capacity is back at step 7: growing from dp=3"]),
+    ([], ["continuing on dp=3 (3 ranks, was 4) from step 4; global batch 12 kept"]),
+])
+def test_elastic_shrinks_and_grows_and_equals_the_reference(extra, lines, tmp_path, capfd):
+    import numpy as np
+    from minidist import baseline
+    argv = ["--dp", "4", "--batch", "12", "--steps", "10", "--n-layer", "1", "--n-embd", "16",
+            "--n-head", "2", "--dtype", "float64", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--checkpoint-every", "2", "--max-restarts", "2", "--elastic",
+            "--inject", "sigkill:rank=3:step=5", *extra]
+    a, cfg, data_cfg, run = _elastic_run(argv)
+    out = capfd.readouterr().out
+    assert all(line in out for line in lines), out
+    ref = baseline.train_single_process(cfg, data_cfg, steps=10, global_batch=12, lr=a.lr,
+                                        seed=a.seed)
+    assert len(run.losses) == 10
+    assert max(abs(x - y) for x, y in zip(run.losses, ref.losses)) <= 1e-12
+    assert max(float(np.max(np.abs(run.params[k] - v))) for k, v in ref.params.items()) <= 1e-12
+
+
+def test_elastic_needs_checkpoints_and_restarts(capsys):
+    assert train.main(LAYOUTS["dp2"] + TINY + ["--elastic"]) == 2
+    assert "give --elastic with --checkpoint-dir and --max-restarts >= 1" in \
+        capsys.readouterr().err
+
+
+def test_elastic_keeps_the_size_when_the_smaller_layout_cannot_take_the_batch(tmp_path, capfd):
+    argv = ["--dp", "4", "--batch", "8", "--steps", "6", "--n-layer", "1", "--n-embd", "16",
+            "--n-head", "2", "--dtype", "float64", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--checkpoint-every", "2", "--max-restarts", "1", "--elastic",
+            "--inject", "exit:rank=2:step=3"]
+    _, _, _, run = _elastic_run(argv)
+    out = capfd.readouterr().out
+    assert "elastic: cannot continue on dp=3 (" in out and "restarting at the same size" in out
+    assert len(run.losses) == 6

@@ -108,7 +108,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                   lr_schedule: str = "constant", min_lr: float = 0.0,
                   on_step: Callable[[int, float], None] | None = None,
                   start_step: int = 0, initial_state: tuple[dict, dict] | None = None,
-                  total_steps: int | None = None, injector=None,
+                  total_steps: int | None = None, injector=None, guard=None,
+                  data_offset: int = 0,
                   on_step_end: Callable[["StepEnd"], None] | None = None) -> RankResult:
     """Train GPT(model_cfg, seed) on this rank's share of `steps` global batches.
 
@@ -126,6 +127,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     start and the end of their step (nan and corrupt change the step's data).
     on_step_end(StepEnd), on every rank after each step's update: where checkpoints are
     taken (reliability/recovery.py); StepEnd's engine and losses() are collective.
+    guard (reliability/spike.Guard): loss-spike handling around each update. data_offset:
+    step s trains on the global batch of index s + data_offset (batches skipped after a
+    spike rollback).
     """
     check_compatible(model_cfg, data_cfg)
     plan.validate(model_cfg, global_batch, data_cfg.block_size)
@@ -167,26 +171,39 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
             step, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr)
         if injector is not None:
             injector.at("start", step)
-        batches, n_tokens = schedules.micro_batches(data, step, global_batch, plan.dp,
-                                                    lay.dp_group.rank, plan.micro_batches,
-                                                    seed, positions)
+
+        batches, n_tokens = schedules.micro_batches(data, step + data_offset, global_batch,
+                                                    plan.dp, lay.dp_group.rank,
+                                                    plan.micro_batches, seed, positions)
         if injector is not None:               # random tokens instead of the batch
             batches = [replace(mb, x=injector.corrupt(step, mb.x, model_cfg.vocab_size))
                        for mb in batches]
         if plan.checks:
             schedules.check_token_count(batches, n_tokens, grad)
-        before = _traffic(groups)
-        t0, c0 = time.perf_counter(), time.process_time()
-        with contextlib.nullcontext() if injector is None else injector.nan_loss(lay.model,
-                                                                                 step):
-            if stage is None:
-                local.append(schedules.grad_accumulation(engine, batches, n_tokens))
-            else:
-                local.append(stage.step(engine, batches, n_tokens))
+
+        def compute(step: int = step, batches=batches, n_tokens=n_tokens) -> float:
+            """Forward and backward of this step's micro-batches: the local loss."""
+            with contextlib.nullcontext() if injector is None else \
+                    injector.nan_loss(lay.model, step):
+                if stage is None:
+                    return schedules.grad_accumulation(engine, batches, n_tokens)
+                loss = stage.step(engine, batches, n_tokens)
                 timelines.append([(a.kind, a.micro_batch, a.chunk, t0_, t1_)
                                   for a, t0_, t1_ in stage.record])
+                return loss
+
+        before = _traffic(groups)
+        t0, c0 = time.perf_counter(), time.process_time()
+        local.append(compute())
         t1 = time.perf_counter()
-        norms.append(float(engine.step(lr_s, clip_grad)))
+        if guard is None:
+            norms.append(float(engine.step(lr_s, clip_grad)))
+        else:                                  # reliability/spike.py: the update, or not
+            def again() -> float:
+                local[-1] = compute()
+                return float(_global_loss([local[-1]], grad, lay.pp_group, canonical)[0])
+            loss_s = float(_global_loss([local[-1]], grad, lay.pp_group, canonical)[0])
+            norms.append(float(guard.step(step, engine, lr_s, clip_grad, loss_s, again)[0]))
         t2 = time.perf_counter()
         lrs.append(float(lr_s))
         after = _traffic(groups)
@@ -355,7 +372,7 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
     """What every rank of `train` runs: train_on_rank from the checkpoint (if any), with
     its faults and checkpoints; rank 0 prints the progress (all ranks take part in
     on_step's all-reduce)."""
-    start, steps, initial, injector, saver = recovery.on_rank(ctx, a, plan, job)
+    resume, saver = recovery.on_rank(ctx, a, plan, job)
 
     def progress(step: int, loss: float) -> None:
         if ctx.rank == 0 and (step % a.every == 0 or step == a.steps - 1):
@@ -367,11 +384,8 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
                 _stdout_to_devnull()         # quietly, so its last flush at exit succeeds
                 raise
 
-    result = train_on_rank(
-        ctx, cfg, data_cfg, plan, steps=steps, global_batch=a.batch, lr=a.lr,
-        seed=a.seed, optimizer=a.optimizer, on_step=progress, start_step=start,
-        total_steps=a.steps, initial_state=initial, injector=injector,
-        on_step_end=None if saver is None else saver.on_step_end)
+    result = train_on_rank(ctx, cfg, data_cfg, plan, global_batch=a.batch, lr=a.lr,
+                           seed=a.seed, optimizer=a.optimizer, on_step=progress, **resume)
     if saver is not None:
         saver.close()
     return result

@@ -69,6 +69,8 @@ from __future__ import annotations
 import hashlib
 import time
 
+from typing import Callable
+
 import numpy as np
 
 from minidist import backend
@@ -189,13 +191,19 @@ class DataParallel(Engine):
         return self.model(idx, targets, n_tokens=n_tokens, aux_weight=aux_weight,
                           dropout_key=dropout_key)
 
-    def step(self, lr: float, clip_grad: float | None = None) -> float:
-        """Finish the all-reduces, clip by the global norm, update, zero; return the norm."""
+    def step(self, lr: float, clip_grad: float | None = None,
+             skip: Callable[[float], bool] | None = None) -> float:
+        """Finish the all-reduces, clip by the global norm, update, zero; return the norm.
+        skip(norm) True (the same on every rank: reliability/spike.py): zero the gradients
+        and leave the parameters and the optimizer as they are."""
         t0 = time.perf_counter()
         grads = self._summed_grads()
         self.comm_wait_s = time.perf_counter() - t0
         norm = self._norm(self.sharding.grad_sq(grads) if self.sharding is not None
                           else sum(float(g.reshape(-1) @ g.reshape(-1)) for g in grads))
+        if skip is not None and skip(norm):
+            self._zero_grads()
+            return norm
         clip_to(grads, norm, clip_grad)
         self.opt.lr = lr
         self.opt.step()

@@ -66,6 +66,8 @@ from __future__ import annotations
 
 import time
 
+from typing import Callable
+
 import numpy as np
 
 from minidist import collectives as C
@@ -150,11 +152,13 @@ class ZeroEngine(Engine):
         return self.model(idx, targets, n_tokens=n_tokens, aux_weight=aux_weight,
                           dropout_key=dropout_key)
 
-    def step(self, lr: float, clip_grad: float | None = None) -> float:
+    def step(self, lr: float, clip_grad: float | None = None,
+             skip: Callable[[float], bool] | None = None) -> float:
         """Reduce what is left, clip by the global norm, update the shards, gather (1-2).
 
         Returns the global gradient norm before clipping. Cost (stage 1-2, ring):
         (W-1) S reduce-scatter + (W-1) S all-gather + (W-1) norm numbers per rank.
+        skip(norm) True (the same on every rank): zero the gradients, change nothing else.
         """
         if clip_grad is not None and not clip_grad > 0:
             raise ValueError(f"ZeroEngine.step: clip_grad={clip_grad}; it must be > 0 or None.")
@@ -167,12 +171,13 @@ class ZeroEngine(Engine):
                 self._reduce_unit(i)
         self._seen = [0] * len(self.units)
         norm = self.global_norm()
-        clip_to([s.grad for s in self.shards], norm, clip_grad)
-        self.opt.lr = lr
-        self.opt.step()                              # AdamW / SGD on (w_shard, dw_shard)
-        if self.stage < 3:
-            for i, s in enumerate(self.shards):
-                self.p_full[i][...] = self._all_gather(s.data, unit=i).reshape(-1)
+        if skip is None or not skip(norm):
+            clip_to([s.grad for s in self.shards], norm, clip_grad)
+            self.opt.lr = lr
+            self.opt.step()                          # AdamW / SGD on (w_shard, dw_shard)
+            if self.stage < 3:
+                for i, s in enumerate(self.shards):
+                    self.p_full[i][...] = self._all_gather(s.data, unit=i).reshape(-1)
         for g in self.g_acc if self.stage == 1 else [s.grad for s in self.shards]:
             g[...] = 0
         self.comm_wait_s = time.perf_counter() - t0

@@ -134,6 +134,7 @@ class Injector:
     def __init__(self, faults: list[Fault], rank: int, attempt: int = 0):
         self.faults = [f for f in faults if f.rank == rank and f.attempt == attempt]
         self.rank = rank
+        self._poisoned: set[int] = set()         # steps a nan fault has hit (once each)
 
     def _matching(self, kind: str | None, point: str, step: int) -> list[Fault]:
         return [f for f in self.faults if f.step == step and f.point == point
@@ -167,10 +168,13 @@ class Injector:
         """Inside: under a `nan` fault for this step, every loss this rank's model computes
         (model.loss, nn/gpt.py) is multiplied by NaN, so backward makes all of its
         gradients NaN and the gradient sync spreads them; otherwise nothing changes. Only a
-        rank that computes the loss can do this (under pp, one of the last stage's)."""
-        if not self._matching("nan", "start", step):
+        rank that computes the loss can do this (under pp, one of the last stage's). It
+        hits a step once: a step computed again (spike.py's rerun) is clean, as after a
+        transient hardware fault."""
+        if not self._matching("nan", "start", step) or step in self._poisoned:
             yield
             return
+        self._poisoned.add(step)
         loss = model.loss
 
         def poisoned(*args, **kwargs):

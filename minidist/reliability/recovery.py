@@ -102,8 +102,9 @@ class RankCheckpoints:
 
     def __init__(self, policy: Policy, ctx, last_step: int, prior_losses: list[float],
                  extra: dict, barrier: Callable[[], Any], progress: Progress | None = None,
-                 injector=None):
+                 injector=None, data_offset: int = 0):
         self.policy, self.last_step, self.prior = policy, last_step, list(prior_losses)
+        self.data_offset = data_offset
         self.extra, self.progress, self.injector = extra, progress, injector
         self.rank, self.world, self.barrier = ctx.rank, ctx.world_size, barrier
         self.writer = ckpt.AsyncCheckpointer(policy.root, rank=self.rank, world=self.world,
@@ -120,7 +121,8 @@ class RankCheckpoints:
         state = ckpt.CheckpointState(
             step=s, params=end.engine.full_params(), optimizer=end.engine.full_optimizer_state(),
             rng={"dropout": "stateless: drawn from (seed, step, sample index)"},
-            data_cursor={"next_step": s}, losses=self.prior + list(end.losses()),
+            data_cursor={"next_step": s, "offset": self.data_offset},
+            losses=self.prior + list(end.losses()),
             extra=self.extra)
         if self.writer is not None:
             self.writer.snapshot(state)
@@ -143,12 +145,14 @@ class RankCheckpoints:
 
 def supervise(attempt: Callable[[int], Any], *, max_restarts: int, policy: Policy | None,
               progress: Progress | None = None, backoff: float = 0.5,
-              log: Callable[[str], None] = print, elastic=None) -> Any:
+              log: Callable[[str], None] = print, elastic=None,
+              on_failure: Callable[[Any, int], str] | None = None) -> Any:
     """Run attempt(0); on RankFailure, log it and run attempt(k) again (k = 1, 2, ...), up
     to max_restarts times, after backoff * 2^(k-1) s (capped at MAX_BACKOFF). Returns
     what the successful attempt returns; the last RankFailure if none succeeds. With an
     `elastic` (reliability/elastic.py) a failure may shrink the next attempt's layout,
-    and an attempt that stopped early (capacity returns) is followed by a grown one."""
+    and an attempt that stopped early (capacity returns) is followed by a grown one.
+    on_failure(error, resume step) may change the next attempt; it returns a log line."""
     from minidist.runtime import RankFailure
     k = 0
     while True:
@@ -171,7 +175,8 @@ def supervise(attempt: Callable[[int], Any], *, max_restarts: int, policy: Polic
             log(f"recovery: attempt {k} failed: {headline}\n"
                 f"recovery: restarting all ranks in {wait:g} s from {origin}{lost} "
                 f"[restart {k + 1} of at most {max_restarts}]"
-                + ("" if elastic is None else "\n" + elastic.shrink(resume)))
+                + "".join("\n" + line for line in
+                          ([] if on_failure is None else [on_failure(e, resume)]) if line))
             time.sleep(wait)
             k += 1
             continue
@@ -200,6 +205,11 @@ def add_arguments(ap) -> None:
                          "(reliability/elastic.py)")
     ap.add_argument("--rejoin-after", type=int, default=None, metavar="N",
                     help="--elastic: the lost replica comes back after N steps")
+    ap.add_argument("--spike", default="off", choices=["off", "detect", "skip", "rollback",
+                                                       "rerun"],
+                    help="loss-spike handling (reliability/spike.py)")
+    ap.add_argument("--spike-skip-batches", type=int, default=5, metavar="N",
+                    help="--spike rollback: batches skipped after rolling back")
     ap.add_argument("--inject", action="append", default=[], metavar="SPEC",
                     help="inject a fault, kind:rank=R:step=S[:point=P]... "
                          "(reliability/faults.py; also $MINIDIST_INJECT)")
@@ -216,11 +226,13 @@ class Resilience:
     progress: Progress
     elastic: bool = False
     rejoin_after: int | None = None
+    spike: str = "off"
+    skip_batches: int = 5
 
     @property
     def active(self) -> bool:
         return self.policy is not None or bool(self.faults) or self.max_restarts > 0 \
-            or self.elastic
+            or self.elastic or self.spike != "off"
 
 
 def options(a, world_size: int, pp: int = 1) -> Resilience:
@@ -250,8 +262,12 @@ def options(a, world_size: int, pp: int = 1) -> Resilience:
                                                       or not a.elastic):
         raise ValueError("--elastic (and --rejoin-after) continue from a checkpoint after a "
                          "failure: give --elastic with --checkpoint-dir and --max-restarts >= 1")
+    if a.spike == "rollback" and (policy is None or a.max_restarts < 1
+                                  or a.spike_skip_batches < 0):
+        raise ValueError("--spike rollback restarts from a checkpoint: give --checkpoint-dir, "
+                         "--max-restarts >= 1 and --spike-skip-batches >= 0")
     return Resilience(policy, tuple(injected), a.max_restarts, Progress(), a.elastic,
-                      a.rejoin_after)
+                      a.rejoin_after, a.spike, a.spike_skip_batches)
 
 
 def run_config(a, cfg, data_cfg) -> dict:
@@ -270,6 +286,17 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
     config, t0 = run_config(a, cfg, data_cfg), time.perf_counter()
     elastic = Elastic(plan, cfg, a.batch, data_cfg.block_size, a.steps, r.rejoin_after) \
         if r.elastic else None
+    floor = [0]                    # the data offset after the last spike rollback
+
+    def on_failure(e, resume: int) -> str:
+        if r.spike == "rollback" and any(t.startswith("SpikeDetected")
+                                         for t in e.failures.values()):
+            found = None if r.policy is None else ckpt.latest(r.policy.root)
+            before = 0 if found is None else ckpt.load(found.path).data_cursor.get("offset", 0)
+            floor[0] = max(floor[0], before) + r.skip_batches
+            return (f"spike: rolled back to step {resume}; skipping {r.skip_batches} batches: "
+                    f"step s now trains on batch s + {floor[0]}")
+        return "" if elastic is None else elastic.shrink(resume)
 
     def attempt(k: int):
         layout, stop = (plan, a.steps) if elastic is None else (elastic.plan, elastic.stop)
@@ -280,28 +307,34 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
             raise ValueError(f"{r.policy.root} holds a checkpoint of another run "
                              f"({state.extra.get('run')}); this run is {config}. Give a new "
                              "--checkpoint-dir.")
+        offset = max(floor[0], 0 if state is None else state.data_cursor.get("offset", 0))
         result = spawn(layout.world_size, rank_main, a, cfg, data_cfg, layout, t0,
-                       (state, k, r, config, stop))[0]
+                       (state, k, r, config, stop, offset))[0]
         prior = [] if state is None else list(state.losses)[:state.step]
         return replace(result, losses=tuple(prior) + result.losses)
 
     return supervise(attempt, max_restarts=r.max_restarts, policy=r.policy,
                      progress=r.progress, log=lambda line: print(line, flush=True),
-                     elastic=elastic)
+                     elastic=elastic, on_failure=on_failure)
 
 
-def on_rank(ctx, a, plan, job: tuple):
-    """A rank's side of `run`: (first step, steps to run, initial (params, optimizer
-    state) or None, its Injector or None, its RankCheckpoints or None), for
-    train_on_rank."""
+def on_rank(ctx, a, plan, job: tuple) -> tuple[dict, "RankCheckpoints | None"]:
+    """A rank's side of `run`: (train_on_rank's keyword arguments for this attempt -- the
+    steps to run, the state to start from, faults, spike guard, data offset --, this
+    rank's RankCheckpoints or None)."""
     from minidist import collectives as C
     from minidist.reliability.faults import Injector
-    state, attempt, r, config, stop = job
+    from minidist.reliability.spike import Guard
+    state, attempt, r, config, stop, offset = job
     start = 0 if state is None else state.step
     injector = Injector(list(r.faults), ctx.rank, attempt) if r.faults else None
     saver = None if r.policy is None else RankCheckpoints(
         r.policy, ctx, stop - 1, [] if state is None else list(state.losses)[:start],
         {"run": config, "plan": plan.describe()}, lambda: C.barrier(group=ctx.world),
-        r.progress, injector)
-    initial = None if state is None else (state.params, state.optimizer)
-    return start, max(0, stop - start), initial, injector, saver
+        r.progress, injector, offset)
+    guard = None if r.spike == "off" else Guard(
+        r.spike, lambda line: print(line, flush=True) if ctx.rank == 0 else None)
+    return {"start_step": start, "steps": max(0, stop - start), "total_steps": a.steps,
+            "initial_state": None if state is None else (state.params, state.optimizer),
+            "injector": injector, "guard": guard, "data_offset": offset,
+            "on_step_end": None if saver is None else saver.on_step_end}, saver

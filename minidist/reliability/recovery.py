@@ -159,7 +159,8 @@ def supervise(attempt: Callable[[int], Any], *, max_restarts: int, policy: Polic
         try:
             result = attempt(k)
         except RankFailure as e:
-            headline = str(e).splitlines()[0]
+            lines = str(e).splitlines()        # the headline, then the failed rank's cause
+            headline = lines[0] + (f" ({lines[1].strip()})" if len(lines) > 1 else "")
             if k == max_restarts:
                 log(f"recovery: attempt {k} failed ({headline}); no restarts left "
                     f"(--max-restarts {max_restarts})")

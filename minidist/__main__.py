@@ -24,7 +24,7 @@ import signal
 import sys
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
-BENCHES = ("collectives", "autograd", "train", "pipeline")
+BENCHES = ("collectives", "autograd", "train", "pipeline", "checkpoint")
 INTERRUPTED = 128 + signal.SIGINT           # the shells' code for "ended by SIGINT"
 STDOUT_CLOSED = 128 + signal.SIGPIPE        # ... and for "ended by SIGPIPE"
 

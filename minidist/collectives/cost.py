@@ -1,66 +1,84 @@
 """The alpha-beta(-gamma) cost model: predicted time of each collective algorithm.
 
-Sending one message of m bytes costs alpha + m beta: alpha is the fixed
-latency of a message (on shared memory: the handshake through a mailbox
-counter), beta the time per byte (copy in, copy out). Reducing m bytes costs
-m gamma. An algorithm's time is the sum over its sequential steps, so each
-algorithm is a formula in W (ranks) and n (bytes). The formulas below let
-`choose` pick an algorithm per call (algo="auto") and let the bench compare
-prediction and measurement.
+Sending one message of m bytes costs alpha + m beta: alpha is the fixed latency of a
+message (on shared memory: the handshake through a mailbox counter), beta the time per
+byte (copy in, copy out). Reducing m bytes costs m gamma. An algorithm's time is the sum
+over its sequential steps, so each algorithm is a formula in W (ranks) and n (bytes).
+The formulas let `choose` pick an algorithm per call (algo="auto") and let the bench
+compare prediction and measurement.
 
-Conventions: p = W, n = x.nbytes of the array ONE rank passes in (scatter:
-the bytes one rank receives; all_to_all: the bytes one rank sends in total),
-L = ceil(log2 p), p' = 2^floor(log2 p) and f = 1 if p is not a power of two
-(the fold/unfold of halving_doubling.py), k = ceil(n / ring.SEGMENT_BYTES)
-segments of a chain, R = rounds of direct.py, a barrier costs alpha.
+On a network alpha dwarfs the rest; between Python processes on one machine it does
+not (alpha, beta, gamma alone underestimate small calls ~4x), so the model also has:
+    setup    each algorithm's own Python per call (api.py, the call header, its set-up
+             such as np.array_split), timed alone at W = 1: 4 to 23 us here, too
+             different for one constant (`call` stands in for an unmeasured one).
+    barrier  per group barrier: direct.py meets at barriers, not messages.
+    copy     per byte a rank copies itself: the working copy of x most algorithms start
+             with, direct.py's copies into and out of its region, and in an exchange
+             (sendrecv) the bytes it copies out of the slot while its partner does the
+             same (a one-way chain overlaps them with the sender's next copy-in).
+    dram     per byte moved beyond the first `cache` bytes (data out of cache: ~2x).
+    cores    with more ranks than cores (W = 4 on 2 cores) the u ranks that work at once
+             share the cores: set-up and bytes take g = max(1, u / cores) times longer.
+             Waiting ranks must give up the CPU (runtime/wait.py yields, then sleeps),
+             so alpha and barrier become scheduler round trips, several times their
+             W = 2 value: hence one set of constants per world size.
+On its critical path an algorithm sends m messages, meets z barriers, sends s bytes,
+reduces r bytes and copies c bytes, while u ranks work at once; its time is
+    t = m alpha + z barrier + g (setup + s beta + r gamma + c copy + max(0, s+r+c-cache) dram)
 
-    all_reduce      ring      2(p-1) a + 2(p-1)/p n b + (p-1)/p n g
-                    tree      2L (a + n b) + L n g
-                    halving   log2 p' (a + n b + n g) + f (2a + 2n b + n g)
-                    direct    2R a + (2(p-1)/p + 1) n b + (p-1)/p n g
-    reduce_scatter  ring      (p-1) a + (p-1)/p n (b + g)
-                    halving   log2 p' a + (p'-1)/p' n (b + g) + f (2a + n (b + g) + n/p b)
-                    direct    2R a + ((p-1)/p + 1) n b + (p-1)/p n g
-    all_gather      ring      (p-1) (a + n b)
-                    halving   log2 p' a + (p-1) n b + f (2a + n b + p n b)
-    broadcast       tree      L (a + n b)
-                    ring      (p-2+k) (a + n/k b)                  (0 for p = 1)
-    reduce          tree      L (a + n b + n g)
-                    ring      (p-2+k) (a + n/k (b + g))            (0 for p = 1)
-    gather          tree      L a + (p-1) n b
-    scatter         tree      2L a + (p-1) n b
-    all_to_all      pairwise  (p-1) a + (p-1)/p n b
+Conventions: p = W, n = x.nbytes of the array ONE rank passes in (scatter: the bytes one
+rank receives; all_to_all: the bytes one rank sends in total), q = (p-1)/p, L =
+ceil(log2 p), l = log2 p' with p' = 2^floor(log2 p), h = (p'-1)/p', f = 1 if p is not a
+power of two (the fold/unfold of halving_doubling.py), k = ceil(n / ring.SEGMENT_BYTES)
+segments and e = p-2+k hops of a chain, R = rounds of direct.py (z = 2R barriers, no
+messages; z = 1 for direct_small.py, n <= 4 KiB), T = rows a binomial tree sends in all.
 
-For large n ring's bandwidth term wins; for small n the log-depth algorithms'
-latency term wins. The model has no link contention, so at a power of two it
-ranks halving at or below ring for reduce_scatter and all_gather at every n
-(same bandwidth term, fewer messages); off powers of two the fold makes ring
-win for large n.
+                              m      s                    r            c            u
+    all_reduce      ring      2(p-1) 2q n                 q n          (1 + q) n    p
+                    tree      2L     2L n                 L n          n            (p-1)/L
+                    halving   l+2f   (l+2f) n             (l+f) n      (1 + l) n    p
+                    direct    0      0                    q n          (2q + 1/p) n p
+                    (small)   0      0                    (p-1) n      n            p
+    reduce_scatter  ring      p-1    q n                  q n          (1 + 1/p) n  p
+                    halving   l+2f   h n + f (n + n/p)    h n + f n    (1+1/p+h) n  p
+                    direct    0      0                    q n          q n          p
+    all_gather      ring      p-1    (p-1) n              0            p n          p
+                    halving   l+2f   (p-1) n + f (n+p n)  0            p n          p
+    broadcast       tree      L      L n                  0            n            (p-1)/L
+                    ring      e      e n/k                0            n            (p-1) k/e
+    reduce          tree      L      L n                  L n          n            (p-1)/L
+                    ring      e      e n/k                e n/k        n            (p-1) k/e
+    gather          tree      L      (p-1) n              0            (p+1) n      T/(p-1)
+    scatter         tree      2L     (p-1) n              0            (p+1) n      T/(p-1)
+    all_to_all      pairwise  p-1    q n                  0            n            p
 
-Large messages over shared memory. The model counts bytes SENT; over the
-shared-memory transport a mailbox algorithm copies every sent byte twice
-(into the slot, out of it), while `direct` reads its peers' inputs where they
-lie. So for large n on a group with shared memory `direct` is the fastest
-(measured with `python -m minidist bench collectives`, 2 cores, medians of 3
-runs: at 256 KiB direct 1.64 GB/s busbw against ring's 1.47 at W=2 and 0.69
-against 0.42 at W=4; at 64 MiB 1.84 against 1.48 and 1.32 against 0.91), and
-"auto" picks it for all_reduce and reduce_scatter from SHM_DIRECT_MIN_BYTES
-(256 KiB) up when the caller says the group has shared memory.
-Small all_reduces (at most direct_small.SMALL_BYTES) take direct's one-wait
-path (direct_small.py), measured fastest at W = 2, 3, 4 (e.g. 42 us against
-halving's 52 us for 8 B at W=2), so "auto" picks direct there too. In between,
-the formulas decide. Either way the result is bitwise reproducible.
+For large n ring's bandwidth term wins, for small n the log-depth algorithms' latency
+term. Without link contention, at a power of two halving ranks at or below ring for
+reduce_scatter and all_gather at every n; off powers of two the fold makes ring win for
+large n. With copy = 0 (DEFAULT) these are Thakur's formulas plus a call and barrier cost.
 
-Constants come from a calibration file (JSON with keys alpha, beta, gamma in
-seconds and seconds per byte) at $MINIDIST_COST_FILE or
-~/.cache/minidist/cost.json, written by the bench from measurements fitted
-with `fit`; otherwise from DEFAULT. Every rank must see the same constants
-(true for one machine), or ranks could choose different algorithms; the call
-header records the algorithm, so that would be a CollectiveMismatch, not a hang.
+Shared memory. `direct` sends nothing: it reads its peers' inputs where they lie (its
+bytes are copies), while a mailbox byte is copied twice (into the slot, out of it). So on
+a shared-memory group "auto" picks direct for all_reduce and reduce_scatter from
+SHM_DIRECT_MIN_BYTES (256 KiB) up (bench collectives, 2 cores: at 256 KiB 1.64 GB/s busbw
+against ring's 1.47 at W=2, 0.69 against 0.42 at W=4; at 64 MiB 1.84 against 1.48 and
+1.32 against 0.91), and for all_reduces of at most direct_small.SMALL_BYTES (its one-wait
+path, fastest at W = 2, 3, 4). In between, the formulas decide (`rule`, then `choose`).
 
-Reference: Thakur, Rabenseifner & Gropp 2005, "Optimization of collective
-    communication operations in MPICH", IJHPCA 19(1), 49-66 (the model and the
-    ring, tree, recursive halving/doubling and pairwise formulas).
+Constants. `fit` finds them by least squares on relative error. The calibration file
+(JSON at $MINIDIST_COST_FILE or ~/.cache/minidist/cost.json) holds one set per W:
+{"version": 2, "fitted": date, "constants": {"2": {"alpha": s, ..., "setup": {"op/algo":
+s}}, "4": {...}}} ("any": one set for every W); a W not calibrated uses the nearest one
+(ties: the larger). A version-1 file (alpha, beta, gamma) loads as the model it was
+fitted for (barrier = alpha, nothing else). Without a file: DEFAULT. Every rank must see
+the same constants (true on one machine), or ranks could choose different algorithms:
+the call header records the algorithm, so that would be a CollectiveMismatch, not a hang.
+
+Reference: Thakur, Rabenseifner & Gropp 2005, "Optimization of collective communication
+    operations in MPICH", IJHPCA 19(1), 49-66 (the model; ring, tree, recursive
+    halving/doubling and pairwise formulas); Lawson & Hanson 1974, "Solving Least
+    Squares Problems", ch. 23 (the non-negative least squares in `fit`).
 Read next: api.py.
 """
 
@@ -71,8 +89,9 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -80,17 +99,37 @@ from minidist.collectives.direct import BUFFER_BYTES
 from minidist.collectives.ring import SEGMENT_BYTES
 
 
+# The module docstring's terms. Seconds: alpha, call, barrier, setup (("op/algo", s), ...);
+# seconds per byte: beta, gamma, copy, dram; bytes: cache; cores: 0 = contention not modelled.
 @dataclass(frozen=True)
 class Constants:
-    """alpha: seconds per message; beta: seconds per byte sent; gamma: seconds per byte reduced."""
+    """The constants of the model for one world size."""
     alpha: float
     beta: float
     gamma: float
+    call: float = 0.0
+    barrier: float = 0.0
+    copy: float = 0.0
+    dram: float = 0.0
+    cache: float = 0.0
+    cores: int = 0
+    setup: tuple[tuple[str, float], ...] = ()
+
+    def __hash__(self) -> int:          # computed once: "auto" hashes these on every call
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
 
 
-# Order of magnitude of this runtime on one multi-core machine: ~10 us per
-# mailbox handshake, ~2.5 GB/s per copied byte (copy in + copy out), ~5 GB/s reduce.
-DEFAULT = Constants(alpha=10e-6, beta=4e-10, gamma=2e-10)
+NAMES = tuple(f.name for f in fields(Constants))[:-2]    # the floats, in the order above
+VERSION = 2
+ANY_W = 0                                                # Table key: a set for every W
+
+# Orders of magnitude of this runtime (per-W constants: bench collectives --calibrate). No
+# copy term: without a calibration "auto" chooses exactly as the alpha-beta-gamma model did.
+DEFAULT = Constants(alpha=10e-6, beta=4e-10, gamma=2e-10, call=10e-6, barrier=5e-6)
 
 # Algorithms per collective, in the order "auto" breaks ties (cheapest-latency first).
 ALGOS: dict[str, tuple[str, ...]] = {
@@ -108,31 +147,37 @@ SHM_DIRECT_MIN_BYTES = 1 << 18      # measured crossover, see the module docstri
 SMALL_BYTES = 4096                  # = direct_small.SMALL_BYTES (checked by a test)
 
 
-def _terms(op: str, algo: str, p: int, n: float) -> tuple[float, float, float]:
-    """(messages, bytes sent, bytes reduced) on the critical path: time = a m + b s + g r."""
+def _terms(op: str, algo: str, p: int, n: float) -> tuple[float, ...]:
+    """(messages, barriers, bytes sent, bytes reduced, bytes copied) on the critical path,
+    and u, the ranks that work at once (total bytes sent over critical-path bytes)."""
     L, lp = math.ceil(math.log2(p)), p.bit_length() - 1
     pp, f = 1 << lp, int(p & (p - 1) != 0)
     q, k = (p - 1) / p, max(1, math.ceil(n / SEGMENT_BYTES))
-    rounds = max(1, math.ceil(n / (BUFFER_BYTES * p / (p + 1))))
-    chain = 0 if p == 1 else p - 2 + k
+    R = max(1, math.ceil(n / (BUFFER_BYTES * p / (p + 1))))
+    e = 0 if p == 1 else p - 2 + k
+    tree_u, chain_u = (p - 1) / max(L, 1), (p - 1) * k / max(e, 1)
+    rows_u = sum(min(v & -v, p - v) for v in range(1, p)) / max(p - 1, 1)   # binomial subtrees
     table = {
-        ("all_reduce", "ring"): (2 * (p - 1), 2 * q * n, q * n),
-        ("all_reduce", "tree"): (2 * L, 2 * L * n, L * n),
-        ("all_reduce", "halving"): (lp + 2 * f, (lp + 2 * f) * n, (lp + f) * n),
-        ("all_reduce", "direct"): (2 * rounds, (2 * q + 1) * n, q * n),
-        ("reduce_scatter", "ring"): (p - 1, q * n, q * n),
-        ("reduce_scatter", "halving"): (lp + 2 * f, (pp - 1) / pp * n + f * (n + n / p),
-                                        (pp - 1) / pp * n + f * n),
-        ("reduce_scatter", "direct"): (2 * rounds, (q + 1) * n, q * n),
-        ("all_gather", "ring"): (p - 1, (p - 1) * n, 0.0),
-        ("all_gather", "halving"): (lp + 2 * f, (p - 1) * n + f * (n + p * n), 0.0),
-        ("broadcast", "tree"): (L, L * n, 0.0),
-        ("broadcast", "ring"): (chain, chain * n / k, 0.0),
-        ("reduce", "tree"): (L, L * n, L * n),
-        ("reduce", "ring"): (chain, chain * n / k, chain * n / k),
-        ("gather", "tree"): (L, (p - 1) * n, 0.0),
-        ("scatter", "tree"): (2 * L, (p - 1) * n, 0.0),
-        ("all_to_all", "pairwise"): (p - 1, q * n, 0.0),
+        ("all_reduce", "ring"): (2 * (p - 1), 0, 2 * q * n, q * n, n + q * n, p),
+        ("all_reduce", "tree"): (2 * L, 0, 2 * L * n, L * n, n, tree_u),
+        ("all_reduce", "halving"): (lp + 2 * f, 0, (lp + 2 * f) * n, (lp + f) * n,
+                                    n + lp * n, p),
+        ("all_reduce", "direct"): (0, 1, 0, (p - 1) * n, n, p) if n <= SMALL_BYTES else
+                                  (0, 2 * R, 0, q * n, (2 * q + 1 / p) * n, p),
+        ("reduce_scatter", "ring"): (p - 1, 0, q * n, q * n, n + n / p, p),
+        ("reduce_scatter", "halving"): (lp + 2 * f, 0, (pp - 1) / pp * n + f * (n + n / p),
+                                        (pp - 1) / pp * n + f * n,
+                                        n + n / p + (pp - 1) / pp * n, p),
+        ("reduce_scatter", "direct"): (0, 2 * R, 0, q * n, q * n, p),
+        ("all_gather", "ring"): (p - 1, 0, (p - 1) * n, 0, p * n, p),
+        ("all_gather", "halving"): (lp + 2 * f, 0, (p - 1) * n + f * (n + p * n), 0, p * n, p),
+        ("broadcast", "tree"): (L, 0, L * n, 0, n, tree_u),
+        ("broadcast", "ring"): (e, 0, e * n / k, 0, n, chain_u),
+        ("reduce", "tree"): (L, 0, L * n, L * n, n, tree_u),
+        ("reduce", "ring"): (e, 0, e * n / k, e * n / k, n, chain_u),
+        ("gather", "tree"): (L, 0, (p - 1) * n, 0, (p + 1) * n, rows_u),
+        ("scatter", "tree"): (2 * L, 0, (p - 1) * n, 0, (p + 1) * n, rows_u),
+        ("all_to_all", "pairwise"): (p - 1, 0, q * n, 0, n, p),
     }
     if (op, algo) not in table:
         known = ", ".join(f"{o}/{a}" for o, a in table)
@@ -140,21 +185,39 @@ def _terms(op: str, algo: str, p: int, n: float) -> tuple[float, float, float]:
     return table[(op, algo)]
 
 
-def predict(op: str, algo: str, W: int, nbytes: float, c: Constants | None = None) -> float:
+def setup_key(op: str, algo: str, nbytes: float) -> str:
+    """The name of an algorithm's set-up: "op/algo" (+ "-small" on direct_small.py's path)."""
+    small = op == "all_reduce" and algo == "direct" and nbytes <= SMALL_BYTES
+    return f"{op}/{algo}" + ("-small" if small else "")
+
+
+def _columns(op: str, algo: str, W: int, nbytes: float, cache: float, setup: float,
+             cores: int) -> tuple[float, ...]:
+    """What (1, alpha, barrier, beta, gamma, copy, dram) multiply in t (module docstring):
+    the set-up and the bytes are CPU work, g = max(1, u / cores) times longer when shared."""
+    m, z, s, r, c, u = _terms(op, algo, int(W), float(nbytes))
+    g = max(1.0, u / cores) if cores else 1.0
+    return (g * setup, m, z, g * s, g * r, g * c, g * max(0.0, s + r + c - cache))
+
+
+def predict(op: str, algo: str, W: int, nbytes: float,
+            c: Constants | Table | None = None) -> float:
     """Predicted seconds of one call of `op` with `algo` on W ranks, n = nbytes per rank."""
-    c = constants() if c is None else c
-    msgs, sent, reduced = _terms(op, algo, W, float(nbytes))
-    return c.alpha * msgs + c.beta * sent + c.gamma * reduced
+    c = constants(W) if c is None else c.at(W) if isinstance(c, Table) else c
+    setup = dict(c.setup).get(setup_key(op, algo, nbytes), c.call)
+    return sum(x * k for x, k in zip(_columns(op, algo, W, nbytes, c.cache, setup, c.cores),
+                                     (1.0, c.alpha, c.barrier, c.beta, c.gamma, c.copy, c.dram)))
 
 
-def choose(op: str, nbytes: float, W: int, c: Constants | None = None,
+def choose(op: str, nbytes: float, W: int, c: Constants | Table | None = None,
            shared_memory: bool = False) -> str:
     """The algorithm "auto" runs: `direct` for large reductions on a shared-memory group,
     else the cheapest predicted one (direct excluded), ties -> first."""
     if op not in ALGOS:
         raise ValueError(f"cost.choose: unknown collective {op!r}; use one of {list(ALGOS)}.")
     return rule(op, nbytes, W, shared_memory) or _choose(
-        op, int(nbytes), int(W), constants() if c is None else c)
+        op, int(nbytes), int(W), constants(W) if c is None else
+        c.at(W) if isinstance(c, Table) else c)
 
 
 def rule(op: str, nbytes: float, W: int, shared_memory: bool) -> str | None:
@@ -174,44 +237,67 @@ def _choose(op: str, nbytes: int, W: int, c: Constants) -> str:
     return min(candidates, key=lambda a: predict(op, a, W, nbytes, c))
 
 
-def fit(nbytes, seconds) -> tuple[float, float]:
-    """Least-squares (alpha, beta) of seconds = alpha + beta * nbytes from measured pairs.
+# --- fitting the constants to measured calls ---------------------------------------------
 
-    Feed it point-to-point timings (one message of each size); at least two
-    distinct sizes are needed. The result is the plain least-squares line, not
-    clipped: a negative alpha means the measurements are too noisy at small sizes.
+CACHE_GRID = tuple(float(1 << k) for k in range(12, 31))     # 4 KiB .. 1 GiB
+
+
+def fit(samples: Sequence[tuple[str, str, int, float, float]],
+        setup: dict[str, float] | None = None, cores: int = 0) -> Constants:
+    """The constants >= 0 that minimise sum_i ((predict_i - t_i) / t_i)^2 over measured
+    calls (op, algo, W, nbytes, seconds t_i): relative error, so 8 B and 64 MiB weigh alike.
+
+    `setup`: each algorithm's time alone (W = 1) by setup_key, all scaled by one fitted
+    factor (call = factor * median); without it `call` is fitted for every algorithm.
+    `cores`: of the machine measured. For each cache in CACHE_GRID the model is linear in
+    the rest: non-negative least squares (`_nnls`) on rows columns_i / t_i against 1; the
+    smallest residual wins. Times made by the model (cache in the grid) come back exactly.
     """
-    n, t = np.asarray(nbytes, np.float64), np.asarray(seconds, np.float64)
-    if n.shape != t.shape or n.ndim != 1 or len(np.unique(n)) < 2:
+    if len(samples) < 7 or not all(t > 0 and math.isfinite(t) for *_, t in samples):
         raise ValueError(
-            f"cost.fit: need two equally long 1-D sequences with at least 2 distinct sizes; "
-            f"got nbytes of shape {n.shape} ({len(np.unique(n))} distinct) and seconds of "
-            f"shape {t.shape}. Time messages of several sizes (e.g. 8 B to 8 MB).")
-    design = np.stack([np.ones_like(n), n], axis=1)                  # (S, 2)
-    (alpha, beta), *_ = np.linalg.lstsq(design, t, rcond=None)
-    return float(alpha), float(beta)
+            f"cost.fit: need at least 7 samples with finite times > 0, got {len(samples)}. "
+            "Time every algorithm over a sweep of sizes (bench collectives --calibrate).")
+    t, best = np.array([x[4] for x in samples], np.float64), None
+    for cache in CACHE_GRID:
+        A = np.array([_columns(op, a, W, n, cache, setup[setup_key(op, a, n)] if setup else 1,
+                               cores) for op, a, W, n, _ in samples]) / t[:, None]   # (S, 7)
+        scale = np.linalg.norm(A, axis=0)                # columns of unit length: seconds
+        scale[scale == 0] = 1.0                          # and bytes differ by 1e10
+        x = _nnls(A / scale, np.ones(len(t))) / scale
+        err = float(np.sum((A @ x - 1) ** 2))
+        if best is None or err < best[0] * (1 - 1e-12):
+            best = (err, cache, x)
+    k, alpha, barrier, beta, gamma, copy, dram = map(float, best[2])
+    scaled = tuple(sorted((key, k * v) for key, v in setup.items())) if setup else ()
+    call = k * float(np.median(list(setup.values()))) if setup else k
+    return Constants(alpha, beta, gamma, call, barrier, copy, dram, best[1], cores, scaled)
 
 
-def fit_gamma(nbytes, seconds) -> float:
-    """Least-squares gamma of seconds = gamma * nbytes (reduction time through the origin)."""
-    n, t = np.asarray(nbytes, np.float64), np.asarray(seconds, np.float64)
-    if n.shape != t.shape or n.ndim != 1 or not np.any(n > 0):
-        raise ValueError(f"cost.fit_gamma: need equally long 1-D sequences with a positive "
-                         f"size; got shapes {n.shape} and {t.shape}.")
-    return float(n @ t / (n @ n))
+def _nnls(A: np.ndarray, b: np.ndarray, tol: float = 1e-10) -> np.ndarray:
+    """x >= 0 minimising |A x - b| (Lawson & Hanson 1974, ch. 23): free the variable the
+    residual pulls on hardest, solve on the free set, and step back to the boundary
+    whenever a free variable would turn negative; stop when no fixed one wants to move."""
+    n = A.shape[1]
+    free, x = np.zeros(n, bool), np.zeros(n)
+    for _ in range(3 * n):
+        pull = A.T @ (b - A @ x)                         # (n,) minus the gradient
+        if free.all() or np.max(pull[~free]) <= tol:
+            break
+        free[np.argmax(np.where(free, -np.inf, pull))] = True
+        while free.any():
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(A[:, free], b, rcond=None)[0]
+            if np.all(z[free] > 0):
+                x = z
+                break
+            bad = free & (z <= 0)                        # step from x towards z until the
+            x = x + np.min(x[bad] / (x[bad] - z[bad])) * (z - x)   # first one hits 0
+            free &= x > tol * np.max(np.abs(x), initial=1.0)
+            x[~free] = 0.0
+    return x
 
 
-def calibrate(p2p_nbytes, p2p_seconds, reduce_nbytes, reduce_seconds) -> Constants:
-    """Constants fitted from measured message times and reduction times (see fit, fit_gamma)."""
-    alpha, beta = fit(p2p_nbytes, p2p_seconds)
-    gamma = fit_gamma(reduce_nbytes, reduce_seconds)
-    if not (alpha > 0 and beta > 0 and gamma > 0):
-        raise ValueError(
-            f"cost.calibrate: fitted alpha={alpha:.3g} s, beta={beta:.3g} s/B, "
-            f"gamma={gamma:.3g} s/B; all must be > 0. Measure more sizes (spanning bytes to "
-            "megabytes) and take the median of several repeats per size.")
-    return Constants(alpha, beta, gamma)
-
+# --- the calibration file ----------------------------------------------------------------
 
 def cost_file() -> Path:
     """Where calibrated constants live: $MINIDIST_COST_FILE or ~/.cache/minidist/cost.json."""
@@ -226,55 +312,118 @@ def _cost_path(env: str | None, home: str | None) -> Path:
     return (Path(home) if home else Path.home()) / ".cache" / "minidist" / "cost.json"
 
 
-def load(path: str | Path | None = None) -> Constants:
-    """Constants from a calibration JSON file, or DEFAULT when the file does not exist."""
-    path = cost_file() if path is None else Path(path)
-    if not path.exists():
-        return DEFAULT
-    try:
-        raw = json.loads(path.read_text())
-        c = Constants(**{k: float(raw[k]) for k in ("alpha", "beta", "gamma")})
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"cost: calibration file {path} is not valid ({type(e).__name__}: {e}). It must be "
-            'JSON like {"alpha": 1e-05, "beta": 4e-10, "gamma": 2e-10}; rerun the bench or '
-            "delete the file to use the defaults.") from None
-    if not all(math.isfinite(v) and v > 0 for v in (c.alpha, c.beta, c.gamma)):
-        raise ValueError(f"cost: calibration file {path} holds {c}; every constant must be a "
-                         "finite number > 0. Rerun the bench or delete the file.")
+@dataclass(frozen=True)
+class Table:
+    """Constants per world size, as a calibration file holds them ((W, Constants), ...);
+    W = ANY_W serves every world size. `fitted`: when (ISO date); `version`: file format."""
+    sets: tuple[tuple[int, Constants], ...]
+    fitted: str = ""
+    version: int = VERSION
+
+    def at(self, W: int | None = None) -> Constants:
+        """The set for W, else the nearest W's (ties: the larger); None: the smallest W's."""
+        Ws = sorted(w for w, _ in self.sets)
+        w = Ws[0] if W is None or ANY_W in Ws else min(Ws, key=lambda v: (abs(v - W), -v))
+        return dict(self.sets)[w]
+
+
+DEFAULTS = Table(((ANY_W, DEFAULT),))
+
+
+def _to_json(c: Constants) -> dict:
+    return {**{k: getattr(c, k) for k in NAMES}, "cores": c.cores, "setup": dict(c.setup)}
+
+
+def _from_json(raw: dict) -> Constants:       # the inverse of _to_json, checked
+    c = Constants(**{k: float(raw[k]) for k in NAMES}, cores=int(raw["cores"]),
+                  setup=tuple(sorted((str(k), float(v)) for k, v in raw["setup"].items())))
+    if not all(math.isfinite(v) and v >= 0 for v in [*map(c.__getattribute__, NAMES),
+                                                     c.cores, *dict(c.setup).values()]):
+        raise ValueError(f"every constant must be a finite number >= 0, got {raw}")
     return c
 
 
-def save(c: Constants, path: str | Path | None = None) -> Path:
-    """Write constants as JSON (atomically: temp file, then rename); return the path."""
+def load_table(path: str | Path | None = None) -> Table:
+    """The Table in a calibration file (version 2, or version 1: alpha, beta, gamma only),
+    or DEFAULTS when the file does not exist."""
     path = cost_file() if path is None else Path(path)
+    if not path.exists():
+        return DEFAULTS
+    try:
+        raw = json.loads(path.read_text())
+        if "version" not in raw:                 # version 1: alpha, beta, gamma for every W
+            old = {k: raw[k] for k in ("alpha", "beta", "gamma")}
+            c = _from_json({**_to_json(DEFAULTS.at()), "call": 0, "copy": 0, **old,
+                            "barrier": raw["alpha"]})
+            return Table(((ANY_W, c),), version=1)
+        if raw["version"] != VERSION:
+            raise ValueError(f"version {raw['version']!r}; this code reads 1 and {VERSION}")
+        t = Table(tuple(sorted((ANY_W if w == "any" else int(w), _from_json(v))
+                               for w, v in raw["constants"].items())), str(raw["fitted"]))
+        t.at()
+        return t
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(
+            f"cost: calibration file {path} is not valid ({type(e).__name__}: {e}). Rerun "
+            "`python -m minidist bench collectives --calibrate`, or delete the file to use "
+            "the defaults.") from None
+
+
+def load(path: str | Path | None = None, W: int | None = None) -> Constants:
+    """The constants a calibration file gives world size W (see Table.at), or DEFAULT."""
+    return load_table(path).at(W)
+
+
+def save(c: Constants | Table, path: str | Path | None = None, fit_report: dict | None = None
+         ) -> Path:
+    """Write constants (one set for every W) or a Table as version-2 JSON, atomically
+    (temp file, then rename), with an optional summary of the fit; return the path."""
+    path = cost_file() if path is None else Path(path)
+    t = c if isinstance(c, Table) else Table(((ANY_W, c),), time.strftime("%Y-%m-%d %H:%M"))
+    raw = {"version": VERSION, "fitted": t.fitted, "units": "seconds, seconds per byte (beta, "
+           "gamma, copy, dram), bytes (cache)", "fit": fit_report or {},
+           "constants": {str(w or "any"): _to_json(s) for w, s in t.sets}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"alpha": c.alpha, "beta": c.beta, "gamma": c.gamma}, indent=1))
+    tmp.write_text(json.dumps(raw, indent=1))
     os.replace(tmp, path)
     _last["when"] = -1e9                        # the next constants() reads it
     return path
 
 
+def describe(path: str | Path | None = None) -> str:
+    """Where the constants in force come from, in words (the bench prints it)."""
+    path = cost_file() if path is None else Path(path)
+    t = load_table(path)
+    if t is DEFAULTS:
+        return f"defaults (no calibration file at {path})"
+    if t.version == 1:
+        return (f"calibrated {path} (old format: alpha, beta, gamma only, without the call, "
+                "barrier, copy and cache terms; rerun with --calibrate)")
+    Ws = sorted(w for w, _ in t.sets)
+    which = "one set for every W" if Ws == [ANY_W] else f"W = {', '.join(map(str, Ws))} fitted"
+    return f"calibrated {path} ({t.fitted or 'undated'}, {which})"
+
+
 RECHECK_SECONDS = 1.0          # how often constants() looks at the calibration file
-_last: dict = {"path": None, "when": -1e9, "constants": None}
+_last: dict = {"path": None, "when": -1e9, "loaded": None}
 
 
-def constants() -> Constants:
-    """The constants in force: the calibration file's or DEFAULT. The file is looked at
-    (one os.stat) at most every RECHECK_SECONDS and re-read when it changed; `save`
-    takes effect at once. ("auto" calls this on every collective.)"""
+def constants(W: int | None = None) -> Constants:
+    """The constants in force for world size W: the calibration file's (Table.at) or DEFAULT.
+    The file is looked at (one os.stat) at most every RECHECK_SECONDS and re-read when it
+    changed; `save` takes effect at once. ("auto" calls this on every collective.)"""
     path, now = cost_file(), time.monotonic()
-    if _last["path"] == path and now - _last["when"] < RECHECK_SECONDS:
-        return _last["constants"]
-    try:
-        stamp = os.stat(path).st_mtime_ns
-    except OSError:
-        stamp = -1
-    _last.update(path=path, when=now, constants=_cached_load(str(path), stamp))
-    return _last["constants"]
+    if _last["path"] != path or now - _last["when"] >= RECHECK_SECONDS:
+        try:
+            stamp = os.stat(path).st_mtime_ns
+        except OSError:
+            stamp = -1
+        _last.update(path=path, when=now, loaded=_cached_load(str(path), stamp))
+    table, at = _last["loaded"]                 # at: W -> Constants, filled as asked
+    return at[W] if W in at else at.setdefault(W, table.at(W))
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_load(path: str, stamp: int) -> Constants:
-    return load(path)
+def _cached_load(path: str, stamp: int) -> tuple[Table, dict]:
+    return load_table(path), {}

@@ -4,7 +4,6 @@ MPI side when mpi4py is installed."""
 
 import json
 
-import numpy as np
 import pytest
 
 from minidist.bench import collectives as bench
@@ -86,17 +85,47 @@ def test_shared_mode_adds_the_zero_copy_direct_path_and_stays_correct():
 
 
 @pytest.mark.multiproc
-def test_calibrate_writes_the_file_auto_reads(tmp_path, capsys, monkeypatch):
+def test_calibrate_times_every_algorithm_and_writes_the_file_auto_reads(tmp_path, capsys,
+                                                                        monkeypatch):
     path = tmp_path / "cost.json"
     monkeypatch.setenv("MINIDIST_COST_FILE", str(path))
-    c = bench.calibrate(bench.sweep_sizes(8, 4 << 20, 8), 5, str(path))
+    table = bench.calibrate([1, 2], [8, 64, 512, 4096], 2, str(path), passes=1)
+    assert [w for w, _ in table.sets] == [2]                     # W = 1 sends nothing: skipped
     raw = json.loads(path.read_text())
-    assert raw == {"alpha": c.alpha, "beta": c.beta, "gamma": c.gamma}
-    assert cost.load(path) == c == cost.constants()              # what algo="auto" now uses
-    assert c.alpha > 0 and c.beta > 0 and c.gamma > 0
-    assert "fitted: alpha" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="at least 4 sizes"):
-        bench.calibrate([8, 64], 2, str(path))
+    assert raw["version"] == 2 and set(raw["constants"]) == {"2"} and raw["fit"]["2"]["points"]
+    assert cost.load_table(path) == table and cost.constants(2) == table.at(2)   # what auto uses
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line[:2] == "  "]
+    assert {(r[0], r[1]) for r in rows} == {(op, a) for op in bench.OPS for a in cost.ALGOS[op]}
+    for r in rows:                     # measured, model (0.1 us) and their ratio (0.01) printed
+        t, m, ratio = float(r[3]), float(r[4]), float(r[5])
+        assert ratio == pytest.approx(m / t, abs=0.005 + m / t * (0.05 / t + 0.05 / m) + 1e-9)
+    assert "# fitted W=2: call" in out and "# W=2: worst model/measured" in out
+    with pytest.raises(ValueError, match="at least 3 sizes"):
+        bench.calibrate([2], [8, 64], 2, str(path))
+    with pytest.raises(ValueError, match="world size > 1"):
+        bench.calibrate([1], [8, 64, 512], 2, str(path))
+
+
+@pytest.mark.multiproc
+def test_header_says_defaults_or_which_calibration(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "cost.json"
+    monkeypatch.setenv("MINIDIST_COST_FILE", str(path))          # main() sets it: undone after
+    argv = ["--world-sizes", "2", "--max-bytes", "8", "--iters", "1", "--algos", "ring",
+            "--cost-file", str(path)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"# cost model: defaults (no calibration file at {path})\n" in out
+    assert "# model/measured, worst per algorithm: ring " in out
+    cost.save(cost.Table(((2, cost.DEFAULT), (4, cost.DEFAULT)), fitted="2025-01-02 03:04"),
+              path)
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"# cost model: calibrated {path} (2025-01-02 03:04, W = 2, 4 fitted)\n" in out
+    assert "#   W=4: call 10.00 us, alpha 10.00 us" in out
+    path.write_text('{"alpha": 1}')                               # broken: say so, stop
+    assert bench.main(argv) == 1
+    assert f"calibration file {path} is not valid" in capsys.readouterr().out
 
 
 def test_bad_arguments_are_refused(capsys):

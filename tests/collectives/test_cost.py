@@ -1,6 +1,8 @@
 """The alpha-beta cost model: formulas against hand-computed values, the byte and message
-counts the runtime actually measured, choose() at the extremes, fit() and the calibration file."""
+counts the runtime actually measured, choose() at the extremes, fit() on timings the model
+made itself, and the calibration file (versions 1 and 2, per world size)."""
 
+import dataclasses
 import json
 import os
 
@@ -13,6 +15,11 @@ from minidist.collectives.ring import SEGMENT_BYTES
 from minidist.runtime.launch import spawn
 
 MSG, BYTE, RED = cost.Constants(1, 0, 0), cost.Constants(0, 1, 0), cost.Constants(0, 0, 1)
+CALL, BAR, COPY = (cost.Constants(0, 0, 0, **{k: 1}) for k in ("call", "barrier", "copy"))
+MiB = 1 << 20
+RING_SETUP = cost.Constants(0, 0, 0, call=1, setup=(("all_reduce/ring", 5.0),))
+DRAM = cost.Constants(0, 0, 0, dram=1, cache=2000)
+SHARED_BYTES, SHARED_MSG = cost.Constants(0, 1, 0, cores=2), cost.Constants(1, 0, 0, cores=2)
 
 
 @pytest.mark.parametrize("op, algo, W, n, c, want", [
@@ -33,6 +40,31 @@ MSG, BYTE, RED = cost.Constants(1, 0, 0), cost.Constants(0, 1, 0), cost.Constant
     # bytes reduced (gamma = 1)
     ("all_reduce", "tree", 8, 800, RED, 2400), ("all_reduce", "ring", 8, 800, RED, 700),
     ("all_reduce", "halving", 6, 800, RED, 3 * 800), ("reduce", "tree", 3, 800, RED, 1600),
+    ("all_reduce", "direct", 4, 4 * MiB, RED, 3 * MiB), ("all_reduce", "direct", 4, 8, RED, 24),
+    # one call overhead per call, whatever it does
+    ("all_reduce", "ring", 8, 800, CALL, 1), ("scatter", "tree", 1, 0, CALL, 1),
+    # barriers: direct meets twice per round, the small path once; mailboxes never
+    ("all_reduce", "direct", 4, 4 * MiB, BAR, 2 * 2), ("all_reduce", "direct", 4, 4096, BAR, 1),
+    ("reduce_scatter", "direct", 2, 8, BAR, 2), ("all_reduce", "ring", 4, 4 * MiB, BAR, 0),
+    # bytes a rank copies itself: its working copy of x, direct's staging (direct sends
+    # nothing through a mailbox), and what it copies out of the slots in an exchange
+    ("all_reduce", "direct", 4, 4 * MiB, COPY, (2 * 3 / 4 + 1 / 4) * 4 * MiB),
+    ("all_reduce", "direct", 4, 4 * MiB, BYTE, 0), ("reduce_scatter", "direct", 4, 800, COPY, 600),
+    ("all_reduce", "ring", 8, 800, COPY, 800 + 700), ("all_reduce", "tree", 8, 800, COPY, 800),
+    ("all_reduce", "halving", 8, 800, COPY, 800 + 3 * 800), ("all_gather", "ring", 4, 100,
+                                                             COPY, 400),
+    ("reduce_scatter", "ring", 4, 800, COPY, 1000), ("gather", "tree", 5, 100, COPY, 600),
+    ("all_to_all", "pairwise", 4, 800, COPY, 800),
+    # an algorithm's own set-up time replaces the generic per-call one
+    ("all_reduce", "ring", 4, 8, RING_SETUP, 5), ("all_reduce", "tree", 4, 8, RING_SETUP, 1),
+    # bytes moved beyond the cache: ring, W=2, n=800 sends 800, reduces 400, copies 1200
+    ("all_reduce", "ring", 2, 800, DRAM, 2400 - 2000), ("all_reduce", "ring", 2, 400, DRAM, 0),
+    # 8 ranks on 2 cores: a ring keeps all 8 copying at once, 4x slower per byte; a
+    # binomial tree's 7 hops over 3 levels keep 7/3 busy; latencies are not shared
+    ("all_reduce", "ring", 8, 800, SHARED_BYTES, 4 * 2 * 7 / 8 * 800),
+    ("all_reduce", "tree", 8, 800, SHARED_BYTES, 7 / 3 / 2 * 2 * 3 * 800),
+    ("broadcast", "tree", 4, 800, SHARED_BYTES, 2 * 800), ("all_reduce", "ring", 8, 800,
+                                                           SHARED_MSG, 14),
 ])
 def test_formulas_against_hand_computed_values(op, algo, W, n, c, want):
     assert cost.predict(op, algo, W, n, c) == pytest.approx(want, rel=1e-12)
@@ -64,21 +96,83 @@ def test_choose_latency_bound_small_bandwidth_bound_large():
                             for n in (8, 1 << 30) for W in (2, 3, 8)}
 
 
-def test_fit_recovers_alpha_and_beta():
-    n = np.array([8, 64, 512, 4096, 32768, 262144, 2097152, 8388608], np.float64)
-    alpha, beta = 7e-6, 3e-10
-    a, b = cost.fit(n, alpha + beta * n)
-    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
-    noisy = alpha + beta * n + np.random.default_rng(0).normal(0, 2e-8, n.size)
-    a, b = cost.fit(n, noisy)
-    assert a == pytest.approx(alpha, rel=0.02) and b == pytest.approx(beta, rel=0.02)
-    assert cost.fit_gamma(n, 2e-10 * n) == pytest.approx(2e-10, rel=1e-12)
-    c = cost.calibrate(n, alpha + beta * n, n, 2e-10 * n)
-    assert (c.alpha, c.beta, c.gamma) == pytest.approx((alpha, beta, 2e-10), rel=1e-9)
-    with pytest.raises(ValueError, match="2 distinct sizes"):
-        cost.fit([8, 8, 8], [1e-6, 1e-6, 1e-6])
-    with pytest.raises(ValueError, match="must be > 0"):
-        cost.calibrate(n, 1e-3 - 1e-10 * n, n, 2e-10 * n)
+SIZES = [8 * 8 ** k for k in range(8)] + [64 * MiB]                 # the bench's default sweep
+KEYS = sorted({cost.setup_key(op, a, n) for op, algos in cost.ALGOS.items() for a in algos
+               for n in SIZES})
+ALONE = {key: (5 + i) * 1e-6 for i, key in enumerate(KEYS)}         # set-up times at W = 1
+
+
+def _known(k, cores, **c):
+    """Constants whose set-ups are k times ALONE, as fit() returns them."""
+    return cost.Constants(**c, call=k * float(np.median(list(ALONE.values()))), cores=cores,
+                          setup=tuple(sorted((key, k * v) for key, v in ALONE.items())))
+
+
+KNOWN = {2: _known(0.8, 2, alpha=9e-6, beta=1.2e-10, gamma=1.9e-10, barrier=3e-6,
+                   copy=0.9e-10, dram=0.6e-10, cache=4 * MiB),
+         4: _known(1.5, 2, alpha=40e-6, beta=3e-10, gamma=2.5e-10, barrier=60e-6,
+                   copy=1.5e-10, dram=1e-10, cache=1 * MiB)}
+
+
+def _synthetic(W, c):
+    """(op, algo, W, nbytes, seconds) of every algorithm over SIZES, timed by the model."""
+    return [(op, a, W, n, cost.predict(op, a, W, n, c))
+            for op, algos in cost.ALGOS.items() for a in algos for n in SIZES]
+
+
+def _assert_same(got, want, rel):
+    for k in cost.NAMES:
+        assert getattr(got, k) == pytest.approx(getattr(want, k), rel=rel), k
+    assert got.cores == want.cores and [k for k, _ in got.setup] == [k for k, _ in want.setup]
+    assert [v for _, v in got.setup] == pytest.approx([v for _, v in want.setup], rel=rel)
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_fit_recovers_the_constants_that_made_the_timings(W):
+    _assert_same(cost.fit(_synthetic(W, KNOWN[W]), ALONE, cores=2), KNOWN[W], rel=1e-9)
+    # without measured set-ups, one per-call constant for every algorithm
+    plain = dataclasses.replace(KNOWN[W], setup=())
+    _assert_same(cost.fit(_synthetic(W, plain), cores=2), plain, rel=1e-9)
+
+
+def test_fit_under_noise_keeps_the_predictions():
+    """1 % noise (relative, as the fit weighs it) moves the predictions by about as much."""
+    rng = np.random.default_rng(0)
+    clean = _synthetic(4, KNOWN[4])
+    got = cost.fit([(*s[:4], s[4] * (1 + 0.01 * rng.standard_normal())) for s in clean],
+                   ALONE, cores=2)
+    ratios = [cost.predict(*s[:4], got) / s[4] for s in clean]
+    assert max(abs(r - 1) for r in ratios) < 0.03
+
+
+def test_fit_keeps_constants_non_negative_and_says_what_it_needs():
+    # without direct nothing counts barriers: it comes back 0, the rest exactly
+    no_direct = [s for s in _synthetic(2, KNOWN[2]) if s[1] != "direct"]
+    got = cost.fit(no_direct, ALONE, cores=2)
+    assert got.barrier == 0 and got.alpha == pytest.approx(KNOWN[2].alpha, rel=1e-9)
+    # timings that want a negative per-call cost get 0 there, not a negative number
+    fast_small = [(*s[:4], s[4] - 0.9 * KNOWN[2].call) for s in _synthetic(2, KNOWN[2])]
+    assert min(getattr(cost.fit(fast_small, ALONE, 2), k) for k in cost.NAMES) >= 0
+    with pytest.raises(ValueError, match="at least 7 samples"):
+        cost.fit(_synthetic(2, KNOWN[2])[:6])
+    with pytest.raises(ValueError, match="times > 0"):
+        cost.fit([(*s[:4], 0.0) for s in _synthetic(2, KNOWN[2])])
+
+
+def test_nnls_matches_brute_force_over_active_sets():
+    """Against an independent solver: try every subset of free variables, keep the best
+    feasible least-squares solution."""
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        A, b = rng.standard_normal((12, 4)), rng.standard_normal(12)
+        best = np.zeros(4)
+        for mask in range(1, 16):
+            cols = [j for j in range(4) if mask >> j & 1]
+            x = np.zeros(4)
+            x[cols] = np.linalg.lstsq(A[:, cols], b, rcond=None)[0]
+            if x.min() >= 0 and np.linalg.norm(A @ x - b) < np.linalg.norm(A @ best - b):
+                best = x
+        np.testing.assert_allclose(cost._nnls(A, b), best, atol=1e-10)
 
 
 def test_calibration_file(tmp_path, monkeypatch):
@@ -86,19 +180,55 @@ def test_calibration_file(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIDIST_COST_FILE", str(path))
     monkeypatch.setattr(cost, "RECHECK_SECONDS", 0.0)    # look at the file on every call
     assert cost.cost_file() == path and cost.constants() == cost.DEFAULT   # no file yet
+    assert cost.describe() == f"defaults (no calibration file at {path})"
     mine = cost.Constants(alpha=1.0, beta=2e-9, gamma=3e-9)
-    assert cost.save(mine) == path and cost.constants() == mine
+    assert cost.save(mine) == path and cost.constants() == mine == cost.constants(4)
+    assert cost.describe().endswith(", one set for every W)")
     # absurd constants change the choice: with alpha huge, the fewest messages win
     assert cost.choose("all_reduce", 64 << 20, 8) == "halving"
-    path.write_text(json.dumps({"alpha": 5e-6, "beta": 1e-10, "gamma": 1e-10}))
-    os.utime(path, ns=(1, 1))                         # a different mtime: re-read
-    assert cost.constants() == cost.Constants(5e-6, 1e-10, 1e-10)
-    for bad in ("{not json", '{"alpha": 1}', '{"alpha": -1, "beta": 1, "gamma": 1}'):
+    for bad in ("{not json", '{"alpha": 1}', '{"alpha": -1, "beta": 1, "gamma": 1}',
+                '{"version": 3, "constants": {"any": {}}}', '{"version": 2, "constants": {}}',
+                '{"version": 2, "constants": {"2": {"alpha": 1, "beta": 1}}}'):
         path.write_text(bad)
         with pytest.raises(ValueError, match=str(path)):
             cost.load(path)
     monkeypatch.delenv("MINIDIST_COST_FILE")
     assert str(cost.cost_file()).endswith(os.path.join(".cache", "minidist", "cost.json"))
+
+
+def test_constants_per_world_size_round_trip_through_readable_json(tmp_path, monkeypatch):
+    path = tmp_path / "cost.json"
+    monkeypatch.setenv("MINIDIST_COST_FILE", str(path))
+    monkeypatch.setattr(cost, "RECHECK_SECONDS", 0.0)
+    table = cost.Table(tuple(KNOWN.items()), fitted="2025-01-02 03:04")
+    cost.save(table, path, {"2": {"worst_ratio": 1.1}})
+    raw = json.loads(path.read_text())
+    assert raw["version"] == 2 and raw["fitted"] == "2025-01-02 03:04" and raw["fit"]
+    assert raw["constants"]["4"] == {**{k: getattr(KNOWN[4], k) for k in cost.NAMES},
+                                     "cores": 2, "setup": dict(KNOWN[4].setup)}
+    assert cost.load_table(path) == table
+    assert cost.describe() == f"calibrated {path} (2025-01-02 03:04, W = 2, 4 fitted)"
+    # each W its own set; others the nearest calibrated one, ties to the larger
+    assert [cost.constants(W) for W in (1, 2, 3, 4, 8)] == [KNOWN[2], KNOWN[2], KNOWN[4],
+                                                          KNOWN[4], KNOWN[4]]
+    assert cost.constants() == KNOWN[2] == cost.load(path, W=2)
+    assert cost.predict("all_reduce", "ring", 4, 4096) == \
+        cost.predict("all_reduce", "ring", 4, 4096, KNOWN[4]) == \
+        cost.predict("all_reduce", "ring", 4, 4096, table)
+
+
+def test_old_format_files_still_load_as_the_model_they_were_fitted_for(tmp_path, monkeypatch):
+    path = tmp_path / "cost.json"
+    monkeypatch.setenv("MINIDIST_COST_FILE", str(path))
+    monkeypatch.setattr(cost, "RECHECK_SECONDS", 0.0)
+    path.write_text(json.dumps({"alpha": 5e-6, "beta": 1e-10, "gamma": 2e-10}))
+    c = cost.constants(4)
+    assert c == cost.Constants(5e-6, 1e-10, 2e-10, call=0, barrier=5e-6, copy=0, dram=0)
+    assert "old format" in cost.describe() and "--calibrate" in cost.describe()
+    # the three-constant formulas of a mailbox algorithm are unchanged: a m + b s + g r
+    W, n = 8, 800
+    assert cost.predict("all_reduce", "ring", W, n) == pytest.approx(
+        5e-6 * 2 * (W - 1) + 1e-10 * 2 * (W - 1) / W * n + 2e-10 * (W - 1) / W * n, rel=1e-12)
 
 
 def _counts_on_rank(ctx):

@@ -156,8 +156,9 @@ def _run(group, op: str, header_x, body: Callable[[], Any], async_op: bool, *,
 # remembered in the group (group.prepared) with its header scope and algorithm, so a later
 # call with the same signature checks only that it is the same (one dict lookup: dtype,
 # shape and arguments are part of the key) and goes straight to the algorithm. Only
-# synchronous calls whose algorithm cannot change are remembered: an explicit algo, or a
-# choice fixed by cost.rule (the formulas' choices follow the calibration file).
+# synchronous calls are remembered. An "auto" choice that the formulas made (not fixed by
+# cost.rule) follows the calibration file, so its key also holds the constants in force:
+# a new calibration makes a new entry (one more lookup, ~1 us, for such calls).
 
 MAX_PREPARED = 4096            # signatures remembered per group (then forgotten)
 
@@ -172,13 +173,20 @@ def _remembered(g, key: tuple, x: np.ndarray):
         return None                    # is wrong with it
 
 
+def _remembered_auto(g, key: tuple, x: np.ndarray):
+    """_remembered for an "auto" call the formulas decided: the key with the constants."""
+    return _remembered(g, key + (cost.constants(g.size),), x)
+
+
 def _remember(g, key: tuple, async_op, algo, nbytes: int, body: Callable, op: str, x, *,
               root: int | None = None, reduce_op: str | None = None, name: str = "") -> None:
     """After a validated call: keep `body(x)` ready, in its header scope, for the next
     call with the same signature (see above)."""
-    if async_op is not False or (algo == "auto" and cost.rule(
-            op, nbytes, g.size, getattr(g, "supports_shared", False)) is None):
+    if async_op is not False:
         return
+    if algo == "auto" and cost.rule(op, nbytes, g.size,
+                                    getattr(g, "supports_shared", False)) is None:
+        key += (cost.constants(g.size),)
     scope, drain = g.collective(op, x, root=root, reduce_op=reduce_op, algo=name), g.drain
 
     def run(x):
@@ -226,6 +234,8 @@ def all_reduce(x: np.ndarray, op: str = "sum", group=None, algo: str = "auto",
     if async_op is False and type(x) is np.ndarray:
         key = ("all_reduce", op, algo, x.dtype, x.shape)
         run = _remembered(g, key, x)
+        if run is None and algo == "auto":
+            run = _remembered_auto(g, key, x)
         if run is not None:
             return run(x)
     x = _array(x, "all_reduce")

@@ -43,16 +43,21 @@ def test_the_lean_path_gives_the_plain_paths_bits_and_new_arrays():
 
 
 def _remembers(ctx):
+    from minidist.collectives import cost
     g = ctx.world
     C.all_reduce(np.ones(4, np.float32), group=g)             # auto -> direct by cost.rule
-    C.all_reduce(np.ones(8192, np.float32), group=g)          # auto by the formulas: no
-    C.all_reduce(np.ones(8192, np.float32), group=g, algo="ring")        # explicit: yes
+    C.all_reduce(np.ones(8192, np.float32), group=g)          # auto by the formulas
+    C.all_reduce(np.ones(8192, np.float32), group=g, algo="ring")        # explicit
     C.all_reduce(np.ones(4, np.float32), group=g, async_op=True).wait()  # async: no
-    return sorted((k[2], k[4]) for k in g.prepared)
+    keys = sorted(((k[2], k[4]) for k in g.prepared), key=str)
+    with_constants = [k[4] for k in g.prepared if len(k) == 6 and k[5] == cost.constants(2)]
+    return keys, with_constants
 
 
-def test_only_synchronous_calls_with_a_fixed_algorithm_are_remembered():
-    assert spawn(2, _remembers)[0] == [("auto", (4,)), ("ring", (8192,))]
+def test_synchronous_calls_are_remembered_and_formula_choices_with_their_constants():
+    keys, with_constants = spawn(2, _remembers)[0]
+    assert keys == [("auto", (4,)), ("auto", (8192,)), ("ring", (8192,))]
+    assert with_constants == [(8192,)]                 # the formulas' choice: keyed by them
 
 
 def _lean_then_errors(ctx):

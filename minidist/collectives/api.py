@@ -175,7 +175,7 @@ def _remembered(g, key: tuple, x: np.ndarray):
 
 def _remembered_auto(g, key: tuple, x: np.ndarray):
     """_remembered for an "auto" call the formulas decided: the key with the constants."""
-    return _remembered(g, key + (cost.constants(g.size),), x)
+    return _remembered(g, key + (cost.recent_constants(g.size),), x)
 
 
 def _remember(g, key: tuple, async_op, algo, nbytes: int, body: Callable, op: str, x, *,
@@ -186,7 +186,7 @@ def _remember(g, key: tuple, async_op, algo, nbytes: int, body: Callable, op: st
         return
     if algo == "auto" and cost.rule(op, nbytes, g.size,
                                     getattr(g, "supports_shared", False)) is None:
-        key += (cost.constants(g.size),)
+        key += (cost.recent_constants(g.size),)
     scope, drain = g.collective(op, x, root=root, reduce_op=reduce_op, algo=name), g.drain
 
     def run(x):

@@ -57,7 +57,7 @@ from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPTConfig
 from minidist.parallel import placement, schedules
 from minidist.parallel.compose import Plan, build
-from minidist.reliability import recovery
+from minidist.reliability import recovery, straggler as stragglers
 
 __all__ = ["Plan", "RankResult", "StepEnd", "train_on_rank", "main"]
 
@@ -110,7 +110,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                   start_step: int = 0, initial_state: tuple[dict, dict] | None = None,
                   total_steps: int | None = None, injector=None, guard=None,
                   data_offset: int = 0,
-                  on_step_end: Callable[["StepEnd"], None] | None = None) -> RankResult:
+                  on_step_end: Callable[["StepEnd"], None] | None = None,
+                  straggler=None) -> RankResult:
     """Train GPT(model_cfg, seed) on this rank's share of `steps` global batches.
 
     Same arguments as baseline.train_single_process (grad_accum is plan.micro_batches)
@@ -124,12 +125,16 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     the length of the whole run, over which the cosine schedule decays (default
     start_step + steps; set it on every part of a run cut into parts).
     injector (reliability/faults.Injector): this rank's injected faults, fired at the
-    start and the end of their step (nan and corrupt change the step's data).
+    start and the end of their step (nan and corrupt change the step's data, slow delays its
+    forward and backward).
     on_step_end(StepEnd), on every rank after each step's update: where checkpoints are
     taken (reliability/recovery.py); StepEnd's engine and losses() are collective.
     guard (reliability/spike.Guard): loss-spike handling around each update. data_offset:
     step s trains on the global batch of index s + data_offset (batches skipped after a
     spike rollback).
+    straggler (reliability/straggler.Straggler): per-step timings gathered over the world
+    group (not counted in bytes_per_step), stragglers named, and under rebalance uneven
+    rows per dp rank (the same result up to the order of additions).
     """
     check_compatible(model_cfg, data_cfg)
     plan.validate(model_cfg, global_batch, data_cfg.block_size)
@@ -174,7 +179,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
 
         batches, n_tokens = schedules.micro_batches(data, step + data_offset, global_batch,
                                                     plan.dp, lay.dp_group.rank,
-                                                    plan.micro_batches, seed, positions)
+                                                    plan.micro_batches, seed, positions,
+                                                    **({} if straggler is None
+                                                       else {"rows": straggler.rows}))
         if injector is not None:               # random tokens instead of the batch
             batches = [replace(mb, x=injector.corrupt(step, mb.x, model_cfg.vocab_size))
                        for mb in batches]
@@ -183,6 +190,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
 
         def compute(step: int = step, batches=batches, n_tokens=n_tokens) -> float:
             """Forward and backward of this step's micro-batches: the local loss."""
+            if injector is not None:           # a `slow` fault: this rank computes late
+                injector.slow(step)
             with contextlib.nullcontext() if injector is None else \
                     injector.nan_loss(lay.model, step):
                 if stage is None:
@@ -213,6 +222,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         timing["comm_wait"].append(float(getattr(engine, "comm_wait_s", t2 - t1)))
         timing["step"].append(t2 - t0)
         timing["cpu"].append(time.process_time() - c0)
+        if straggler is not None:                  # COLLECTIVE: reliability/straggler.py
+            straggler.end(lay.dp_group.rank, t1 - t0, timing["comm_wait"][-1], t2 - t0)
         if moe_layers:
             moe_steps.append(_moe_stats(moe_layers, grad, canonical))
         if on_step is not None:
@@ -385,7 +396,8 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
                 raise
 
     result = train_on_rank(ctx, cfg, data_cfg, plan, global_batch=a.batch, lr=a.lr,
-                           seed=a.seed, optimizer=a.optimizer, on_step=progress, **resume)
+                           seed=a.seed, optimizer=a.optimizer, on_step=progress,
+                           straggler=stragglers.for_rank(ctx, a, plan, cfg), **resume)
     if saver is not None:
         saver.close()
     return result

@@ -8,10 +8,12 @@ of a step and the trivial schedule, gradient accumulation: a pipeline schedule (
 Micro-batches. Step s reads the global batch ids = data.global_indices(s, B). Its B rows
 are cut into dp * M equal parts; dp rank d takes parts d M .. d M + M - 1, so micro-batch
 m of dp rank d holds global rows (d M + m) B/(dp M) ... (every tp rank of dp rank d holds
-the same rows; under context parallelism each cp rank keeps its positions of them). Each
-micro-batch carries its global sample ids (for dropout) and aux_weight = (its tokens on
-this rank) / (tokens of the global batch) = rows / B, times T_cp / T under context
-parallelism (the weight of a MoE layer's auxiliary losses, means over routing groups).
+the same rows; under context parallelism each cp rank keeps its positions of them). Uneven
+work (reliability/straggler.py) gives dp rank d r_d rows instead, any r_d >= M summing to
+B, cut into M micro-batches of sizes within one of each other. Each micro-batch carries
+its global sample ids (for dropout) and aux_weight = (its tokens on this rank) / (tokens
+of the global batch) = rows / B, times T_cp / T under context parallelism (the weight of
+a MoE layer's auxiliary losses, means over routing groups).
 
 The loss of every micro-batch is divided by the number of counted targets in the WHOLE
 global batch, n_tokens, so the micro-batch losses (and gradients) of all ranks simply add
@@ -66,25 +68,44 @@ def global_token_count(y_all: np.ndarray) -> int:
 
 
 def micro_batches(data: SyntheticData, step: int, global_batch: int, dp: int, dp_rank: int,
-                  M: int, seed: int, positions: np.ndarray | None = None
-                  ) -> tuple[list[MicroBatch], int]:
+                  M: int, seed: int, positions: np.ndarray | None = None,
+                  rows: tuple[int, ...] | None = None) -> tuple[list[MicroBatch], int]:
     """(this dp rank's M micro-batches of `step`, n_tokens of the global batch).
 
     positions: under context parallelism, the global positions this cp rank holds; the
     micro-batches then carry only those columns, x, y (rows, T_cp).
+    rows: uneven work (reliability/straggler.py): rows[d] rows for dp rank d (dp ints >= M,
+    summing to B); rank d takes the rows after those of ranks < d, cut into M micro-batches
+    whose sizes differ by at most one (the larger first). Default: B/(dp M) per micro-batch.
+    Any partition gives the same global gradient up to the order of additions, since
+    every loss is divided by the global n_tokens.
     """
-    rows = global_batch // (dp * M)
+    per_rank = _check_rows(rows, global_batch, dp, M) if rows is not None \
+        else (global_batch // (dp * M) * M,) * dp
     ids = data.global_indices(step, global_batch)                        # (B,)
     x_all, y_all = data.batch(ids)                                       # (B, T) each
     cols = slice(None) if positions is None else np.asarray(positions)
+    start, mine = sum(per_rank[:dp_rank]), per_rank[dp_rank]
     out = []
     for m in range(M):
-        part = slice((dp_rank * M + m) * rows, (dp_rank * M + m + 1) * rows)
+        n = mine // M + (m < mine % M)                                   # rows of this one
+        part, start = slice(start, start + n), start + n
         key = DropoutKey(seed, step, tuple(int(i) for i in ids[part]))
         share = 1.0 if positions is None else len(positions) / x_all.shape[1]
         out.append(MicroBatch(m, x_all[part][:, cols], y_all[part][:, cols], key,
-                              rows / global_batch * share))
+                              n / global_batch * share))
     return out, global_token_count(y_all)
+
+
+def _check_rows(rows, global_batch: int, dp: int, M: int) -> tuple[int, ...]:
+    """rows as a tuple, or ValueError unless it gives each of the dp ranks >= M rows, B in all."""
+    rows = tuple(rows)
+    if len(rows) != dp or any(isinstance(r, bool) or not isinstance(r, (int, np.integer))
+                              or r < M for r in rows) or sum(rows) != global_batch:
+        raise ValueError(f"micro_batches: rows={rows} must give each of the dp={dp} ranks an "
+                         f"int >= M={M} rows (one per micro-batch), {global_batch} (the global "
+                         "batch) in all.")
+    return tuple(int(r) for r in rows)
 
 
 def grad_accumulation(engine, batches: list[MicroBatch], n_tokens: int) -> float:

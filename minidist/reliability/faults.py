@@ -13,6 +13,9 @@ A spec is `kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:phase=NAME]`:
              sigkill   SIGKILL to itself: killed, as by the OOM killer
              sigstop   SIGSTOP to itself: hung (the others time out on it)
              sleep     time.sleep(seconds): a slow rank (a straggler, or a hang if long)
+             slow      time.sleep(seconds) at the start of EVERY step from `step` on, as
+                       its forward begins (so it counts as compute time, as on a slow
+                       device): a persistent straggler (reliability/straggler.py)
              nan       this rank's gradients of the step are NaN (its losses are
                        multiplied by NaN before backward): they spread to every rank
              corrupt   this rank's batch of the step is replaced by random tokens (a
@@ -24,12 +27,13 @@ A spec is `kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:phase=NAME]`:
                        rank_file_partial: this rank's file half written)
     attempt  the restart attempt it fires on (default 0, the first run: a restarted job
              does not fail again at the same place, or recovery would never finish)
-    seconds  for sleep (default 5)
+    seconds  for sleep and slow (default 5)
 
 One rank's view: the training loop builds `Injector(faults, rank, attempt)` and calls
 `injector.at(point, step)` at each point; only a fault whose rank, step, point and
-attempt all match fires. nan and corrupt are not events but changes to what the step
-computes: `with injector.nan_loss(model, step)` and `injector.corrupt(step, x)`.
+attempt all match fires. nan, corrupt and slow are not events but changes to what the
+step computes: `with injector.nan_loss(model, step)`, `injector.corrupt(step, x)` and
+`injector.slow(step)` (called as the step's forward and backward begin).
 
 Read next: reliability/checkpoint.py, reliability/recovery.py
 """
@@ -46,7 +50,7 @@ from typing import Iterator
 
 import numpy as np
 
-KINDS = ("raise", "exit", "sigkill", "sigstop", "sleep", "nan", "corrupt")
+KINDS = ("raise", "exit", "sigkill", "sigstop", "sleep", "slow", "nan", "corrupt")
 POINTS = ("start", "end", "save")
 ENV = "MINIDIST_INJECT"
 EXIT_CODE = 3                     # what `exit` ends the process with
@@ -69,7 +73,7 @@ class Fault:
     phase: str = "rank_file_partial"          # point=save: checkpoint.PHASES
 
     def __str__(self) -> str:
-        extra = f":seconds={self.seconds:g}" if self.kind == "sleep" else ""
+        extra = f":seconds={self.seconds:g}" if self.kind in ("sleep", "slow") else ""
         extra += f":phase={self.phase}" if self.point == "save" else ""
         return (f"{self.kind}:rank={self.rank}:step={self.step}:point={self.point}"
                 f":attempt={self.attempt}{extra}")
@@ -111,6 +115,9 @@ def parse(spec: str) -> Fault:
     if fault.kind in ("nan", "corrupt") and fault.point != "start":
         raise ValueError(f"--inject {spec!r}: {fault.kind} changes the step's data, so its "
                          "point is start")
+    if fault.kind == "slow" and fault.point != "start":
+        raise ValueError(f"--inject {spec!r}: slow delays the start of every step from "
+                         f"{fault.step} on, so its point is start")
     return fault
 
 
@@ -143,7 +150,7 @@ class Injector:
     def at(self, point: str, step: int) -> None:
         """Fire every event fault (raise, exit, sigkill, sigstop, sleep) set for here."""
         for f in self._matching(None, point, step):
-            if f.kind in ("nan", "corrupt"):
+            if f.kind in ("nan", "corrupt", "slow"):
                 continue
             sys.stdout.write(f"[rank {self.rank}] injecting {f}\n")   # one write: one line
             sys.stdout.flush()
@@ -156,6 +163,16 @@ class Injector:
             if f.kind == "sigstop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             if f.kind == "sleep":
+                time.sleep(f.seconds)
+
+    def slow(self, step: int) -> None:
+        """Under a `slow` fault whose step is <= `step`: sleep its seconds (saying so at
+        its first step). train.py calls this as the step's forward and backward begin."""
+        for f in self.faults:
+            if f.kind == "slow" and f.step <= step:
+                if f.step == step:
+                    sys.stdout.write(f"[rank {self.rank}] injecting {f}\n")
+                    sys.stdout.flush()
                 time.sleep(f.seconds)
 
     def armed(self, point: str, step: int) -> Fault | None:

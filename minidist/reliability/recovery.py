@@ -211,6 +211,8 @@ def add_arguments(ap) -> None:
                     help="loss-spike handling (reliability/spike.py)")
     ap.add_argument("--spike-skip-batches", type=int, default=5, metavar="N",
                     help="--spike rollback: batches skipped after rolling back")
+    from minidist.reliability.straggler import add_arguments as straggler_arguments
+    straggler_arguments(ap)                       # --straggler off|detect|rebalance
     ap.add_argument("--inject", action="append", default=[], metavar="SPEC",
                     help="inject a fault, kind:rank=R:step=S[:point=P]... "
                          "(reliability/faults.py; also $MINIDIST_INJECT)")

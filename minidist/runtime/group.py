@@ -70,6 +70,7 @@ from minidist.runtime.wait import wait_until
 from minidist.runtime.watch import PeerWatch
 
 RUNTIME_ERRORS = (CollectiveMismatch, CollectiveTimeout, RankFailure)
+INLINE_POLLS = 400             # looks at a barrier before the watched wait (~20 us, wait.py)
 
 
 class SharedBuffer:
@@ -193,10 +194,13 @@ class ProcessGroup:
         ordering = self.ordering
         if ordering.lock is None:              # x86: plain stores and loads are ordered
             mine[0] = e                        # arrive: everything above is visible first
-            for line in self._bar:
+            polls = INLINE_POLLS if self.spin else 0
+            for line in self._bar:             # a short wait is polled right here (~40 ns
+                while line[0] < e and polls:   # a look, no watch built): most barriers
+                    polls -= 1                 # of small collectives end in it
                 if line[0] < e:
                     break
-            else:                              # everyone is here already: no wait to set up
+            else:
                 return self._check_barrier(half, seq, key)
         else:
             ordering.store(mine, 0, e)

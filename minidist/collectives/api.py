@@ -157,25 +157,24 @@ def _run(group, op: str, header_x, body: Callable[[], Any], async_op: bool, *,
 # call with the same signature checks only that it is the same (one dict lookup: dtype,
 # shape and arguments are part of the key) and goes straight to the algorithm. Only
 # synchronous calls are remembered. An "auto" choice that the formulas made (not fixed by
-# cost.rule) follows the calibration file, so its key also holds the constants in force:
-# a new calibration makes a new entry (one more lookup, ~1 us, for such calls).
+# cost.rule) follows the calibration file: its entry keeps the constants it was chosen
+# with, and is used only while they are the ones in force (one identity check).
 
 MAX_PREPARED = 4096            # signatures remembered per group (then forgotten)
 
 
 def _remembered(g, key: tuple, x: np.ndarray):
-    """The prepared call for this signature, or None (not seen, or x not contiguous)."""
+    """The prepared call for this signature, or None (not seen, x not contiguous, or an
+    "auto" choice made under constants no longer in force)."""
     if not x.flags.c_contiguous:
         return None
     try:
-        return g.prepared.get(key)
+        run = g.prepared.get(key)
     except TypeError:                  # an unhashable argument: the plain path says what
         return None                    # is wrong with it
-
-
-def _remembered_auto(g, key: tuple, x: np.ndarray):
-    """_remembered for an "auto" call the formulas decided: the key with the constants."""
-    return _remembered(g, key + (cost.recent_constants(g.size),), x)
+    if run is None or run.constants is None or run.constants is cost.recent_constants(g.size):
+        return run
+    return None
 
 
 def _remember(g, key: tuple, async_op, algo, nbytes: int, body: Callable, op: str, x, *,
@@ -184,9 +183,10 @@ def _remember(g, key: tuple, async_op, algo, nbytes: int, body: Callable, op: st
     call with the same signature (see above)."""
     if async_op is not False:
         return
+    chosen_by = None                   # the constants a formula-made choice depends on
     if algo == "auto" and cost.rule(op, nbytes, g.size,
                                     getattr(g, "supports_shared", False)) is None:
-        key += (cost.recent_constants(g.size),)
+        chosen_by = cost.recent_constants(g.size)
     scope, drain = g.collective(op, x, root=root, reduce_op=reduce_op, algo=name), g.drain
 
     def run(x):
@@ -194,6 +194,7 @@ def _remember(g, key: tuple, async_op, algo, nbytes: int, body: Callable, op: st
         with scope:
             return body(x)
 
+    run.constants = chosen_by
     if len(g.prepared) >= MAX_PREPARED:
         g.prepared.clear()
     g.prepared[key] = run
@@ -234,8 +235,6 @@ def all_reduce(x: np.ndarray, op: str = "sum", group=None, algo: str = "auto",
     if async_op is False and type(x) is np.ndarray:
         key = ("all_reduce", op, algo, x.dtype, x.shape)
         run = _remembered(g, key, x)
-        if run is None and algo == "auto":
-            run = _remembered_auto(g, key, x)
         if run is not None:
             return run(x)
     x = _array(x, "all_reduce")

@@ -50,7 +50,8 @@ def _remembers(ctx):
     C.all_reduce(np.ones(8192, np.float32), group=g, algo="ring")        # explicit
     C.all_reduce(np.ones(4, np.float32), group=g, async_op=True).wait()  # async: no
     keys = sorted(((k[2], k[4]) for k in g.prepared), key=str)
-    with_constants = [k[4] for k in g.prepared if len(k) == 6 and k[5] == cost.constants(2)]
+    with_constants = [k[4] for k, run in g.prepared.items()
+                      if run.constants is cost.constants(2)]
     return keys, with_constants
 
 

@@ -162,8 +162,9 @@ def supervise(attempt: Callable[[int], Any], *, max_restarts: int, policy: Polic
             lines = str(e).splitlines()        # the headline, then the failed rank's cause
             headline = lines[0] + (f" ({lines[1].strip()})" if len(lines) > 1 else "")
             if k == max_restarts:
-                log(f"recovery: attempt {k} failed ({headline}); no restarts left "
-                    f"(--max-restarts {max_restarts})")
+                if max_restarts:                 # else no restart was asked for: the
+                    log(f"recovery: attempt {k} failed ({headline}); no restarts left "
+                        f"(--max-restarts {max_restarts})")     # report says it all
                 raise
             found = None if policy is None else ckpt.latest(policy.root)
             resume = 0 if found is None else found.step

@@ -63,6 +63,13 @@ def assert_user_error(res: subprocess.CompletedProcess, *words: str) -> None:
     (["--frobnicate"], ["unknown option"]),
     (["demo", "no_such_demo"], ["no_such_demo"]),
     (["bench", "no_such_bench"], ["collectives", "no_such_bench"]),
+    (["bench", "collectives", "--world-sizes", "99"], ["world sizes must be 1..8"]),
+    (["bench", "pipeline", "--pp", "0"], ["--pp >= 2"]),
+    (["bench", "train", "--bogus"], ["--bogus"]),
+    (["bench", "autograd", "--bogus"], ["--bogus"]),
+    (["bench", "checkpoint", "--bogus"], ["--bogus"]),
+    (["train", "--dp", "2", "--inject", "boom:rank=0:step=1"], ["unknown kind 'boom'"]),
+    (["train", "--dp", "2", "--elastic"], ["--elastic", "--checkpoint-dir"]),
 ])
 def test_a_user_error_is_one_line_with_exit_code_2(args, words):
     assert_user_error(minidist_cli(*args, "--steps", "1") if args[0] == "train"

@@ -33,7 +33,6 @@ _BLAS_PINNED = "numpy" not in sys.modules or all(os.environ.get(v) == "1" for v 
 for _var in _BLAS_VARS:
     os.environ.setdefault(_var, "1")
 
-import argparse                                # noqa: E402
 import subprocess                              # noqa: E402
 import statistics                              # noqa: E402
 import time                                    # noqa: E402
@@ -45,6 +44,7 @@ import numpy as np                             # noqa: E402
 
 from minidist import optim                     # noqa: E402
 from minidist.autograd import function as autograd_function     # noqa: E402
+from minidist.baseline import CliParser        # noqa: E402
 from minidist.nn import GPT, GPTConfig         # noqa: E402
 
 SIZES = {
@@ -254,7 +254,7 @@ def bench_size(name: str, repeats: int, use_torch: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minidist bench autograd`: time GPT training steps; compare with PyTorch."""
-    ap = argparse.ArgumentParser(prog="python -m minidist bench autograd",
+    ap = CliParser(prog="python -m minidist bench autograd",
                                  description=main.__doc__)
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--repeats", type=int, default=10)

@@ -61,7 +61,7 @@ import time                                    # noqa: E402
 from pathlib import Path                       # noqa: E402
 
 from minidist import collectives as C          # noqa: E402
-from minidist.baseline import model_config_for  # noqa: E402
+from minidist.baseline import CliParser, model_config_for  # noqa: E402
 from minidist.bench import checkpoint_recovery as rec  # noqa: E402
 from minidist.data import DataConfig           # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
@@ -309,7 +309,7 @@ def verdict(res: dict, every: int) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minidist bench checkpoint", description=__doc__,
+    p = CliParser(prog="python -m minidist bench checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp", type=int, default=2, help="data-parallel ranks")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")

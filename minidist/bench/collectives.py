@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace     # noqa: E402
 
 import numpy as np                             # noqa: E402
 
+from minidist.baseline import CliParser        # noqa: E402
 from minidist.bench.mpi_collectives import mpi_times     # noqa: E402
 from minidist.collectives import api, cost, direct      # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402
@@ -343,7 +344,7 @@ def format_constants(c: cost.Constants) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minidist bench collectives",
+    p = CliParser(prog="python -m minidist bench collectives",
                                 description="Time the collectives (see the module docstring).")
     p.add_argument("--world-sizes", default="2,4", help="comma list, each 1..8 (default 2,4)")
     p.add_argument("--ops", default="all_reduce", help=f"comma list of {','.join(OPS)}")

@@ -55,7 +55,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from minidist.baseline import model_config_for
+from minidist.baseline import CliParser, model_config_for
 from minidist.data import DataConfig, SyntheticData
 from minidist.observe.trace import Trace
 from minidist.parallel import placement as pl
@@ -331,7 +331,7 @@ def write_pngs(results: dict[str, dict], path: str) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minidist bench pipeline", description=__doc__,
+    p = CliParser(prog="python -m minidist bench pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, default=2, help="pipeline stages, one rank each")
     p.add_argument("--schedule", default="all", choices=list(SCHEDULES) + ["all"])

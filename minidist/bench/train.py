@@ -59,7 +59,7 @@ from dataclasses import dataclass              # noqa: E402
 
 import numpy as np                             # noqa: E402
 
-from minidist.baseline import model_config_for  # noqa: E402
+from minidist.baseline import CliParser, model_config_for  # noqa: E402
 from minidist.bench.collectives import parse_bytes  # noqa: E402
 from minidist.data import DataConfig           # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
@@ -196,7 +196,7 @@ def _stages(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m minidist bench train`: tokens/s of dp ranks vs one, comm wait per step;
     with --tp (--cp): dp x tp (dp x cp) vs one rank on the same batch, bytes and memory."""
-    p = argparse.ArgumentParser(prog="python -m minidist bench train", description=__doc__,
+    p = CliParser(prog="python -m minidist bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel ranks (default 2; with --tp: 1)")

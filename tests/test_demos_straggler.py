@@ -1,0 +1,30 @@
+"""The straggler demo runs as a user runs it: dp=2 with a persistently slow rank 1, once with
+--straggler detect and once with --straggler rebalance; rank 1 is named in both, rebalance
+moves rows away from it, --check says both match the single-process run; it ends with its
+OK line and leaves no temporary folder behind. Nothing here depends on timing ratios."""
+
+import os
+import tempfile
+
+import pytest
+
+from tests.helpers import run_demo
+
+pytestmark = pytest.mark.multiproc
+
+
+def _temp_folders() -> set[str]:
+    return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("minidist-demo18-")}
+
+
+def test_straggler_demo_names_rank_1_moves_its_rows_and_matches_the_single_process_run():
+    before = _temp_folders()
+    rc, out = run_demo("18_straggler.py")
+    text = "\n".join(out)
+    assert rc == 0 and out[-1].startswith("OK: "), text
+    assert out[0].startswith("demo 18 · straggler · "), out[0]
+    assert text.count("  | straggler: rank 1 computes ") >= 2, text
+    assert "  | straggler: rows per dp rank (32, 32) -> " in text, text
+    assert text.count("  | OK: dp=2 x tp=1, ZeRO-0 training matches the single-process run") == 2
+    assert out[-1].startswith("OK: rank 1 named in both runs; rebalance moved rows (32, 32) -> ")
+    assert _temp_folders() <= before, f"left {_temp_folders() - before}"

@@ -10,6 +10,7 @@ Reading order:
     all_to_all.py        pairwise exchange with uneven split sizes (mixture of experts)
     cost.py              the alpha-beta model and algo="auto"
     api.py               the public, torch.distributed-shaped calls re-exported here
+    prepared.py          their lean path: calls whose signature was validated before
 """
 
 from minidist.collectives.api import (all_gather, all_reduce, all_to_all, barrier, broadcast,

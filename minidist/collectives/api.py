@@ -12,7 +12,7 @@ arguments. Each one
     5. runs the algorithm, or with async_op=True hands it to the group's FIFO
        worker and returns its Work (wait() gives the result).
 The lean path: a synchronous call whose signature (op, dtype, shape, root, reduce
-op, algo) was validated before runs steps 3-5 prepared (see `_remember`): after one
+op, algo) was validated before runs steps 3-5 prepared (collectives/prepared.py): after one
 dict lookup, straight into its header scope and algorithm. A small all_reduce costs
 a few microseconds of Python this way (bench/collectives.py measures it against MPI).
 
@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from minidist.collectives import all_to_all as a2a
-from minidist.collectives import cost, direct, halving_doubling, ring, tree
+from minidist.collectives import cost, direct, halving_doubling, prepared, ring, tree
 from minidist.collectives.reduce_ops import check_op
 from minidist.runtime.world import world
 
@@ -149,57 +149,6 @@ def _run(group, op: str, header_x, body: Callable[[], Any], async_op: bool, *,
     return call()
 
 
-# --- the lean path: calls validated before ---------------------------------------------
-#
-# Programs repeat their collectives with the same signature (a loss, a gradient norm, a
-# bucket, every step). The first call takes the plain path above; its signature is then
-# remembered in the group (group.prepared) with its header scope and algorithm, so a later
-# call with the same signature checks only that it is the same (one dict lookup: dtype,
-# shape and arguments are part of the key) and goes straight to the algorithm. Only
-# synchronous calls are remembered. An "auto" choice that the formulas made (not fixed by
-# cost.rule) follows the calibration file: its entry keeps the constants it was chosen
-# with, and is used only while they are the ones in force (one identity check).
-
-MAX_PREPARED = 4096            # signatures remembered per group (then forgotten)
-
-
-def _remembered(g, key: tuple, x: np.ndarray):
-    """The prepared call for this signature, or None (not seen, x not contiguous, or an
-    "auto" choice made under constants no longer in force)."""
-    if not x.flags.c_contiguous:
-        return None
-    try:
-        run = g.prepared.get(key)
-    except TypeError:                  # an unhashable argument: the plain path says what
-        return None                    # is wrong with it
-    if run is None or run.constants is None or run.constants is cost.recent_constants(g.size):
-        return run
-    return None
-
-
-def _remember(g, key: tuple, async_op, algo, nbytes: int, body: Callable, op: str, x, *,
-              root: int | None = None, reduce_op: str | None = None, name: str = "") -> None:
-    """After a validated call: keep `body(x)` ready, in its header scope, for the next
-    call with the same signature (see above)."""
-    if async_op is not False:
-        return
-    chosen_by = None                   # the constants a formula-made choice depends on
-    if algo == "auto" and cost.rule(op, nbytes, g.size,
-                                    getattr(g, "supports_shared", False)) is None:
-        chosen_by = cost.recent_constants(g.size)
-    scope, drain = g.collective(op, x, root=root, reduce_op=reduce_op, algo=name), g.drain
-
-    def run(x):
-        drain()
-        with scope:
-            return body(x)
-
-    run.constants = chosen_by
-    if len(g.prepared) >= MAX_PREPARED:
-        g.prepared.clear()
-    g.prepared[key] = run
-
-
 # --- the collectives --------------------------------------------------------------------
 
 def broadcast(x: np.ndarray, root: int = 0, group=None, algo: str = "auto",
@@ -234,14 +183,14 @@ def all_reduce(x: np.ndarray, op: str = "sum", group=None, algo: str = "auto",
     g = _group(group)
     if async_op is False and type(x) is np.ndarray:
         key = ("all_reduce", op, algo, x.dtype, x.shape)
-        run = _remembered(g, key, x)
+        run = prepared.lookup(g, key, x)
         if run is not None:
             return run(x)
     x = _array(x, "all_reduce")
     check_op(op, x.dtype, "all_reduce")
     name = _algo("all_reduce", algo, x.nbytes, g)
     fn = _ALGOS["all_reduce"][name]
-    _remember(g, ("all_reduce", op, algo, x.dtype, x.shape), async_op, algo, x.nbytes,
+    prepared.remember(g, ("all_reduce", op, algo, x.dtype, x.shape), async_op, algo, x.nbytes,
               lambda x: fn(x, g, op), "all_reduce", x, reduce_op=op, name=name)
     return _run(g, "all_reduce", x, lambda: fn(x, g, op), async_op, reduce_op=op, algo=name)
 

@@ -1,4 +1,4 @@
-"""The lean call path (collectives/api.py, `_remember`): a repeated signature skips
+"""The lean call path (collectives/prepared.py): a repeated signature skips
 validation, yet gives the same bits, and mismatches, deadlines and the flight recorder
 still work on it."""
 

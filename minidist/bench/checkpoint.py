@@ -150,8 +150,8 @@ def _spans(run0: dict, saves: list[int], mode: str) -> list[dict[str, float]]:
     """Per save on rank 0: "hook" (the seconds training waited) and, sync, the seconds of
     each SPANS phase and "barrier + commit" (barrier, rank 0's commit, barrier: to the
     hook's exit); async, "waited" (1 if the snapshot waited for the previous write),
-    "before commit" (to rank 0's files_checked), "commit" (from there: the previous save's
-    commit) and "background write" (the writer thread: tmp dir to done marker)."""
+    "background commit" (rank 0's writer thread committing the previous save: to
+    latest_replaced) and "background write" (the writer thread: tmp dir to done marker)."""
     out, phases = [], run0["phases"]
     for s in saves:
         _, t_in, t_out, _ = run0["hooks"][s]
@@ -159,30 +159,30 @@ def _spans(run0: dict, saves: list[int], mode: str) -> list[dict[str, float]]:
         span, t = {"hook": t_out - t_in}, t_in
         if mode == "async":
             span["waited"] = float("snapshot_waiting" in mine)
-            t = mine.get("files_checked", t_out)          # the previous save's commit
-            span["before commit"] = t - t_in
-            if "files_checked" in mine:
-                span["commit"] = t_out - t
         else:
             for name, end in SPANS:
                 span[name], t = mine[end] - t, mine[end]
             span["barrier + commit"] = t_out - t
         out.append(span)
     if mode == "async":
-        for span, w in zip(out, _thread_writes(phases, [run0["hooks"][s][1] for s in saves])):
-            if w is not None:
-                span["background write"] = w
+        starts = [run0["hooks"][s][1] for s in saves]
+        for key, first, last in (("background commit", "files_checked", "latest_replaced"),
+                                 ("background write", "tmp_dir_created", "marker_written")):
+            for span, sec in zip(out, _thread_spans(phases, starts, first, last)):
+                if sec is not None:
+                    span[key] = sec
     return out
 
 
-def _thread_writes(phases: list, starts: list[float]) -> list[float | None]:
+def _thread_spans(phases: list, starts: list[float], first: str,
+                  last: str) -> list[float | None]:
     """Async: for the snapshot whose hook starts at each time, the seconds its writer
-    thread took from tmp_dir_created to marker_written (None if they were not seen)."""
+    thread took from phase `first` to phase `last` (None if they were not seen)."""
     out = []
     for i, t0 in enumerate(starts):
         t1 = starts[i + 1] if i + 1 < len(starts) else float("inf")
-        made = [t for n, t in phases if n == "tmp_dir_created" and t0 <= t < t1]
-        done = [t for n, t in phases if n == "marker_written" and made and t >= made[0]]
+        made = [t for n, t in phases if n == first and t0 <= t < t1]
+        done = [t for n, t in phases if n == last and made and t >= made[0]]
         out.append(done[0] - made[0] if made and done else None)
     return out
 
@@ -266,14 +266,15 @@ def render_save(res: dict) -> str:
         rate = f"   ({files[0] / 1e6 / sec:.0f} MB/s)" if name.startswith("write") else ""
         lines.append(f"  {name:<26}{1e3 * sec:>8.1f} ms{rate}")
     steady = [p for r in res["async"] for p in r["phases"][:-1]]    # the last: close()
-    write = _med(p["background write"] for r in res["async"] for p in r["phases"]
-                 if "background write" in p)
+    write, commit = (_med(p[key] for r in res["async"] for p in r["phases"] if key in p)
+                     for key in ("background write", "background commit"))
     last = _med(r["phases"][-1]["hook"] for r in res["async"])
     ms = lambda key: 1e3 * _med(p[key] for p in steady if key in p)       # noqa: E731
     lines += [f"async save (median of {len(steady)} snapshots before the last step, rank 0):",
               f"  snapshot on the training thread{ms('hook'):>13.1f} ms   (gather, copy, "
-              f"barrier {ms('before commit'):.1f} ms; commit of the previous save "
-              f"{ms('commit'):.1f} ms)",
+              f"barrier)",
+              f"  background commit (thread){1e3 * commit:>18.1f} ms   (rank 0 commits the "
+              f"previous save before writing)",
               f"  background write (thread){1e3 * write:>19.1f} ms   (in the rank's process, "
               f"on its core: see async after ms)",
               f"  last save, in close(){1e3 * last:>23.1f} ms   (snapshot, write, commit: "

@@ -24,10 +24,12 @@ One rank's view (rank r of W writers, `save(state, D, rank=r, world=W, barrier=b
 Asynchronous saving (`AsyncCheckpointer`): `snapshot` copies the arrays at the step
 boundary and a background thread does step 1 while training goes on. That thread never
 calls a collective (a barrier on the training group from a second thread could interleave
-with training's own calls), so steps 2-4 run on the training thread, at the next
-`snapshot` or at `wait()`/`close()`. Crash semantics: checkpoint k becomes current when
-snapshot k+1 (or close) commits it; a crash before that loses k, although its files are
-written, and recovery restarts from k-1. Call `wait()` to commit at once.
+with training's own calls), so the barrier of step 2 runs on the training thread, at the
+next `snapshot`; rank 0's thread then does the commit (step 3) before it writes the new
+snapshot, so no fsync of the commit stalls training. Crash semantics: checkpoint k becomes
+current when rank 0 commits it after snapshot k+1 (or in close()); a crash before that
+loses k, although its files are written, and recovery restarts from k-1. Call `wait()` to
+commit at once.
 
 Communication: two barriers per save (writers' group), no array data between ranks.
 Cost: each writer writes ~S/W bytes (S the checkpoint size); rank 0 also the manifest.
@@ -166,23 +168,26 @@ def _errors(where: str):
                               f"again; the previous checkpoint is still the latest") from e
 
 
-def _write_pieces(path: Path, head: bytes, pieces: list[np.ndarray], phase: Callable) -> str:
-    """Write the header, then the pieces, to `path`; fsync; return the file's sha256.
-    "rank_file_partial" fires before the middle piece (after the header if there are none)."""
-    chunks = [head] + pieces
-    digest = hashlib.sha256()
+def _write_pieces(path: Path, head: bytes, pieces: dict[str, np.ndarray],
+                  phase: Callable) -> tuple[str, dict[str, str]]:
+    """Write the header, then the pieces, to `path`; fsync; return the sha256 of the header
+    and of each piece, hashed as they are written (each byte once: together they cover the
+    whole file). "rank_file_partial" fires before the middle piece (after the header if
+    there are none)."""
+    digests = {}
     with open(path, "wb") as f:
-        for i, chunk in enumerate(chunks):
-            if i == 1 + len(pieces) // 2:
+        f.write(head)
+        for i, (name, piece) in enumerate(pieces.items()):
+            if i == len(pieces) // 2:
                 f.flush()
                 phase("rank_file_partial")    # a crash here leaves a truncated file
-            f.write(chunk)
-            digest.update(chunk)
+            f.write(piece)
+            digests[name] = _sha(piece)
         if len(pieces) == 0:
             phase("rank_file_partial")
         f.flush()
         os.fsync(f.fileno())
-    return digest.hexdigest()
+    return _sha(head), digests
 
 
 def _write_rank_file(root: Path, state: CheckpointState, rank: int, world: int,
@@ -193,11 +198,11 @@ def _write_rank_file(root: Path, state: CheckpointState, rank: int, world: int,
     phase("tmp_dir_created")
     head, pieces = _rank_file_parts(state, rank, world)
     path = tmp / _rank_file(rank)
-    digest = _write_pieces(path, head, list(pieces.values()), phase)
+    head_sha, piece_sha = _write_pieces(path, head, pieces, phase)
     phase("rank_file_written")
     marker = {"step": int(state.step), "rank": rank, "writers": world, "file": path.name,
               "size": len(head) + sum(p.nbytes for p in pieces.values()),
-              "sha256": digest, "pieces": {n: _sha(p) for n, p in pieces.items()}}
+              "header_sha256": head_sha, "pieces": piece_sha}
     _write_atomic(tmp / _marker_file(rank), json.dumps(marker).encode(), phase)
     phase("marker_written")
 
@@ -298,9 +303,11 @@ class AsyncCheckpointer:
     One rank's view (rank r of W; every rank snapshots at the same steps, then closes):
         snapshot(state_k): 1. copy state_k (arrays too: training may change them now);
             2. wait for this rank's write of the previous snapshot and re-raise its error;
-            3. if one is written: barrier, rank 0 commits it; 4. start a thread that writes
-            this rank's file and marker of state_k. Returns the seconds spent in 2.
-        wait(): 2 and 3, then a barrier (every rank returns after the commit).
+            3. if one is written: barrier (every rank's file of it is durable);
+            4. start a thread that (rank 0, after 3) commits the previous snapshot, then
+            writes this rank's file and marker of state_k. Returns the seconds spent in 2.
+        wait(): 2 and 3, rank 0 commits on the calling thread, then a barrier (every rank
+            returns after the commit).
         close(): wait(), then no more snapshots.
     Never two writes at once: each snapshot waits for the previous write (step 2). An error
     in the thread is raised at the next snapshot, wait or close, never lost; it is raised
@@ -338,8 +345,9 @@ class AsyncCheckpointer:
             self.phase("snapshot_waiting")
         self._join()
         waited = time.perf_counter() - t0 if busy else 0.0
-        self._commit(spare=f".tmp-{_step_name(copy.step)}")
-        self._thread = threading.Thread(target=self._write, args=(copy,), daemon=True,
+        _, previous = self._durable()
+        self._thread = threading.Thread(target=self._persist, args=(previous, copy),
+                                        daemon=True,
                                         name=f"checkpoint-rank{self.rank}-step{copy.step}")
         self._thread.start()
         return waited
@@ -347,7 +355,10 @@ class AsyncCheckpointer:
     def wait(self) -> Path | None:
         """Finish and commit the last snapshot; return the newest committed directory."""
         self._join()
-        if self._commit():
+        written, previous = self._durable()
+        if previous is not None:
+            self._commit(previous)
+        if written:
             self.barrier()
         return self._last
 
@@ -371,8 +382,11 @@ class AsyncCheckpointer:
             if self._thread is not None:
                 self._thread.join(self.timeout)
 
-    def _write(self, state: CheckpointState) -> None:
+    def _persist(self, previous: CheckpointState | None, state: CheckpointState) -> None:
+        """The thread: commit `previous` (rank 0), then write this rank's part of `state`."""
         try:
+            if previous is not None:
+                self._commit(previous, spare=f".tmp-{_step_name(state.step)}")
             with _errors(f"{self.prefix}writing step {state.step} into {self.root}"):
                 _write_rank_file(self.root, state, self.rank, self.world, self.phase)
             self._written = state
@@ -393,16 +407,19 @@ class AsyncCheckpointer:
                                   f"not committed and the previous checkpoint is still the "
                                   f"latest. Fix the cause, then snapshot again") from err
 
-    def _commit(self, spare: str = "") -> bool:
+    def _durable(self) -> tuple[bool, CheckpointState | None]:
+        """Step 2 for the written snapshot, if any: (True after the barrier, the state for
+        rank 0 to commit, else None); (False, None) when nothing waits to be committed."""
         state, self._written = self._written, None
         if state is None:
-            return False
+            return False, None
         self.barrier()
         self._last = self.root / _step_name(state.step)
-        if self.rank == 0:
-            with _errors(f"{self.prefix}committing step {state.step} in {self.root}"):
-                _commit(self.root, state, self.world, self.keep, self.phase, spare)
-        return True
+        return True, state if self.rank == 0 else None
+
+    def _commit(self, state: CheckpointState, spare: str = "") -> None:
+        with _errors(f"{self.prefix}committing step {state.step} in {self.root}"):
+            _commit(self.root, state, self.world, self.keep, self.phase, spare)
 
 
 def latest(root: str | os.PathLike) -> Found | None:

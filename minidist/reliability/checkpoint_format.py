@@ -23,7 +23,9 @@ A rank file is a plain safetensors file (8-byte little-endian header length N, N
 JSON {name: {dtype, shape, data_offsets}} padded with spaces to a multiple of 8, raw
 little-endian bytes): tensor "params/wte" holds elements [lo, hi) of the flat wte, shape
 [hi - lo]. The reader trusts nothing: the manifest carries a checksum of itself, each file
-its size and sha256, each piece its sha256 (a reader of one piece can check just that);
+its size and the sha256 of its header, each piece its sha256. The header and the pieces
+tile the file exactly (checked), so every byte is covered by one hash and hashed once when
+written and once when read (a reader of one piece can check just that piece);
 a directory holding any other file (a planted .pkl, an .npy of objects) is refused by
 name. Only json and np.frombuffer touch the bytes; nothing is ever unpickled.
 
@@ -51,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT, VERSION = "minidist-checkpoint", 1
+FORMAT, VERSION = "minidist-checkpoint", 2   # 2: files carry header_sha256, not sha256
 _DTYPES = {"BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "U16": "<u2", "F16": "<f2",
            "I32": "<i4", "U32": "<u4", "F32": "<f4", "F64": "<f8", "I64": "<i8", "U64": "<u8"}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
@@ -169,7 +171,7 @@ def _rank_file_parts(state: CheckpointState, rank: int,
 
 def _manifest(state: CheckpointState, world: int, markers: list[dict]) -> bytes:
     """manifest.json: every tensor's global shape, dtype and pieces; every file; the rest.
-    `markers[r]` says writer r's file name, size and sha256, and each piece's sha256."""
+    `markers[r]` says writer r's file name, size, its header's sha256 and each piece's."""
     tensors = {}
     for name, a in _tensors(state):
         a, b = np.asarray(a), _bounds(np.asarray(a).size, world)
@@ -179,7 +181,8 @@ def _manifest(state: CheckpointState, world: int, markers: list[dict]) -> bytes:
     body = {"format": FORMAT, "version": VERSION, "step": int(state.step), "writers": world,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "tensors": tensors,
-            "files": {m["file"]: {"size": m["size"], "sha256": m["sha256"]} for m in markers},
+            "files": {m["file"]: {"size": m["size"], "header_sha256": m["header_sha256"]}
+                      for m in markers},
             "state": _meta(state)}
     return json.dumps({**body, "checksum": _checksum(body)}, indent=1).encode()
 
@@ -242,8 +245,8 @@ def _check_listing(path: Path, files: dict) -> None:
 
 
 def _read_file(path: Path, name: str, info: dict) -> tuple[bytes, dict]:
-    """The bytes of rank file `name` and its parsed header, once its name, size and sha256
-    match what the manifest says (`info`)."""
+    """The bytes of rank file `name` and its parsed header, once its name, size and header
+    sha256 match what the manifest says (`info`); the pieces are checked by `_assemble`."""
     where = path / name
     if not _RANK_FILE.fullmatch(name):
         raise CheckpointError(f"{path / 'manifest.json'}: lists file {name!r}, not a "
@@ -253,8 +256,9 @@ def _read_file(path: Path, name: str, info: dict) -> tuple[bytes, dict]:
         raise CheckpointError(f"{where}: size check failed: "
                               f"{'missing' if data is None else f'{len(data)} bytes'}, the "
                               f"manifest says {info['size']} (truncated or deleted)")
-    if _sha(data) != info["sha256"]:
-        raise CheckpointError(f"{where}: sha256 check failed: its bytes changed after it "
+    n = struct.unpack_from("<Q", data)[0] if len(data) >= 8 else len(data)
+    if n > len(data) - 8 or _sha(memoryview(data)[:8 + n]) != info["header_sha256"]:
+        raise CheckpointError(f"{where}: sha256 check failed: its header changed after it "
                               f"was written (disk corruption or an edit)")
     return data, _header(where, data)
 
@@ -275,7 +279,8 @@ def _assemble(path: Path, name: str, t: dict, files: dict[str, tuple[bytes, dict
             raise CheckpointError(f"{where}: piece of {name!r} for elements {p['range']} "
                                   f"is missing or has another dtype or shape")
         if _sha(memoryview(data)[a:b]) != p["sha256"]:
-            raise CheckpointError(f"{where}: sha256 check of the piece of {name!r} failed")
+            raise CheckpointError(f"{where}: sha256 check failed: the piece of {name!r} "
+                                  f"changed after it was written (disk corruption or an edit)")
         hi = p["range"][1]
         if hi > lo:
             flat[lo:hi] = np.frombuffer(data, dt, hi - lo, a)
@@ -300,8 +305,9 @@ def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
 def load(path: str | os.PathLike) -> CheckpointState:
     """The CheckpointState saved at `path`, bitwise, whatever the number of writers was.
 
-    Checks the manifest checksum, every file (size, sha256), every piece (sha256) and that
-    the directory holds nothing else; raises CheckpointError naming the first failure.
+    Checks the manifest checksum, every file (size, header sha256), every piece (sha256)
+    and that the directory holds nothing else; raises CheckpointError naming the first
+    failure.
     """
     path = Path(path)
     try:

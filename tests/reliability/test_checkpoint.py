@@ -106,9 +106,9 @@ def test_round_trip_is_bitwise_and_rank_files_are_safetensors_of_array_split_pie
     for r in range(world):
         name = f"rank{r:05d}.safetensors"
         blob = (found.path / name).read_bytes()
-        assert manifest["files"][name] == {"size": len(blob),
-                                           "sha256": hashlib.sha256(blob).hexdigest()}
         tensors, n, meta = _parse_safetensors(found.path / name)
+        assert manifest["files"][name] == {                # the header's bytes: 8 + n
+            "size": len(blob), "header_sha256": hashlib.sha256(blob[:8 + n]).hexdigest()}
         assert n % 8 == 0 and meta == {"format": "minidist-checkpoint", "step": "3",
                                        "rank": str(r), "writers": str(world)}
         for key, a in [(f"params/{k}", v) for k, v in state.params.items()] + \
@@ -202,6 +202,10 @@ def _corrupt(path, how):
         blob = bytearray(target.read_bytes())
         blob[len(blob) // 2] ^= 0x01
         target.write_bytes(bytes(blob))
+    elif how == "header":                               # the header's last byte: padding
+        blob = bytearray(target.read_bytes())           # that no parser would miss
+        blob[8 + struct.unpack("<Q", blob[:8])[0] - 1] ^= 0x01
+        target.write_bytes(bytes(blob))
     elif how == "truncate":
         target.write_bytes(target.read_bytes()[:-5])
     elif how == "delete":
@@ -215,6 +219,7 @@ def _corrupt(path, how):
 
 
 @pytest.mark.parametrize("how,check", [("flip", "sha256 check failed"),
+                                       ("header", "sha256 check failed: its header"),
                                        ("truncate", "size check failed"),
                                        ("delete", "missing"),
                                        ("manifest", "checksum check failed")])
@@ -280,9 +285,7 @@ def test_a_re_signed_manifest_still_cannot_smuggle_objects_or_altered_pieces(tmp
     blob = bytearray((path / "rank00000.safetensors").read_bytes())
     blob[-1] ^= 0x01                                       # the last piece's last byte
     (path / "rank00000.safetensors").write_bytes(bytes(blob))
-    _rewrite_manifest(path, lambda b: b["files"]["rank00000.safetensors"].update(
-        sha256=hashlib.sha256(blob).hexdigest()))
-    with pytest.raises(CheckpointError, match="check of the piece of 'optimizer/loss_scale'"):
+    with pytest.raises(CheckpointError, match="the piece of 'optimizer/loss_scale' changed"):
         load(path)
 
     _rewrite_manifest(path, lambda b: b["files"].update({"../latest": {"size": 1}}))
@@ -310,8 +313,10 @@ class _Gate:
     and counts writes in flight."""
 
     def __init__(self):
-        self.entered, self.release, self.waiting = (threading.Event() for _ in range(3))
+        self.entered, self.release, self.waiting, self.committed = (
+            threading.Event() for _ in range(4))
         self.active = self.most = 0
+        self.commit_threads = []
         self.lock = threading.Lock()
 
     def __call__(self, phase):
@@ -323,6 +328,9 @@ class _Gate:
             assert self.release.wait(10), "never released"
         if phase == "snapshot_waiting":
             self.waiting.set()
+        if phase == "latest_replaced":
+            self.commit_threads.append(threading.current_thread())
+            self.committed.set()
 
 
 def test_async_snapshot_returns_while_its_write_is_still_running(tmp_path):
@@ -354,7 +362,9 @@ def test_async_never_two_writes_at_once_and_says_how_long_it_waited(tmp_path):
     gate.release.set()
     second.join(10)
     assert waited and waited[0] > 0.0
-    assert latest(tmp_path).step == 1                    # committed by snapshot 2
+    assert gate.committed.wait(10)                       # snapshot 2's thread commits 1 ...
+    assert latest(tmp_path).step == 1
+    assert gate.commit_threads[0] not in (threading.main_thread(), second)   # ... not training
     writer.close()
     assert gate.most == 1, f"{gate.most} writes ran at once"
     for step in (1, 2):

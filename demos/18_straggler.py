@@ -1,14 +1,16 @@
 """Stragglers: one rank is slow, not dead; the job names it, then gives its replica fewer rows.
 
-What you will see: a small GPT (float64) trained on 2 ranks (dp=2) where rank 1 sleeps X
-seconds as every forward begins from step 2 on (--inject slow:...), X several times the step
-time. Run twice. With --straggler detect, rank 0 names rank 1 after 3 slow steps (compute,
-not wall time: rank 0's wall time includes waiting for rank 1). With --straggler rebalance,
-every 5 steps the rows of the global batch move towards the faster replica, and rank 1 ends
-with few rows. Both runs use --check: moving rows changes only how the gradient sum is
-grouped, so each run matches the single-process run within rounding, not bitwise.
+What you will see: a small GPT (float64) trained on 2 ranks (dp=2) where rank 1 is a slow
+device from step 2 on: it sleeps X seconds per row of its batch as every forward begins
+(--inject slow:...:per_row=X), several times its compute. Run twice. With --straggler
+detect, rank 0 names rank 1 after 3 slow steps (compute, not wall time: rank 0's wall time
+includes waiting for rank 1). With --straggler rebalance, every 5 steps the rows of the
+global batch move towards the faster replica, rank 1 ends with few rows and the step gets
+shorter again (the wall times are printed as information, never checked). Both runs use
+--check: moving rows changes only how the gradient sum is grouped, so each run matches the
+single-process run within rounding, not bitwise.
 
-Run:       python demos/18_straggler.py [--steps 15 --seconds 0.15 --batch 64]
+Run:       python demos/18_straggler.py [--steps 15 --per-row 0.004 --batch 64]
 Read with: minidist/reliability/straggler.py, minidist/reliability/faults.py
 Paper:     FALCON (Wu et al. 2024, arXiv:2410.12588); Dubey et al. 2024, "The Llama 3 Herd
            of Models", arXiv:2407.21783, Sec. 3.3.4
@@ -21,19 +23,19 @@ import sys
 import tempfile
 
 # --- settings (each can be overridden on the command line) ---
-STEPS, SECONDS, SLOW_STEP, BATCH, SEED = 15, 0.15, 2, 64, 0
+STEPS, PER_ROW, SLOW_STEP, BATCH, SEED = 15, 0.004, 2, 64, 0
 SHOW = ("step", "[rank", "straggler:", "OK:", "MISMATCH")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, value in dict(steps=STEPS, seconds=SECONDS, slow_step=SLOW_STEP, batch=BATCH,
+    for name, value in dict(steps=STEPS, per_row=PER_ROW, slow_step=SLOW_STEP, batch=BATCH,
                             seed=SEED).items():
         ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     a = ap.parse_args(argv)
-    if a.steps < a.slow_step + 10 or a.seconds <= 0 or a.batch % 2 or a.batch < 4:
+    if a.steps < a.slow_step + 10 or a.per_row <= 0 or a.batch % 2 or a.batch < 4:
         ap.error("need --steps >= --slow-step + 10 (3 steps to detect, 5 per rebalance), "
-                 "--seconds > 0 and an even --batch >= 4")
+                 "--per-row > 0 and an even --batch >= 4")
     return a
 
 
@@ -43,7 +45,7 @@ def train(a, mode: str, cwd: str) -> tuple[int, list[str]]:
     argv = ["train", "--dp", "2", "--dtype", "float64", "--n-layer", "2", "--n-embd", "64",
             "--n-head", "2", "--batch", str(a.batch), "--steps", str(a.steps), "--every", "5",
             "--seed", str(a.seed), "--inject",
-            f"slow:rank=1:step={a.slow_step}:seconds={a.seconds:g}", "--straggler", mode,
+            f"slow:rank=1:step={a.slow_step}:per_row={a.per_row:g}", "--straggler", mode,
             "--check"]
     print("$ python -m minidist " + " ".join(argv))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
@@ -68,8 +70,8 @@ def read(out: list[str]) -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    print(f"demo 18 · straggler · dp=2 float64, {a.steps} steps, rank 1 slow by {a.seconds:g} s "
-          f"from step {a.slow_step}: detect, rebalance")
+    print(f"demo 18 · straggler · dp=2 float64, {a.steps} steps, rank 1 slow by {a.per_row:g} s "
+          f"per row from step {a.slow_step}: detect, rebalance")
     runs = {}
     with tempfile.TemporaryDirectory(prefix="minidist-demo18-") as tmp:
         for i, mode in enumerate(("detect", "rebalance"), start=1):
@@ -86,11 +88,11 @@ def main(argv=None) -> int:
           "are processed fastest,")
     print("             in several moves, each made only while it predicts a step >= 10 % "
           "faster")
-    print(f"  wall time (last step line, information only): detect {det['wall']:.1f} s, "
-          f"rebalance {reb['wall']:.1f} s")
-    print("             the injected sleep is a fixed delay per step, not per row, so fewer "
-          "rows do not")
-    print("             shorten it; a slow device (time per row) is what rebalance wins back")
+    print(f"  wall time of the run (last step line, information only): detect "
+          f"{det['wall']:.1f} s, rebalance {reb['wall']:.1f} s")
+    print("             the slow device's delay is per row, so the fewer rows it gets, the "
+          "shorter")
+    print("             its steps (a fixed delay per step, seconds=, no rebalancing wins back)")
 
     print("\n== 4. the --check verdicts: each run vs the single-process run ==")
     for mode, run in runs.items():

@@ -29,8 +29,9 @@ the gradient sync over dp x cp, "pp" the pipeline's activations and gradients, "
 tied wte's all-reduce, "ep" the MoE tokens' all-to-alls, "edp" the experts' gradient sync), pipeline (pp > 1: this stage's timeline per step, as (kind,
 micro-batch, chunk, start, end) in perf_counter seconds, and its peak held activations),
 memory
-(engine.memory()) and timing per step in seconds: "compute" (forward + backward),
-"comm_wait" (engine.comm_wait_s: what step() waited for communication), "step" (wall
+(engine.memory()) and timing per step in seconds: "compute" (forward + backward, less
+engine.compute_wait_s: what ZeRO-2/3 wait for inside them), "comm_wait" (engine.comm_wait_s,
+what step() waited for communication, plus engine.compute_wait_s), "step" (wall
 time of the whole step) and "cpu" (this process's CPU time in the step, all threads).
 
 CLI: `python -m minidist train --pp 2 --dp 2 --cp 2 --tp 2 [--sp] [--zero 1] [--schedule
@@ -191,7 +192,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         def compute(step: int = step, batches=batches, n_tokens=n_tokens) -> float:
             """Forward and backward of this step's micro-batches: the local loss."""
             if injector is not None:           # a `slow` fault: this rank computes late
-                injector.slow(step)
+                injector.slow(step, sum(len(mb.x) for mb in batches))
             with contextlib.nullcontext() if injector is None else \
                     injector.nan_loss(lay.model, step):
                 if stage is None:
@@ -205,6 +206,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         t0, c0 = time.perf_counter(), time.process_time()
         local.append(compute())
         t1 = time.perf_counter()
+        inner = float(getattr(engine, "compute_wait_s", 0.0))    # ZeRO-2/3: waits inside
         if guard is None:
             norms.append(float(engine.step(lr_s, clip_grad)))
         else:                                  # reliability/spike.py: the update, or not
@@ -218,12 +220,13 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         after = _traffic(groups)
         traffic.append({k: after[k] - before[k] for k in ("sent", "recv")})
         by_axis.append({a: after[f"sent.{a}"] - before[f"sent.{a}"] for a in groups})
-        timing["compute"].append(t1 - t0)
-        timing["comm_wait"].append(float(getattr(engine, "comm_wait_s", t2 - t1)))
+        timing["compute"].append(t1 - t0 - inner)
+        timing["comm_wait"].append(float(getattr(engine, "comm_wait_s", t2 - t1)) + inner)
         timing["step"].append(t2 - t0)
         timing["cpu"].append(time.process_time() - c0)
         if straggler is not None:                  # COLLECTIVE: reliability/straggler.py
-            straggler.end(lay.dp_group.rank, t1 - t0, timing["comm_wait"][-1], t2 - t0)
+            straggler.end(lay.dp_group.rank, timing["compute"][-1], timing["comm_wait"][-1],
+                          t2 - t0)
         if moe_layers:
             moe_steps.append(_moe_stats(moe_layers, grad, canonical))
         if on_step is not None:

@@ -180,7 +180,7 @@ class ZeroEngine(Engine):
                     self.p_full[i][...] = self._all_gather(s.data, unit=i).reshape(-1)
         for g in self.g_acc if self.stage == 1 else [s.grad for s in self.shards]:
             g[...] = 0
-        self.comm_wait_s = time.perf_counter() - t0
+        self.comm_wait_s, self.compute_wait_s = time.perf_counter() - t0, 0.0
         return norm
 
     def global_norm(self) -> float:
@@ -282,7 +282,7 @@ class ZeroEngine(Engine):
         if self._seen[i] == len(u.params):
             self._seen[i] = 0
             if self.stage == 2 and self._sync:
-                self._reduce_unit(i)
+                self._reduce_in_backward(i)
 
     def local_grad(self, p) -> np.ndarray:
         """Stages 1-2: p's gradient accumulated on this rank and not yet reduced (a view
@@ -308,7 +308,14 @@ class ZeroEngine(Engine):
         else:
             self.g_acc[i] += flat
         if self._sync:
-            self._reduce_unit(i)
+            self._reduce_in_backward(i)
+
+    def _reduce_in_backward(self, i: int) -> None:
+        """_reduce_unit(i) from the backward (stages 2-3): its seconds count in
+        compute_wait_s (engine.py), the time the backward waited for communication."""
+        t0 = time.perf_counter()
+        self._reduce_unit(i)
+        self.compute_wait_s += time.perf_counter() - t0
 
     def _reduce_unit(self, i: int) -> None:
         """dw_shard_i += reduce_scatter(sum) of unit i's full buffer; free the buffer."""

@@ -7,15 +7,18 @@ step, at one point of that step:
     python -m minidist train ... --inject sigkill:rank=1:step=5
     MINIDIST_INJECT="sleep:rank=0:step=3:seconds=2;raise:rank=2:step=7" python script.py
 
-A spec is `kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:phase=NAME]`:
+A spec is `kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:per_row=Y][:phase=NAME]`:
     kind     raise     raise InjectedFault (an ordinary Python error)
              exit      os._exit(3): the process ends without a word
              sigkill   SIGKILL to itself: killed, as by the OOM killer
              sigstop   SIGSTOP to itself: hung (the others time out on it)
              sleep     time.sleep(seconds): a slow rank (a straggler, or a hang if long)
-             slow      time.sleep(seconds) at the start of EVERY step from `step` on, as
-                       its forward begins (so it counts as compute time, as on a slow
-                       device): a persistent straggler (reliability/straggler.py)
+             slow      time.sleep(seconds + per_row x rows) at the start of EVERY step
+                       from `step` on, as its forward begins (so it counts as compute
+                       time): a persistent straggler (reliability/straggler.py). `rows`
+                       are this rank's rows of the step, so per_row is a slow device,
+                       whose delay shrinks with its share of the batch; seconds a fixed
+                       delay per step, which no rebalancing can win back
              nan       this rank's gradients of the step are NaN (its losses are
                        multiplied by NaN before backward): they spread to every rank
              corrupt   this rank's batch of the step is replaced by random tokens (a
@@ -27,7 +30,8 @@ A spec is `kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:phase=NAME]`:
                        rank_file_partial: this rank's file half written)
     attempt  the restart attempt it fires on (default 0, the first run: a restarted job
              does not fail again at the same place, or recovery would never finish)
-    seconds  for sleep and slow (default 5)
+    seconds  for sleep and slow (default 5; 0 for slow when per_row is given)
+    per_row  for slow: seconds per row of this rank's step (default 0)
 
 One rank's view: the training loop builds `Injector(faults, rank, attempt)` and calls
 `injector.at(point, step)` at each point; only a fault whose rank, step, point and
@@ -71,19 +75,21 @@ class Fault:
     attempt: int = 0
     seconds: float = 5.0
     phase: str = "rank_file_partial"          # point=save: checkpoint.PHASES
+    per_row: float = 0.0                      # slow: seconds per row of the step
 
     def __str__(self) -> str:
         extra = f":seconds={self.seconds:g}" if self.kind in ("sleep", "slow") else ""
+        extra += f":per_row={self.per_row:g}" if self.per_row else ""
         extra += f":phase={self.phase}" if self.point == "save" else ""
         return (f"{self.kind}:rank={self.rank}:step={self.step}:point={self.point}"
                 f":attempt={self.attempt}{extra}")
 
 
 def parse(spec: str) -> Fault:
-    """`kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:phase=NAME]` -> Fault, or
-    ValueError saying what is wrong with it."""
-    usage = ("write kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:phase=NAME], "
-             "e.g. sigkill:rank=1:step=5")
+    """`kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:per_row=Y][:phase=NAME]` ->
+    Fault, or ValueError saying what is wrong with it."""
+    usage = ("write kind:rank=R:step=S[:point=P][:attempt=A][:seconds=X][:per_row=Y]"
+             "[:phase=NAME], e.g. sigkill:rank=1:step=5")
     kind, *fields = spec.strip().split(":")
     if kind not in KINDS:
         raise ValueError(f"--inject {spec!r}: unknown kind {kind!r}; kinds are "
@@ -91,24 +97,29 @@ def parse(spec: str) -> Fault:
     values: dict[str, str] = {}
     for field in fields:
         key, eq, value = field.partition("=")
-        if not eq or key not in ("rank", "step", "point", "attempt", "seconds", "phase") \
+        if not eq or key not in ("rank", "step", "point", "attempt", "seconds", "per_row",
+                                 "phase") \
                 or key in values:
             raise ValueError(f"--inject {spec!r}: cannot read {field!r} ({usage})")
         values[key] = value
     if "rank" not in values or "step" not in values:
         raise ValueError(f"--inject {spec!r}: rank= and step= are required ({usage})")
+    if "per_row" in values and kind != "slow":
+        raise ValueError(f"--inject {spec!r}: per_row is an option of slow only ({usage})")
+    seconds = 0.0 if "per_row" in values else 5.0
     try:
         fault = Fault(kind, int(values["rank"]), int(values["step"]),
                       values.get("point", "start"), int(values.get("attempt", 0)),
-                      float(values.get("seconds", 5.0)),
-                      values.get("phase", "rank_file_partial"))
+                      float(values.get("seconds", seconds)),
+                      values.get("phase", "rank_file_partial"),
+                      float(values.get("per_row", 0.0)))
     except ValueError:
-        raise ValueError(f"--inject {spec!r}: rank, step and attempt are integers and "
-                         f"seconds a number ({usage})") from None
+        raise ValueError(f"--inject {spec!r}: rank, step and attempt are integers, seconds "
+                         f"and per_row numbers ({usage})") from None
     if fault.point not in POINTS or min(fault.rank, fault.step, fault.attempt) < 0 \
-            or not fault.seconds >= 0:
+            or not (fault.seconds >= 0 and fault.per_row >= 0):
         raise ValueError(f"--inject {spec!r}: point is one of {', '.join(POINTS)}; rank, "
-                         f"step and attempt are >= 0, seconds >= 0 ({usage})")
+                         f"step and attempt are >= 0, seconds and per_row >= 0 ({usage})")
     from minidist.reliability.checkpoint import PHASES
     if fault.phase not in PHASES:
         raise ValueError(f"--inject {spec!r}: phase is one of {', '.join(PHASES)}")
@@ -165,15 +176,16 @@ class Injector:
             if f.kind == "sleep":
                 time.sleep(f.seconds)
 
-    def slow(self, step: int) -> None:
-        """Under a `slow` fault whose step is <= `step`: sleep its seconds (saying so at
-        its first step). train.py calls this as the step's forward and backward begin."""
+    def slow(self, step: int, rows: int = 0) -> None:
+        """Under a `slow` fault whose step is <= `step`: sleep seconds + per_row x rows
+        (saying so at its first step); `rows`: this rank's rows of the step. train.py
+        calls this as the step's forward and backward begin."""
         for f in self.faults:
             if f.kind == "slow" and f.step <= step:
                 if f.step == step:
                     sys.stdout.write(f"[rank {self.rank}] injecting {f}\n")
                     sys.stdout.flush()
-                time.sleep(f.seconds)
+                time.sleep(f.seconds + f.per_row * rows)
 
     def armed(self, point: str, step: int) -> Fault | None:
         """The fault set for `point` of `step` (e.g. a kill inside a save), or None."""

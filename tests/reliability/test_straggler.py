@@ -170,6 +170,23 @@ def test_slow_sleeps_at_the_start_of_every_step_from_its_own_and_says_so_once(
         faults.Injector([f], rank=1, attempt=1).faults == []
 
 
+def test_slow_per_row_is_a_slow_device_whose_delay_follows_the_rows(monkeypatch):
+    f = faults.parse("slow:rank=1:step=1:per_row=0.01")
+    assert (f.seconds, f.per_row) == (0.0, 0.01)          # no fixed delay unless asked
+    assert str(f) == "slow:rank=1:step=1:point=start:attempt=0:seconds=0:per_row=0.01"
+    both = faults.parse("slow:rank=1:step=1:seconds=0.5:per_row=0.01")
+    for bad, why in [("sleep:rank=1:step=1:per_row=0.1", "per_row is an option of slow"),
+                     ("slow:rank=1:step=1:per_row=-1", "per_row >= 0"),
+                     ("slow:rank=1:step=1:per_row=x", "per_row numbers")]:
+        with pytest.raises(ValueError, match=why):
+            faults.parse(bad)
+    slept: list[float] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    for fault, rows in [(f, 32), (f, 8), (both, 8)]:
+        faults.Injector([fault], rank=1).slow(2, rows)
+    assert slept == [0.01 * 32, 0.01 * 8, 0.5 + 0.01 * 8]
+
+
 def test_moe_models_keep_the_even_split(capsys):
     ctx = Namespace(rank=0, world=None)
     moe = model_config_for(DATA, n_layer=2, n_head=2, n_embd=16, moe_every=2)
@@ -245,3 +262,19 @@ def test_the_cli_names_the_slow_rank_within_a_few_steps(capfd):
     named = [i for i, line in enumerate(lines) if line.startswith("straggler: rank 1 ")]
     step8 = next(i for i, line in enumerate(lines) if line.startswith("step    8"))
     assert named and named[0] < step8, out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_2_and_3_name_the_slow_rank_though_they_wait_inside_the_backward(zero):
+    """Stages 2-3 block in the backward (reduce-scatters; stage 3's gathers too), so a fast
+    rank's forward + backward includes waiting for the slow one; engine.compute_wait_s
+    takes that out of compute, and only the slow rank is named."""
+    slow = "slow:rank=1:step=2:seconds=0.05"
+    runs = spawn(2, _rank, Plan(dp=2, zero=zero), 7, "detect", None, slow)
+    lines = runs[0][2]
+    named = {int(m[1]) for line in lines if (m := re.match(r"straggler: rank (\d) ", line))}
+    assert named == {1}, lines
+    fast, slowed = (runs[r][0].timing for r in (0, 1))
+    assert fast["comm_wait"][-1] > 0.04 > fast["compute"][-1], fast      # rank 0 waited
+    assert slowed["compute"][-1] > 0.05, slowed

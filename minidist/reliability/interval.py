@@ -33,6 +33,14 @@ perturbation series in sqrt(C/2M) is
 
     T_Daly = sqrt(2CM) [1 + sqrt(C/2M)/3 + (C/2M)/9] - C   for C < 2M,  else  T_Daly = M.
 
+Failures that are not memoryless. Field data fit the time between failures better with a
+Weibull distribution of decreasing hazard (shape k < 1: a failure is often soon followed
+by another; Schroeder and Gibson 2006). `simulate(..., shape=k)` draws the gaps between
+failures from a Weibull of shape k and mean M (scale M / Gamma(1 + 1/k); k = 1 is the
+exponential) as a renewal process: the clock restarts at each failure, not at a save. The
+formulas above assume k = 1; the simulation shows where the optimum moves for k != 1, and
+for a run of one segment it matches the renewal closed form `one_segment_time`.
+
 How to use it:
     1. measure a save (seconds, e.g. time.perf_counter around checkpoint.save) and a
        restart, estimate the MTBF of the job (or `llama3_mtbf(n_gpus)`);
@@ -47,6 +55,8 @@ References:
         dumps", Future Generation Computer Systems 22(3), 303-312, Eq. (37).
     Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv:2407.21783, Sec. 3.3.4:
         466 job interruptions in 54 days of pre-training on 16K GPUs.
+    Schroeder, Gibson 2006, "A large-scale study of failures in high-performance computing
+        systems", DSN '06 (time between failures: Weibull, decreasing hazard rate).
 Read with: reliability/checkpoint.py (the save that C measures) and reliability/recovery.py
 (the restart that R measures).
 """
@@ -183,8 +193,31 @@ class Simulation:
     failures: np.ndarray
 
 
+def weibull_scale(mtbf: float, shape: float) -> float:
+    """The Weibull scale whose mean is `mtbf`: M / Gamma(1 + 1/k)."""
+    if not (math.isfinite(shape) and shape > 0):
+        raise ValueError(f"shape must be > 0 (1: exponential failures), got {shape!r}")
+    return _positive("mtbf", mtbf) / math.gamma(1 + 1 / shape)
+
+
+def one_segment_time(length: float, restart: float, mtbf: float, shape: float = 1.0,
+                     grid: int = 200_001) -> float:
+    """Expected wall time to get `length` seconds without a failure, first try from a fresh
+    clock, each retry after a restart R, gaps i.i.d. Weibull(k, mean M): with survival
+    S(x) = exp(-(x/s)^k), E = E[min(X, L)] + (1 - S(L)) E[min(X, R+L)] / S(R+L), where
+    E[min(X, x)] = integral_0^x S (trapezoids on `grid` points)."""
+    s = weibull_scale(mtbf, shape)
+
+    def upto(x: float) -> float:
+        u = np.linspace(0.0, x, grid)
+        f = np.exp(-(u / s) ** shape)
+        return float((f[1:] + f[:-1]).sum() * (u[1] - u[0]) / 2)
+    surv = lambda x: math.exp(-((x / s) ** shape))                 # noqa: E731
+    return upto(length) + (1 - surv(length)) * upto(restart + length) / surv(restart + length)
+
+
 def simulate(work: float, intervals, checkpoint_cost: float, restart: float, mtbf: float,
-             *, runs: int = 200, seed: int = 0) -> Simulation:
+             *, runs: int = 200, seed: int = 0, shape: float = 1.0) -> Simulation:
     """Simulate `runs` training runs of `work` seconds for each interval, failure by failure.
 
     A run is ceil(W/T) segments (T of work, then a save of C; the last segment shorter).
@@ -193,6 +226,7 @@ def simulate(work: float, intervals, checkpoint_cost: float, restart: float, mtb
     ends; else it keeps the k = floor((g - r)/(T + C)) segments whose saves completed,
     loses the rest, and pays g. Vectorised over (interval, run) cells; run j of every
     interval sees the same gaps (common random numbers: sharper comparisons between T).
+    shape: the gaps' Weibull shape k (1: exponential; see the module docstring).
 
     Estimator: the model gives W / E[wall], so efficiency = W / mean(wall), and by the
     delta method its 95% CI half-width is 1.96 eff sd(wall) / (mean(wall) sqrt(runs)).
@@ -210,12 +244,13 @@ def simulate(work: float, intervals, checkpoint_cost: float, restart: float, mtb
                          f"must be well below the MTBF for a run to finish")
     n_seg = np.maximum(np.ceil(w / t - 1e-9), 1).astype(np.int64)[:, None]   # (I, 1)
     seg, last = (t + c)[:, None], (w - (n_seg[:, 0] - 1) * t + c)[:, None]   # (I, 1) each
-    rng = np.random.default_rng(seed)
+    rng, scale = np.random.default_rng(seed), weibull_scale(m, shape)
     done = np.zeros((t.size, runs), dtype=np.int64)          # segments saved, (I, runs)
     wall, fails = np.zeros((t.size, runs)), np.zeros((t.size, runs), dtype=np.int64)
     r, active = np.zeros((t.size, runs)), np.ones((t.size, runs), dtype=bool)
     while active.any():
-        g = rng.exponential(m, size=runs)[None, :]            # (1, runs), shared over T
+        g = (rng.exponential(m, size=runs) if shape == 1        # (1, runs), shared over T
+             else scale * rng.weibull(shape, size=runs))[None, :]
         left = n_seg - done                                   # >= 1 segment to go
         need = r + (left - 1) * seg + last                    # time to finish without failure
         finish, fail = active & (g >= need), active & (g < need)
@@ -249,135 +284,10 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds < 4 * 86400 else f"{seconds / 86400:.1f} d"
 
 
-def _sweep_table(rec: Recommendation, sim: Simulation) -> list[str]:
-    """The table rows: interval, analytic and simulated efficiency, failures, marks. The
-    analytic column is the steady state T / E[segment]; the simulated runs also pay for
-    their shorter last segment, a difference of at most (C + R)/W, far inside the CI."""
-    analytic = efficiency(sim.intervals, rec.checkpoint_cost, rec.restart, rec.mtbf)
-    marks = {i: [] for i in range(sim.intervals.size)}
-    for name, t in (("Young", rec.young), ("Daly", rec.daly)):
-        marks[int(np.argmin(abs(sim.intervals - t)))].append(name)
-    marks[int(np.argmax(analytic))].append("best analytic")
-    marks[int(np.argmax(sim.efficiency))].append("best simulated")
-    rows = [f"{'interval':>11}  {'analytic':>8}  {'simulated ± 95% CI':>18}  "
-            f"{'failures/run':>12}"]
-    for i, t in enumerate(sim.intervals):
-        note = f"  <- {', '.join(marks[i])}" if marks[i] else ""
-        rows.append(f"{format_duration(t):>11}  {analytic[i]:8.4f}  {sim.efficiency[i]:9.4f} "
-                    f"± {sim.ci95[i]:.4f}  {sim.failures[i].mean():12.1f}{note}")
-    i, b = int(np.argmin(abs(sim.intervals - rec.daly))), int(np.argmax(sim.efficiency))
-    rows.append(f"at Daly's T: analytic {analytic[i]:.4f}, simulated {sim.efficiency[i]:.4f} ± "
-                f"{sim.ci95[i]:.4f}; best simulated {sim.efficiency[b]:.4f} ± {sim.ci95[b]:.4f} "
-                f"at {format_duration(sim.intervals[b])}")
-    return rows
-
-
-def _plot(path: str, rec: Recommendation, sim: Simulation) -> None:
-    """Analytic curve, simulated points with 95% CIs, and the optima; minutes on a log x."""
-    from matplotlib.figure import Figure                 # no pyplot: no global backend state
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    dense = np.geomspace(sim.intervals[0], sim.intervals[-1], 400)
-    curve = efficiency(dense, rec.checkpoint_cost, rec.restart, rec.mtbf)
-    fig = Figure(figsize=(7, 4.2))
-    ax = fig.add_subplot()
-    ax.plot(dense / 60, curve, label="analytic: T / E[segment]")
-    ax.errorbar(sim.intervals / 60, sim.efficiency, yerr=sim.ci95, fmt="o", ms=3,
-                capsize=2, label=f"simulated ({sim.wall.shape[1]} runs, 95% CI)")
-    for name, t, style in (("Young", rec.young, ":"), ("Daly", rec.daly, "--")):
-        ax.axvline(t / 60, color="gray", ls=style, label=f"{name}: {format_duration(t)}")
-    ax.set(xscale="log", xlabel="checkpoint interval T (minutes)",
-           ylabel="useful fraction of wall time",
-           title=f"C = {format_duration(rec.checkpoint_cost)}, R = "
-                 f"{format_duration(rec.restart)}, MTBF = {format_duration(rec.mtbf)}")
-    ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _arguments():
-    from minidist.baseline import CliParser, at_least
-    ap = CliParser(prog="python -m minidist.reliability.interval",
-                   description="Young's and Daly's optimal checkpoint intervals, and the "
-                               "efficiency of a sweep of intervals: analytic and simulated. "
-                               "Durations are a number and a unit: 30s, 5m, 3h, 2d.")
-    ap.add_argument("--checkpoint-cost", required=True, metavar="DUR", help="time of one save")
-    ap.add_argument("--restart", default="0s", metavar="DUR",
-                    help="time from a failure to training again: relaunch + load (default 0s)")
-    ap.add_argument("--mtbf", metavar="DUR", help="mean time between failures of the job")
-    ap.add_argument("--llama3", action="store_true",
-                    help="MTBF scaled from Llama 3's 466 interruptions in 54 days on 16384 "
-                         "GPUs to --gpus (instead of --mtbf)")
-    ap.add_argument("--gpus", type=at_least(1), metavar="N", help="GPUs of the job (--llama3)")
-    ap.add_argument("--work", default="500h", metavar="DUR",
-                    help="training time of the run without failures (default 500h)")
-    ap.add_argument("--runs", type=at_least(2), default=200, help="simulated runs per interval")
-    ap.add_argument("--points", type=at_least(2), default=30,
-                    help="intervals in the sweep, from T_Daly/4 to 4 T_Daly (default 30)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the simulation (default 0)")
-    ap.add_argument("--plot", metavar="PNG", help="draw both curves and the optima here")
-    return ap
-
-
-def _settings(a) -> tuple[float, float, float, float]:
-    """(C, R, M, W) in seconds from the parsed options; ValueError for a usage error."""
-    import os
-    if a.llama3 == (a.mtbf is not None):
-        raise ValueError("give the MTBF either as --mtbf DUR or as --llama3 --gpus N")
-    if (a.gpus is not None) != a.llama3:
-        raise ValueError("--gpus and --llama3 go together (the MTBF scales with the GPUs)")
-    if a.plot and not os.path.isdir(os.path.dirname(os.path.abspath(a.plot))):
-        raise ValueError(f"--plot {a.plot}: its folder does not exist")
-    mtbf = llama3_mtbf(a.gpus) if a.llama3 else _positive("--mtbf", parse_duration(a.mtbf))
-    return (_positive("--checkpoint-cost", parse_duration(a.checkpoint_cost)),
-            _positive("--restart", parse_duration(a.restart), zero_ok=True), mtbf,
-            _positive("--work", parse_duration(a.work)))
-
-
-def _header(a, rec: Recommendation, work: float) -> list[str]:
-    """The settings, the three optima and what the table's columns mean."""
-    d = format_duration
-    lines = [f"checkpoint interval: C = {d(rec.checkpoint_cost)} (save), R = {d(rec.restart)} "
-             f"(restart), M = {d(rec.mtbf)} (MTBF), W = {d(work)} (work)"]
-    if a.llama3:
-        lines.append(f"M from Llama 3 (Dubey et al. 2024, Sec. 3.3.4): {LLAMA3_DAYS} d * 24 h / "
-                     f"{LLAMA3_INTERRUPTIONS} interruptions * {LLAMA3_GPUS} / {a.gpus} GPUs "
-                     f"= {d(rec.mtbf)}")
-    for name, formula, t, e in (
-            ("Young 1974", "sqrt(2CM)", rec.young, rec.efficiency_young),
-            ("Daly 2006", "sqrt(2CM)(1 + sqrt(C/2M)/3 + C/18M) - C", rec.daly, rec.efficiency_daly),
-            ("exact", "the root of e^((T+C)/M) (1 - T/M) = 1", rec.exact, rec.efficiency_exact)):
-        lines.append(f"{name:<11} T = {formula:<40} = {d(t):>10}  (efficiency {e:.4f})")
-    lines += ["efficiency = useful / wall time. analytic: T / E[segment], E[segment] = "
-              "M e^(R/M) (e^((T+C)/M) - 1);",
-              f"simulated: W / mean(wall) over {a.runs} runs per interval (seed {a.seed})"]
-    return lines
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: print the optima and the sweep table; exit 2 (one line) on a usage error."""
-    from minidist.baseline import cli_error
-    a = _arguments().parse_args(argv)
-    try:
-        c, r, mtbf, work = _settings(a)
-        rec = recommend(c, mtbf=mtbf, restart=r)
-        grid = np.geomspace(rec.daly / 4, rec.daly * 4, a.points)
-        sim = simulate(work, np.union1d(grid, [rec.young, rec.daly]), c, r, mtbf,
-                       runs=a.runs, seed=a.seed)
-    except ValueError as e:
-        return cli_error(e)
-    print("\n".join(_header(a, rec, work) + _sweep_table(rec, sim)))
-    if a.plot:
-        try:
-            _plot(a.plot, rec, sim)
-        except ImportError:
-            print("--plot: matplotlib is not installed (pip install 'minidist[plot]'), "
-                  "so no plot was written", file=sys.stderr)
-            return 1
-        print(f"plot written to {a.plot}")
-    return 0
+    """The command line (reliability/interval_cli.py): the optima and the sweep table."""
+    from minidist.reliability.interval_cli import main as cli_main
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

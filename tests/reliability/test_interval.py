@@ -97,6 +97,36 @@ def test_simulation_agrees_with_the_model(work, c, r, m, intervals):
     assert np.all(np.abs(sim.failures.mean(axis=1) - wall / m) <= 2.576 * se)
 
 
+def test_weibull_gaps_have_the_mtbf_as_mean_and_shape_1_is_the_exponential():
+    assert iv.weibull_scale(3 * HOUR, 1.0) == 3 * HOUR
+    assert iv.weibull_scale(3 * HOUR, 0.5) == pytest.approx(1.5 * HOUR)   # Gamma(3) = 2
+    rng = np.random.default_rng(0)
+    gaps = iv.weibull_scale(HOUR, 0.7) * rng.weibull(0.7, 200_000)
+    assert abs(gaps.mean() - HOUR) < 4 * gaps.std() / math.sqrt(gaps.size)
+    # the renewal closed form at k = 1 is Daly's segment time (checks the integration)
+    for length, r in [(20 * MIN, 0.0), (50 * MIN, 10 * MIN), (3 * HOUR, 2 * MIN)]:
+        assert iv.one_segment_time(length, r, HOUR) == pytest.approx(
+            float(iv.segment_time(length, 0.0, r, HOUR)), rel=1e-7)
+    default = iv.simulate(10 * HOUR, [20 * MIN], 30, 60, HOUR, runs=50, seed=3)
+    assert np.array_equal(default.wall, iv.simulate(10 * HOUR, [20 * MIN], 30, 60, HOUR,
+                                                    runs=50, seed=3, shape=1.0).wall)
+    with pytest.raises(ValueError, match="shape must be > 0"):
+        iv.simulate(HOUR, [60], 1, 0, HOUR, shape=-1)
+
+
+@pytest.mark.parametrize("shape", [0.5, 0.7, 1.5])
+def test_weibull_simulation_of_one_segment_matches_the_renewal_closed_form(shape):
+    # One segment (T >= W): the run needs one failure-free window of W + C (after a failure,
+    # R + W + C), so E[wall] = one_segment_time(W + C, R, M, k) exactly; within the 99% CI.
+    work, c, r, m = 40 * MIN, 2 * MIN, 5 * MIN, HOUR
+    sim = iv.simulate(work, [work], c, r, m, runs=4000, seed=1, shape=shape)
+    want = iv.one_segment_time(work + c, r, m, shape)
+    se = sim.wall.std(ddof=1) / math.sqrt(sim.wall.size)
+    assert abs(sim.wall.mean() - want) <= 2.576 * se, (sim.wall.mean(), want, se)
+    exponential = float(iv.segment_time(work, c, r, m))
+    assert abs(want - exponential) > 4 * se            # the shape matters here: not k = 1
+
+
 def test_simulation_is_seeded_and_fast():
     grid = np.geomspace(3 * MIN, 50 * MIN, 30)
     t0 = time.perf_counter()
@@ -175,6 +205,7 @@ def test_cli_llama3(capsys):
      "does not exist"),
     (["--mtbf", "3h"], "required: --checkpoint-cost"),
     (["--checkpoint-cost", "3h", "--mtbf", "1m", "--work", "1000d"], "failures per run"),
+    (["--checkpoint-cost", "30s", "--mtbf", "3h", "--weibull-shape", "0"], "shape must be > 0"),
 ])
 def test_cli_usage_errors_are_one_line(argv, says, capsys):
     try:
@@ -184,6 +215,13 @@ def test_cli_usage_errors_are_one_line(argv, says, capsys):
     res = capsys.readouterr()
     assert code == 2 and res.out == ""
     assert res.err.count("\n") == 1 and res.err.startswith("error: ") and says in res.err
+
+
+def test_cli_weibull_shape_says_what_the_columns_assume(capsys):
+    code = iv.main(["--checkpoint-cost", "30s", "--restart", "120s", "--mtbf", "3h",
+                    "--weibull-shape", "0.7"] + FAST)
+    out = capsys.readouterr().out
+    assert code == 0 and "failures Weibull of shape 0.7" in out and "best simulated" in out
 
 
 def test_cli_as_a_module():

@@ -21,34 +21,22 @@ One rank's view (rank r of W writers, `save(state, D, rank=r, world=W, barrier=b
        checkpoints, remove stale `.tmp-*` entries and step directories `latest` disowns
     4. barrier: every rank returns after the commit
 
-Asynchronous saving (`AsyncCheckpointer`): `snapshot` copies the arrays at the step
-boundary and a background thread does step 1 while training goes on. That thread never
-calls a collective (a barrier on the training group from a second thread could interleave
-with training's own calls), so the barrier of step 2 runs on the training thread, at the
-next `snapshot`; rank 0's thread then does the commit (step 3) before it writes the new
-snapshot, so no fsync of the commit stalls training. Crash semantics: checkpoint k becomes
-current when rank 0 commits it after snapshot k+1 (or in close()); a crash before that
-loses k, although its files are written, and recovery restarts from k-1. Call `wait()` to
-commit at once.
+Asynchronous saving (snapshot now, write behind): reliability/async_checkpoint.py.
 
 Communication: two barriers per save (writers' group), no array data between ranks.
 Cost: each writer writes ~S/W bytes (S the checkpoint size); rank 0 also the manifest.
 `latest` reads and checks all S bytes of the checkpoint it returns; `load` reads them again.
 
 References:
-    CheckFreq -- Mohan, Phanishayee, Chidambaram 2021, FAST '21 (snapshot, then persist).
     fsync and rename -- Pillai et al. 2014, "All File Systems Are Not Created Equal", OSDI.
-Read next: reliability/checkpoint_format.py
+Read next: reliability/checkpoint_format.py, reliability/async_checkpoint.py
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +50,7 @@ from minidist.reliability.checkpoint_format import (_STEP_DIR, FORMAT, VERSION, 
                                                     load)
 
 __all__ = ["FORMAT", "VERSION", "PHASES", "CheckpointError", "CheckpointState", "Found", "save",
-           "AsyncCheckpointer", "latest", "load"]
+           "AsyncCheckpointer", "latest", "load"]     # AsyncCheckpointer: async_checkpoint.py
 # The moments a save passes, in order; `on_phase(name)` is called at each (for timing, and
 # to inject a crash in tests and in faults.py). The first four run on every writer.
 PHASES = ("tmp_dir_created", "rank_file_partial", "rank_file_written", "marker_written",
@@ -84,15 +72,6 @@ def _no_op(*_: Any) -> None:
 
 def _marker_file(r: int) -> str:
     return f"rank{r:05d}.done.json"
-
-
-def _copy(state: CheckpointState) -> CheckpointState:
-    """A private copy (checked with `_meta`): what the background thread writes."""
-    meta = _meta(state)
-    dup = lambda v: v.copy() if isinstance(v, (np.ndarray, np.generic)) else v  # noqa: E731
-    return CheckpointState(int(state.step), {k: v.copy() for k, v in state.params.items()},
-                           {k: dup(v) for k, v in state.optimizer.items()}, meta["rng"],
-                           meta["data_cursor"], meta["losses"], meta["extra"])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -297,131 +276,6 @@ def save(state: CheckpointState, root: str | os.PathLike, *, rank: int = 0, worl
     return root / _step_name(int(state.step))
 
 
-class AsyncCheckpointer:
-    """Save without stopping training (CheckFreq): copy at the step boundary, write behind.
-
-    One rank's view (rank r of W; every rank snapshots at the same steps, then closes):
-        snapshot(state_k): 1. copy state_k (arrays too: training may change them now);
-            2. wait for this rank's write of the previous snapshot and re-raise its error;
-            3. if one is written: barrier (every rank's file of it is durable);
-            4. start a thread that (rank 0, after 3) commits the previous snapshot, then
-            writes this rank's file and marker of state_k. Returns the seconds spent in 2.
-        wait(): 2 and 3, rank 0 commits on the calling thread, then a barrier (every rank
-            returns after the commit).
-        close(): wait(), then no more snapshots.
-    Never two writes at once: each snapshot waits for the previous write (step 2). An error
-    in the thread is raised at the next snapshot, wait or close, never lost; it is raised
-    before that call's barrier, so in a job the other ranks then fail too (RankFailure)
-    and the run restarts from the last committed checkpoint. `on_phase` also hears
-    "snapshot_waiting" (on the training thread) when a snapshot must wait.
-    """
-
-    def __init__(self, root: str | os.PathLike, *, rank: int = 0, world: int = 1,
-                 barrier: Callable[[], Any] | None = None, keep: int | None = 3,
-                 timeout: float = 600.0, on_phase: Callable[[str], Any] | None = None):
-        self.prefix = _check_writer(rank, world, keep, barrier)
-        self.root, self.rank, self.world, self.keep = Path(root), rank, world, keep
-        self.barrier, self.timeout, self.phase = barrier or _no_op, timeout, on_phase or _no_op
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._written: CheckpointState | None = None    # written, not yet committed
-        self._last: Path | None = None
-        self._closed = False
-
-    @property
-    def busy(self) -> bool:
-        """True while the background thread is writing."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def snapshot(self, state: CheckpointState) -> float:
-        """Copy `state`, commit the previous snapshot, write this one in the background;
-        return the seconds waited for the previous write."""
-        if self._closed:
-            raise CheckpointError(f"{self.prefix}snapshot after close(): make a new "
-                                  f"AsyncCheckpointer to save again")
-        copy = _copy(state)
-        t0, busy = time.perf_counter(), self.busy
-        if busy:
-            self.phase("snapshot_waiting")
-        self._join()
-        waited = time.perf_counter() - t0 if busy else 0.0
-        _, previous = self._durable()
-        self._thread = threading.Thread(target=self._persist, args=(previous, copy),
-                                        daemon=True,
-                                        name=f"checkpoint-rank{self.rank}-step{copy.step}")
-        self._thread.start()
-        return waited
-
-    def wait(self) -> Path | None:
-        """Finish and commit the last snapshot; return the newest committed directory."""
-        self._join()
-        written, previous = self._durable()
-        if previous is not None:
-            self._commit(previous)
-        if written:
-            self.barrier()
-        return self._last
-
-    def close(self) -> Path | None:
-        """wait(), then refuse further snapshots. Safe to call twice."""
-        if not self._closed:
-            try:
-                self.wait()
-            finally:
-                self._closed = True
-        return self._last
-
-    def __enter__(self) -> AsyncCheckpointer:
-        return self
-
-    def __exit__(self, exc_type, *_: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:              # another rank may be gone: finish our write, skip the barriers
-            self._closed = True
-            if self._thread is not None:
-                self._thread.join(self.timeout)
-
-    def _persist(self, previous: CheckpointState | None, state: CheckpointState) -> None:
-        """The thread: commit `previous` (rank 0), then write this rank's part of `state`."""
-        try:
-            if previous is not None:
-                self._commit(previous, spare=f".tmp-{_step_name(state.step)}")
-            with _errors(f"{self.prefix}writing step {state.step} into {self.root}"):
-                _write_rank_file(self.root, state, self.rank, self.world, self.phase)
-            self._written = state
-        except BaseException as e:    # kept for the training thread: a thread cannot raise
-            self._error = e
-
-    def _join(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(self.timeout)
-            if thread.is_alive():
-                raise CheckpointError(f"{self.prefix}{thread.name} still writing after "
-                                      f"{self.timeout} s: the disk is slow or hung; check "
-                                      f"{self.root}, or raise AsyncCheckpointer(timeout=)")
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise CheckpointError(f"{self.prefix}the background save failed ({err!r}); it is "
-                                  f"not committed and the previous checkpoint is still the "
-                                  f"latest. Fix the cause, then snapshot again") from err
-
-    def _durable(self) -> tuple[bool, CheckpointState | None]:
-        """Step 2 for the written snapshot, if any: (True after the barrier, the state for
-        rank 0 to commit, else None); (False, None) when nothing waits to be committed."""
-        state, self._written = self._written, None
-        if state is None:
-            return False, None
-        self.barrier()
-        self._last = self.root / _step_name(state.step)
-        return True, state if self.rank == 0 else None
-
-    def _commit(self, state: CheckpointState, spare: str = "") -> None:
-        with _errors(f"{self.prefix}committing step {state.step} in {self.root}"):
-            _commit(self.root, state, self.world, self.keep, self.phase, spare)
-
-
 def latest(root: str | os.PathLike) -> Found | None:
     """The newest complete checkpoint under `root`, verified (every byte read and checked).
 
@@ -453,3 +307,12 @@ def latest(root: str | os.PathLike) -> Found | None:
         raise CheckpointError(f"{root}: no intact checkpoint: " + "; ".join(skipped)
                               + ". Restore from a backup, or remove the directory to start over")
     return None
+
+
+def __getattr__(name: str) -> Any:
+    """checkpoint.AsyncCheckpointer, from async_checkpoint.py (which builds on this module,
+    so it is imported on first use rather than at the top)."""
+    if name == "AsyncCheckpointer":
+        from minidist.reliability.async_checkpoint import AsyncCheckpointer
+        return AsyncCheckpointer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

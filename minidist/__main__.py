@@ -4,7 +4,8 @@
     python -m minidist train [--dp 2 --tp 2 --sp]    train the tiny GPT (the main job;
                              [--zero 1] [--check]    --check: against one process)
     python -m minidist demo [name]                   list the demos, or run one
-    python -m minidist bench collectives|autograd|train|pipeline   benchmarks (medians, tables)
+    python -m minidist bench collectives|autograd|train|pipeline|checkpoint|throughput
+                                                     benchmarks (medians, tables)
     python -m minidist --help | --version            this text | the version
     python -m minidist COMMAND --help                the options of one command
 
@@ -24,7 +25,7 @@ import signal
 import sys
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
-BENCHES = ("collectives", "autograd", "train", "pipeline", "checkpoint")
+BENCHES = ("collectives", "autograd", "train", "pipeline", "checkpoint", "throughput")
 INTERRUPTED = 128 + signal.SIGINT           # the shells' code for "ended by SIGINT"
 STDOUT_CLOSED = 128 + signal.SIGPIPE        # ... and for "ended by SIGPIPE"
 

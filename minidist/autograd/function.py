@@ -46,6 +46,9 @@ from minidist.autograd.tensor import Tensor
 # Called as after_apply(cls, args, result) after every operation when set; check mode of
 # parallel/placement.py uses it to pass activation placements on. None: no cost but a test.
 after_apply = None
+# Called as on_forward(cls, ctx, arrays, kwargs, result) after every forward when set;
+# observe/flops.py's FLOP ledger counts there. None: no cost but a test.
+on_forward = None
 
 
 class Context:
@@ -96,6 +99,8 @@ class Function:
         result.grad = None
         result.requires_grad = track
         result._node = (cls.backward, ctx, parents) if track else None
+        if on_forward is not None:
+            on_forward(cls, ctx, arrays, kwargs, result)
         if after_apply is not None:
             after_apply(cls, args, result)
         return result

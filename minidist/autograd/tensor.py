@@ -40,6 +40,9 @@ from typing import Any
 from minidist import backend
 
 _grad_enabled = True
+# Called as on_grad_add(g) for each gradient sum the engine itself does (a tensor used twice,
+# `+=` into a leaf's .grad) when set: observe/flops.py's FLOP ledger. None: no cost but a test.
+on_grad_add = None
 
 
 def is_grad_enabled() -> bool:
@@ -277,6 +280,8 @@ def _run_backward(root: Tensor, grad: Any) -> None:
                 continue
             prev = grads.get(id(p))
             grads[id(p)] = gp if prev is None else prev + gp     # never in place: may alias
+            if on_grad_add is not None and prev is not None:
+                on_grad_add(gp)
 
 
 def _accumulate_leaf(t: Tensor, g: Any, given: set) -> None:
@@ -295,6 +300,8 @@ def _accumulate_leaf(t: Tensor, g: Any, given: set) -> None:
         given.add(id(g))
     else:
         t.grad += g
+        if on_grad_add is not None:
+            on_grad_add(g)
 
 
 from minidist.autograd import functional, ops  # noqa: E402  (they import Tensor from here)

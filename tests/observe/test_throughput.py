@@ -1,0 +1,116 @@
+"""Throughput: the ledger of a GPT training step equals PaLM's 6N + 12LHQT after the two
+documented terms (vectors, tied head), op by op and in total; the parameter counts of the
+closed form are the model's; model FLOPs do not depend on the layout while ZeRO-3's
+recomputation shows up in hardware FLOPs only; MFU and HFU are the stated quotients."""
+
+import numpy as np
+import pytest
+
+from minidist.data import DataConfig
+from minidist.nn import GPT, GPTConfig
+from minidist.observe.flops import FlopLedger
+from minidist.observe.throughput import closed_form, from_ledger, throughput
+from minidist.runtime.launch import spawn
+from minidist.train import Plan, train_on_rank
+
+CONFIGS = [dict(), dict(tie_weights=False), dict(bias=False), dict(mlp_ratio=2, n_head=4),
+           dict(n_layer=3, n_embd=24, n_head=3, vocab_size=17, bias=False, tie_weights=False)]
+
+
+def _step(cfg: GPTConfig, B: int, T: int) -> FlopLedger:
+    model = GPT(cfg, 0)
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, cfg.vocab_size, (2, B, T))
+    led = FlopLedger()
+    with led:
+        model(x, y)[1].backward()
+    return led
+
+
+@pytest.mark.parametrize("over", CONFIGS)
+def test_closed_form_counts_the_models_parameters(over):
+    cfg = GPTConfig(**over)
+    params = dict(GPT(cfg, 0).named_parameters())
+    cf = closed_form(cfg)
+    assert cf.N == sum(p.size for n, p in params.items() if n not in ("wte.weight",
+                                                                       "wpe.weight"))
+    assert cf.n_vector == sum(p.size for p in params.values() if p.ndim == 1)
+    assert cf.head == (cfg.vocab_size * cfg.n_embd if cfg.tie_weights else 0)
+    assert (cf.L, cf.H, cf.Q, cf.T) == (cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head,
+                                        cfg.block_size)
+
+
+@pytest.mark.parametrize("over", CONFIGS)
+@pytest.mark.parametrize("B, T", [(3, 12), (2, 5), (1, 1)])
+def test_gpt_step_ledger_equals_the_closed_form(over, B, T):
+    cfg = GPTConfig(**over)
+    led = _step(cfg, B, T)
+    cf = closed_form(cfg, T)
+    N, L, H, Q = cf.N, cf.L, cf.H, cf.Q
+    assert led.model_flops() == B * T * (6 * N + 12 * L * H * Q * T - 6 * cf.n_vector
+                                         + 6 * cf.head)
+    assert led.model_flops() == B * T * cf.matmul == B * T * sum(v for _, v in cf.terms()[:4])
+    assert cf.palm == 6 * N + 12 * L * H * Q * T
+
+
+def test_gpt_step_matmuls_by_hand_per_op():
+    """Forward matmuls of one step, written out: per layer qkv, scores, A v, proj, fc, fc2;
+    then the head. Backward: exactly twice each (every input needs its gradient)."""
+    cfg = GPTConfig(vocab_size=11, block_size=12, n_layer=2, n_head=2, n_embd=16)
+    B, T, C, V, H, L, r = 3, 12, 16, 11, 2, 2, 4
+    D = C // H
+    per_layer = (2 * B * T * C * 3 * C + 2 * B * H * T * D * T + 2 * B * H * T * T * D
+                 + 2 * B * T * C * C + 2 * B * T * C * r * C + 2 * B * T * r * C * C)
+    led = _step(cfg, B, T)
+    assert led.entries[("MatMul", "forward")] == [L * per_layer + 2 * B * T * C * V, 0, 6 * L + 1]
+    assert led.entries[("MatMul", "backward")][0] == 2 * (L * per_layer + 2 * B * T * C * V)
+    assert led.total("matmul", ("recompute", "optimizer")) == 0
+
+
+def test_closed_form_refuses_moe_and_a_too_long_sequence():
+    with pytest.raises(ValueError, match="dense GPT"):
+        closed_form(GPTConfig(moe_every=2))
+    with pytest.raises(ValueError, match="block_size=12"):
+        closed_form(GPTConfig(), T=13)
+
+
+def test_mfu_and_hfu_arithmetic():
+    t = throughput(model_flops=6e9, hardware_flops=8e9, seconds=0.5, tokens=1000,
+                   peak=2e10, ranks=3)
+    assert t.tokens_per_s == 2000
+    assert t.mfu == pytest.approx(6e9 / (0.5 * 2e10 * 3))                 # 0.2
+    assert t.hfu == pytest.approx(8e9 / (0.5 * 2e10 * 3))
+    led = _step(GPTConfig(), 2, 6)
+    u = from_ledger(led, seconds=0.01, tokens=12, peak=1e9)
+    assert u.mfu == led.model_flops() / (0.01 * 1e9) and u.hfu >= u.mfu
+    with pytest.raises(ValueError, match="between 0 and the hardware FLOPs"):
+        throughput(9, 8, 1.0, 1, 1.0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        throughput(1, 2, 0.0, 1, 1.0)
+
+
+def _count_one_step(ctx, cfg, data_cfg, plan, batch):
+    led = FlopLedger()
+    with led:
+        train_on_rank(ctx, cfg, data_cfg, plan, steps=1, global_batch=batch, lr=1e-3)
+    return led
+
+
+@pytest.mark.multiproc
+def test_zero3_recomputes_every_forward_matmul_and_model_flops_stay():
+    data_cfg = DataConfig(task="sort", length=3)
+    cfg = GPTConfig(vocab_size=data_cfg.vocab_size, block_size=data_cfg.block_size,
+                    n_layer=2, n_head=2, n_embd=16)
+    ledgers = {}
+    for zero in (0, 3):
+        led = FlopLedger()
+        plan = Plan(dp=2, zero=zero, check_placements=True)     # with placement's hook
+        for part in spawn(2, _count_one_step, cfg, data_cfg, plan, 4):
+            led.merge(part)
+        ledgers[zero] = led
+    exact = 4 * data_cfg.block_size * closed_form(cfg, data_cfg.block_size).matmul
+    assert ledgers[0].model_flops() == ledgers[3].model_flops() == exact
+    assert ledgers[0].total("matmul", ("recompute",)) == 0
+    assert ledgers[3].total("matmul", ("recompute",)) == ledgers[3].total("matmul",
+                                                                          ("forward",))
+    assert ledgers[3].hardware_flops() > ledgers[0].hardware_flops()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from minidist import collectives as C
-from minidist.collectives import api, cost
+from minidist.collectives import api, calibration, cost
 from minidist.collectives.ring import SEGMENT_BYTES
 from minidist.runtime.launch import spawn
 
@@ -178,7 +178,7 @@ def test_nnls_matches_brute_force_over_active_sets():
 def test_calibration_file(tmp_path, monkeypatch):
     path = tmp_path / "cost.json"
     monkeypatch.setenv("MINIDIST_COST_FILE", str(path))
-    monkeypatch.setattr(cost, "RECHECK_SECONDS", 0.0)    # look at the file on every call
+    monkeypatch.setattr(calibration, "RECHECK_SECONDS", 0.0)    # look at the file on every call
     assert cost.cost_file() == path and cost.constants() == cost.DEFAULT   # no file yet
     assert cost.describe() == f"defaults (no calibration file at {path})"
     mine = cost.Constants(alpha=1.0, beta=2e-9, gamma=3e-9)
@@ -199,7 +199,7 @@ def test_calibration_file(tmp_path, monkeypatch):
 def test_constants_per_world_size_round_trip_through_readable_json(tmp_path, monkeypatch):
     path = tmp_path / "cost.json"
     monkeypatch.setenv("MINIDIST_COST_FILE", str(path))
-    monkeypatch.setattr(cost, "RECHECK_SECONDS", 0.0)
+    monkeypatch.setattr(calibration, "RECHECK_SECONDS", 0.0)
     table = cost.Table(tuple(KNOWN.items()), fitted="2025-01-02 03:04")
     cost.save(table, path, {"2": {"worst_ratio": 1.1}})
     raw = json.loads(path.read_text())
@@ -220,7 +220,7 @@ def test_constants_per_world_size_round_trip_through_readable_json(tmp_path, mon
 def test_old_format_files_still_load_as_the_model_they_were_fitted_for(tmp_path, monkeypatch):
     path = tmp_path / "cost.json"
     monkeypatch.setenv("MINIDIST_COST_FILE", str(path))
-    monkeypatch.setattr(cost, "RECHECK_SECONDS", 0.0)
+    monkeypatch.setattr(calibration, "RECHECK_SECONDS", 0.0)
     path.write_text(json.dumps({"alpha": 5e-6, "beta": 1e-10, "gamma": 2e-10}))
     c = cost.constants(4)
     assert c == cost.Constants(5e-6, 1e-10, 2e-10, call=0, barrier=5e-6, copy=0, dram=0)

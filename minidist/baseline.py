@@ -258,12 +258,18 @@ def run(a: argparse.Namespace) -> int:
         return cli_error(f"--batch {a.batch} does not split into --grad-accum {k} equal "
                          f"micro-batches; use a multiple of {k}, e.g. "
                          f"{' or '.join(map(str, fits))}, or change --grad-accum.")
-    t0 = time.perf_counter()
+    from minidist.observe.peak import peak_flops
+    from minidist.observe.progress import Progress
+    bar = Progress.for_model(cfg, a.batch, 1, a.steps, peak_flops=peak_flops(cfg.dtype).flops)
+    t0 = last = time.perf_counter()
 
     def progress(step: int, loss: float, model: GPT) -> None:
-        if step % a.every == 0 or step == a.steps - 1:
-            print(f"step {step:4d} | loss {loss:.4f} | {time.perf_counter() - t0:5.1f} s",
+        nonlocal last
+        now = time.perf_counter()
+        if step % a.every == 0 or step == a.steps - 1:     # no communication; memory: not
+            print(bar.line(step, loss, now - t0, [[now - last, 0.0, 0.0]]),  # measured here
                   flush=True)              # a reader of a pipe (| head) sees each step now
+        last = now
 
     print(f"task {a.task} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, {cfg.dtype} · "
           f"batch {a.batch} · {a.optimizer} lr {a.lr}", flush=True)
@@ -273,6 +279,7 @@ def run(a: argparse.Namespace) -> int:
     result = train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.batch, lr=a.lr,
                                   seed=a.seed, grad_accum=a.grad_accum, optimizer=a.optimizer,
                                   on_step=progress)
+    print(bar.summary(time.perf_counter() - t0))
     show_samples(cfg, data_cfg, result.params)
     print(f"params sha256: {params_digest(result.params)}")
     return 0

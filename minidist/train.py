@@ -56,6 +56,8 @@ from minidist import baseline, optim
 from minidist.baseline import check_compatible
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPTConfig
+from minidist.observe.peak import peak_flops
+from minidist.observe.progress import Progress
 from minidist.parallel import placement, schedules
 from minidist.parallel.compose import Plan, build
 from minidist.reliability import recovery, straggler as stragglers
@@ -89,6 +91,7 @@ class StepEnd:
     step: int
     engine: object
     losses: Callable[[], tuple[float, ...]]
+    seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)   # this step: step, comm wait, compute
 
 
 def _traffic(groups: dict[str, object]) -> dict[str, int]:
@@ -235,7 +238,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
             injector.at("end", step)
         if on_step_end is not None:
             on_step_end(StepEnd(step, engine, lambda: tuple(float(v) for v in _global_loss(
-                local, grad, lay.pp_group, canonical))))
+                local, grad, lay.pp_group, canonical)), (timing["step"][-1],
+                timing["comm_wait"][-1], timing["compute"][-1])))
     losses = _global_loss(local, grad, lay.pp_group, canonical)
     return RankResult(losses=tuple(float(v) for v in losses), grad_norms=tuple(norms),
                       lrs=tuple(lrs), params=engine.full_params(),
@@ -305,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps == 0:
         print(baseline.NOTHING_TRAINED)
         return 0
+    a.peak_flops = peak_flops(cfg.dtype).flops   # one rank's, for MFU (measured once, cached)
     from minidist.runtime import RankFailure
     try:
         run = recovery.run(a, cfg, data_cfg, plan, resilience, _rank_main)
@@ -387,22 +392,42 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
     its faults and checkpoints; rank 0 prints the progress (all ranks take part in
     on_step's all-reduce)."""
     resume, saver = recovery.on_rank(ctx, a, plan, job)
+    bar = Progress.for_model(cfg, a.batch, plan.world_size, a.steps, resume["start_step"],
+                             getattr(a, "peak_flops", 0.0))
+    losses: dict[int, float] = {}
 
-    def progress(step: int, loss: float) -> None:
-        if ctx.rank == 0 and (step % a.every == 0 or step == a.steps - 1):
-            try:
-                sys.stdout.write(f"step {step:4d} | loss {loss:.4f} | "
-                                 f"{time.perf_counter() - t0:5.1f} s\n")
-                sys.stdout.flush()
-            except BrokenPipeError:          # the reader left (| head): fail this rank, but
-                _stdout_to_devnull()         # quietly, so its last flush at exit succeeds
-                raise
+    def printed(step: int) -> bool:
+        return step % a.every == 0 or step == a.steps - 1
 
+    def progress(end: StepEnd) -> None:
+        """COLLECTIVE at printed steps: every rank's [step s, comm wait s, memory bytes]."""
+        if printed(end.step):
+            state = sum(v for k, v in end.engine.memory().items())      # model state, peaks
+            mine = np.array([end.seconds[0], end.seconds[1], state], np.float64)
+            table = C.all_gather(mine, group=ctx.world)                  # (W, 3)
+            if ctx.rank == 0:
+                say(bar.line(end.step, losses.pop(end.step), time.perf_counter() - t0, table))
+        if saver is not None:
+            saver.on_step_end(end)
+
+    def say(text: str) -> None:
+        try:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:              # the reader left (| head): fail this rank, but
+            _stdout_to_devnull()             # quietly, so its last flush at exit succeeds
+            raise
+
+    resume["on_step_end"] = progress
     result = train_on_rank(ctx, cfg, data_cfg, plan, global_batch=a.batch, lr=a.lr,
-                           seed=a.seed, optimizer=a.optimizer, on_step=progress,
+                           seed=a.seed, optimizer=a.optimizer,
+                           on_step=lambda step, loss: losses.update({step: loss})
+                           if printed(step) else None,
                            straggler=stragglers.for_rank(ctx, a, plan, cfg), **resume)
     if saver is not None:
         saver.close()
+    if ctx.rank == 0 and bar.samples:
+        say(bar.summary(time.perf_counter() - t0))
     return result
 
 

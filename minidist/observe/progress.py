@@ -11,7 +11,9 @@
                  per token, observe/throughput.py) / (window seconds x peak FLOP/s x ranks)
     comm         the share of the printed step's time that the ranks waited for communication
                  (their mean of comm_wait / step, RankResult.timing); the rest is compute
-    mem          the largest peak device memory over the ranks (what each rank measured)
+    mem          the largest memory over the ranks, as each rank measured it: the engine's
+                 model state (parameters, gradients, optimizer state, and ZeRO's peaks of
+                 gathered and unsharded buffers); left out when nothing was measured
     ETA          steps left x the window's seconds per step; then a 10-character bar
 
 The first three fields are those of the single-process baseline's line, so anything that
@@ -74,6 +76,17 @@ class Progress:
     samples: list = field(default_factory=list)       # (step, elapsed, comm share, peaks)
     _last: tuple[int, float] | None = None            # (step, elapsed) of the previous line
 
+    @classmethod
+    def for_model(cls, cfg, batch: int, ranks: int, total_steps: int, start_step: int = 0,
+                  peak_flops: float = 0.0) -> "Progress":
+        """The Progress of training GPTConfig `cfg` on `batch` sequences of cfg.block_size
+        tokens a step: model FLOPs per step = tokens x (6N + 12LHQT) (observe/throughput.py;
+        none for a MoE model, whose MFU needs the FLOP ledger)."""
+        from minidist.observe.throughput import closed_form
+        tokens = batch * cfg.block_size
+        flops = 0.0 if cfg.moe_every else float(tokens * closed_form(cfg).palm)
+        return cls(total_steps, tokens, ranks, flops, peak_flops, start_step)
+
     def __post_init__(self) -> None:
         if self.total_steps < 0 or self.tokens_per_step < 1 or self.ranks < 1:
             raise ValueError(f"Progress: total_steps={self.total_steps} must be >= 0, "
@@ -95,7 +108,9 @@ class Progress:
         mfu = self.mfu(rate)
         if mfu is not None:
             fields.append(f"MFU {100 * mfu:4.1f}%")
-        fields += [f"comm {100 * share:.0f}%", f"mem {megabytes(per_rank[:, 2].max())} max"]
+        fields.append(f"comm {100 * share:.0f}%")
+        if per_rank[:, 2].max() > 0:                  # 0: this run does not measure memory
+            fields.append(f"mem {megabytes(per_rank[:, 2].max())} max")
         left = self.total_steps - step - 1
         frac = (step + 1) / self.total_steps if self.total_steps else 1.0
         bar = "#" * round(BAR * frac) + "-" * (BAR - round(BAR * frac))
@@ -128,6 +143,6 @@ class Progress:
                                 f"x {self.ranks} ranks"))
         rows.append(("comm wait", f"{100 * np.mean([s[2] for s in self.samples]):.1f}% of "
                                   f"step time (mean of the printed steps)"))
-        rows += [(f"peak mem rank {r}", megabytes(b)) for r, b in enumerate(peaks)]
+        rows += [(f"peak mem rank {r}", megabytes(b)) for r, b in enumerate(peaks) if b > 0]
         width = max(len(k) for k, _ in rows)
         return "\n".join(["summary:"] + [f"  {k:<{width}}  {v}" for k, v in rows])

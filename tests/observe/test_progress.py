@@ -61,3 +61,15 @@ def test_summary_leaves_out_the_first_step_and_lists_each_ranks_peak():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="tokens_per_step=0"):
         Progress(total_steps=10, tokens_per_step=0, ranks=1)
+
+
+def test_memory_is_left_out_when_nothing_measured_it_and_moe_models_have_no_mfu():
+    from minidist.nn import GPTConfig
+    p = Progress.for_model(GPTConfig(block_size=8, n_layer=2, n_embd=16), batch=4, ranks=1,
+                           total_steps=3, peak_flops=1e9)
+    assert p.tokens_per_step == 32 and p.flops_per_step > 0
+    line = p.line(0, 1.0, 0.5, [[0.5, 0.0, 0]])
+    assert "mem" not in line and "MFU" in line and "mem" not in p.summary(0.5)
+    moe = Progress.for_model(GPTConfig(block_size=8, n_layer=2, n_embd=16, moe_every=2),
+                             batch=4, ranks=1, total_steps=3, peak_flops=1e9)
+    assert moe.flops_per_step == 0 and "MFU" not in moe.line(0, 1.0, 0.5, [[0.5, 0.0, 0]])

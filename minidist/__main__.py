@@ -4,8 +4,10 @@
     python -m minidist train [--dp 2 --tp 2 --sp]    train the tiny GPT (the main job;
                              [--zero 1] [--check]    --check: against one process)
     python -m minidist demo [name]                   list the demos, or run one
-    python -m minidist bench collectives|autograd|train|pipeline|checkpoint|throughput
-                                                     benchmarks (medians, tables)
+    python -m minidist bench collectives|autograd|train|pipeline|checkpoint|throughput|
+                             recompute               benchmarks (medians, tables)
+    python -m minidist memory --model ... --plan dp=2,zero=1 [--measure] [--fit]
+                                                     the memory budget per rank
     python -m minidist --help | --version            this text | the version
     python -m minidist COMMAND --help                the options of one command
 
@@ -25,7 +27,8 @@ import signal
 import sys
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
-BENCHES = ("collectives", "autograd", "train", "pipeline", "checkpoint", "throughput")
+BENCHES = ("collectives", "autograd", "train", "pipeline", "checkpoint", "throughput",
+           "recompute")
 INTERRUPTED = 128 + signal.SIGINT           # the shells' code for "ended by SIGINT"
 STDOUT_CLOSED = 128 + signal.SIGPIPE        # ... and for "ended by SIGPIPE"
 
@@ -129,12 +132,17 @@ def _bench(argv: list[str]) -> int:
     return module.main(argv[1:]) or 0
 
 
+def _memory(argv: list[str]) -> int:
+    from minidist.memory.budget_cli import main as memory_main
+    return memory_main(argv) or 0
+
+
 def _train(argv: list[str]) -> int:
     from minidist import train
     return train.main(argv) or 0
 
 
-COMMANDS = {"run": _run, "train": _train, "demo": _demo, "bench": _bench}
+COMMANDS = {"run": _run, "train": _train, "demo": _demo, "bench": _bench, "memory": _memory}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -198,6 +198,9 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--moe-group-size", type=int, default=0,
                     help="tokens per MoE routing group (0: one sequence)")
     ap.add_argument("--z-loss", type=float, default=0.0, help="router z-loss coefficient")
+    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                    help="activation recomputation: selective = the attention core, full = "
+                         "every block (memory/recompute.py; the same numbers, less memory)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--every", type=at_least(1), default=25, help="print every N steps")
@@ -211,7 +214,7 @@ def configs_from(a: argparse.Namespace) -> tuple[GPTConfig, DataConfig]:
     cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
                            moe_every=a.moe_every, n_experts=a.n_experts, top_k=a.top_k,
                            capacity_factor=a.capacity_factor, moe_group_size=a.moe_group_size,
-                           z_loss_coef=a.z_loss, dtype=a.dtype)
+                           z_loss_coef=a.z_loss, dtype=a.dtype, recompute=a.recompute)
     return cfg, data_cfg
 
 

@@ -377,6 +377,10 @@ def _job(a) -> tuple[GPTConfig, DataConfig, Plan]:
               f"virtual stages = {a.pp * chunks} pieces of the model holds a layer")
         a.n_layer = a.pp * chunks
     cfg, data_cfg = baseline.configs_from(a)
+    if cfg.recompute == "selective" and a.cp > 1:
+        raise ValueError("--recompute selective recomputes the attention core of one rank; "
+                         f"with --cp {a.cp} ring attention already rebuilds its probabilities "
+                         "block by block and Ulysses is not wrapped: use --recompute full.")
     plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, zero=a.zero,
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,

@@ -14,7 +14,11 @@ mask makes uneven: position i attends to i + 1 keys.
 `attention_core` is the part every layout shares: softmax(q k^T / sqrt(D) + M) v for any
 set of heads and any set of query and key positions, the mask and the dropout masks taken
 from GLOBAL positions, so context parallelism (ring attention, Ulysses) can run it on the
-blocks it holds and still draw the single process's numbers.
+blocks it holds and still draw the single process's numbers. With `selective` on (set by
+the Block from GPTConfig(recompute="selective")) memory/recompute.selective_attention runs
+the core instead: its T^2 arrays (`attention_weights`) are rebuilt from q and k in the
+backward instead of kept, and q, k, v are all it keeps (Korthikanti et al. 2022,
+arXiv:2205.05198, Sec. 5). The numbers are the same, bit for bit.
 
 Shapes (B batch, T positions, C = H * D width):
     x (B, T, C) -> qkv (B, T, 3C) -> q, k, v (B, H, T, D) -> A (B, H, T, T)
@@ -33,6 +37,7 @@ import numpy as np
 from minidist import backend
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
+from minidist.memory import recompute as recomputation
 from minidist.nn.layers import STD, Dropout, DropoutKey, Linear
 from minidist.nn.module import Module
 
@@ -47,15 +52,23 @@ def attention_core(q: Tensor, k: Tensor, v: Tensor, q_pos, k_pos, drop: Dropout,
     the global (B, H, T, T) attention matrix, so dropout draws the single process's mask.
     Returns y (B, h, Tq, D).
     """
+    att = attention_weights(q, k, q_pos, k_pos, drop, key, first_head, n_head, T, causal)
+    return att @ v                                            # (B, h, Tq, Tk) @ (B, h, Tk, D)
+
+
+def attention_weights(q: Tensor, k: Tensor, q_pos, k_pos, drop: Dropout,
+                      key: DropoutKey | None, first_head: int, n_head: int, T: int,
+                      causal: bool = True) -> Tensor:
+    """drop(softmax(q k^T / sqrt(D) + M)) (B, h, Tq, Tk): attention_core before "@ v"
+    (what selective recomputation rebuilds; same arguments)."""
     D = q.shape[-1]
     scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(D))        # (B, h, Tq, Tk)
     if causal:
         future = backend.xp.asarray(np.asarray(k_pos)[None, :] > np.asarray(q_pos)[:, None])
         scores = F.masked_fill(scores, future, -math.inf)
     att = F.softmax(scores, axis=-1)                                       # (B, h, Tq, Tk)
-    att = drop(att, key, {1: (first_head, n_head), 2: (np.asarray(q_pos), T),
-                          3: (np.asarray(k_pos), T)})
-    return att @ v                                            # (B, h, Tq, Tk) @ (B, h, Tk, D)
+    return drop(att, key, {1: (first_head, n_head), 2: (np.asarray(q_pos), T),
+                           3: (np.asarray(k_pos), T)})
 
 
 class CausalSelfAttention(Module):
@@ -65,10 +78,12 @@ class CausalSelfAttention(Module):
     number h of whole heads, so a tensor-parallel rank (parallel/tensor.py) runs the same
     code on its h = H / W_tp heads, telling dropout where its heads sit among all H.
     `context` (None: the whole sequence is here) is set by context parallelism, which
-    then runs the attention of this rank's positions over the cp group.
+    then runs the attention of this rank's positions over the cp group. `selective`
+    (False: keep every activation) rebuilds the attention weights in the backward.
     """
 
     context = None
+    selective = False
 
     def __init__(self, n_embd: int, n_head: int, bias: bool = True, dropout: float = 0.0,
                  dtype: str = "float64", proj_std: float = STD) -> None:
@@ -99,8 +114,15 @@ class CausalSelfAttention(Module):
         v = v.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
         if self.context is None:
             pos = np.arange(T)
-            y = attention_core(q, k, v, pos, pos, self.attn_drop, key, first_head,
-                               self.n_head, T)                   # (B, h, T, D)
+            args = (pos, pos, self.attn_drop, key, first_head, self.n_head, T)
+            y = recomputation.selective_attention(attention_weights, q, k, v, *args) \
+                if self.selective else attention_core(q, k, v, *args)   # (B, h, T, D)
+        elif self.selective:
+            raise ValueError("CausalSelfAttention: selective recomputation wraps the "
+                             "single-rank attention core; under context parallelism ring "
+                             "attention already rebuilds its probabilities block by block "
+                             "and Ulysses is not wrapped. Use recompute='full' or 'none' "
+                             "with cp > 1.")
         else:
             y = self.context.attention(q, k, v, self.attn_drop, key, first_head, self.n_head)
         return y.transpose(0, 2, 1, 3).reshape(B, T, h * D)     # (B, T, h, D) -> (B, T, h D)

@@ -17,6 +17,10 @@ parallel layout pass the GLOBAL count, so that the micro-batch losses add up to 
 global-batch loss, and aux_weight = (tokens here) / (tokens in the global batch), so that
 the auxiliary terms add up to their mean over all the global batch's routing groups.
 
+Activation recomputation (memory/recompute.py): recompute="full" keeps only each block's
+input and runs the block again in the backward; "selective" recomputes only the attention
+core. Either gives bitwise the gradients of "none": it changes memory and time, no number.
+
 Initialisation (GPT-2): weights N(0, 0.02^2); the two projections that write into the
 residual stream (attn.proj, mlp.proj and the experts' proj) N(0, (0.02/sqrt(2 n_layer))^2).
 Each parameter is drawn from (seed, its name) by seed.init_parameters.
@@ -29,6 +33,7 @@ Read next: baseline.py (training it), then parallel/.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -38,6 +43,7 @@ from minidist import backend
 from minidist import seed as seeding
 from minidist.autograd import Tensor, no_grad
 from minidist.autograd import functional as F
+from minidist.memory import recompute as recomputation
 from minidist.nn.attention import CausalSelfAttention
 from minidist.nn.layers import STD, MLP, DropoutKey, Dropout, Embedding, LayerNorm, Linear
 from minidist.nn.layers import name_dropouts
@@ -66,6 +72,9 @@ class GPTConfig:
     z_loss_coef: float = 0.0
     moe_group_size: int = 0                    # tokens per routing group; 0: block_size
     dtype: str = "float64"
+    # an execution choice, like the Plan: it changes no number, so repr (what a checkpoint
+    # must agree on to be resumed, reliability/recovery.py) leaves it out
+    recompute: str = dataclasses.field(default="none", repr=False)    # "none", "selective", "full"
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
@@ -91,6 +100,7 @@ class GPTConfig:
                              "(tokens per routing group; 0 = one sequence of block_size).")
         if self.dtype not in ("float64", "float32"):
             raise ValueError(f"GPTConfig: dtype={self.dtype!r} must be 'float64' or 'float32'.")
+        recomputation.check_mode(self.recompute, "GPTConfig")
 
     @property
     def routing_group(self) -> int:
@@ -103,7 +113,11 @@ class GPTConfig:
 
 
 class Block(Module):
-    """x + Attn(LN(x)), then + MLP(LN(x)) (or MoE). forward returns (x, aux or None)."""
+    """x + Attn(LN(x)), then + MLP(LN(x)) (or MoE). forward returns (x, aux or None).
+
+    recompute="full": forward checkpoints `layers` (memory/recompute.py), keeping only x;
+    "selective": the attention rebuilds its weights in the backward (nn/attention.py).
+    """
 
     def __init__(self, cfg: GPTConfig, layer: int) -> None:
         C, dt = cfg.n_embd, cfg.dtype
@@ -118,8 +132,16 @@ class Block(Module):
                            aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef)
         else:
             self.mlp = MLP(C, hidden, cfg.bias, cfg.dropout, dt, proj_std)
+        self.recompute = cfg.recompute
+        self.attn.selective = cfg.recompute == "selective"
 
     def forward(self, x: Tensor, key: DropoutKey | None = None) -> tuple[Tensor, Tensor | None]:
+        if self.recompute == "full":
+            return recomputation.checkpoint(self.layers, x, key)
+        return self.layers(x, key)
+
+    def layers(self, x: Tensor, key: DropoutKey | None = None) -> tuple[Tensor, Tensor | None]:
+        """The block's computation (what full recomputation runs twice)."""
         x = x + self.attn(self.ln_1(x), key)                    # (B, T, C)
         if hasattr(self, "moe"):
             y, aux = self.moe(self.ln_2(x))

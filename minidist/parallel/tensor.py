@@ -190,6 +190,7 @@ class TensorParallelAttention(CausalSelfAttention):
         self.qkv = ColumnParallelLinear(full.qkv, tp, blocks=3)    # [C, 3 C_tp]
         self.proj = RowParallelLinear(full.proj, tp)               # [C_tp, C]
         self.attn_drop, self.resid_drop = full.attn_drop, full.resid_drop
+        self.selective = full.selective                 # recompute the core (memory/)
 
     def forward(self, x: Tensor, key=None) -> Tensor:
         first = self.tp.group.rank * (self.n_head // self.tp.group.size)

@@ -77,8 +77,8 @@ import numpy as np
 
 from minidist.autograd import Function, Tensor, no_grad
 from minidist.autograd import functional as F
+from minidist.memory.recompute import recomputing
 from minidist.nn import Module
-from minidist.nn.moe import uncounted
 from minidist.parallel import placement
 from minidist.parallel.flat import unit_of
 
@@ -135,7 +135,7 @@ class _HookCall(Function):
         h, k = ctx.hooks, ctx.k
         h.before(k, backward=True)
         xs = _inputs(ctx.sources, ctx.arrays, True)
-        with uncounted():                        # MoE routing stats: counted in forward
+        with recomputing():      # MoE stats counted in forward; no nested recomputation
             out = h.points[k].original(*_fill(ctx.args, xs), **ctx.kwargs)     # recompute
         _pack(out)[0].backward(dy)
         h.after(k, backward=True)

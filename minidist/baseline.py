@@ -39,6 +39,7 @@ from typing import Callable
 import numpy as np
 
 from minidist import optim
+from minidist.canonical import TreeSum, combine
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPT, DropoutKey, GPTConfig
 
@@ -85,13 +86,16 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
                          betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.0,
                          clip_grad: float | None = None, warmup_steps: int = 0,
                          lr_schedule: str = "constant", min_lr: float = 0.0,
-                         on_step: Callable[[int, float, GPT], None] | None = None
-                         ) -> TrainResult:
+                         on_step: Callable[[int, float, GPT], None] | None = None,
+                         deterministic: bool = False) -> TrainResult:
     """Train GPT(model_cfg, seed) on `steps` global batches of `data_cfg`; the ground truth.
 
     lr_schedule "constant" keeps lr; "cosine" uses optim.lr_at (linear warm-up over
     warmup_steps, cosine decay to min_lr at `steps`). on_step(step, loss, model) is called
-    after each optimizer step (progress printing).
+    after each optimizer step (progress printing). deterministic: every sample is its own
+    micro-batch, and the per-sample gradients and losses are added in the fixed tree of
+    minidist/canonical.py, so the bits depend on no grouping: grad_accum changes nothing,
+    and the layouts that do the same (train.py --deterministic) equal this run bit for bit.
     """
     check_compatible(model_cfg, data_cfg)
     if steps < 0 or grad_accum < 1 or global_batch % grad_accum:
@@ -105,7 +109,9 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     for step in range(steps):
         opt.lr = lr if lr_schedule == "constant" else optim.lr_at(
             step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr=min_lr)
-        losses.append(_accumulate_gradients(model, data, step, global_batch, grad_accum, seed))
+        losses.append(_accumulate_canonical(model, data, step, global_batch, seed)
+                      if deterministic else
+                      _accumulate_gradients(model, data, step, global_batch, grad_accum, seed))
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norms.append(optim.clip_grad_norm(model.parameters(), clip_grad)
                      if clip_grad is not None
@@ -136,6 +142,42 @@ def _accumulate_gradients(model: GPT, data: SyntheticData, step: int, global_bat
         loss.backward()
         total += float(loss.item())
     return total
+
+
+def _accumulate_canonical(model: GPT, data: SyntheticData, step: int, global_batch: int,
+                          seed: int) -> float:
+    """_accumulate_gradients with one sample per micro-batch, its gradient and loss summed
+    over the samples in the aligned tree of canonical.py (grain: the global batch's row)."""
+    ids = data.global_indices(step, global_batch)                    # (B,)
+    x, y = data.batch(ids)                                           # (B, T) each
+    n_tokens = int((y != -100).sum())                                # over the GLOBAL batch
+    params = model.parameters()
+    grads, losses = TreeSum(), TreeSum()
+    for b in range(global_batch):
+        key = DropoutKey(seed, step, (int(ids[b]),))
+        _, loss = model(x[b:b + 1], y[b:b + 1], n_tokens=n_tokens,
+                        aux_weight=1 / global_batch, dropout_key=key)
+        loss.backward()
+        grads.push(b, flat_grads(params))
+        losses.push(b, loss.data.astype(np.float64))
+        for p in params:
+            p.grad = None
+    set_flat_grads(params, combine(grads.nodes(), global_batch))
+    return float(combine(losses.nodes(), global_batch))
+
+
+def flat_grads(params: list) -> np.ndarray:
+    """The .grad of params, in order, as one flat array (zeros for a parameter without)."""
+    return np.concatenate([(p.grad if p.grad is not None else np.zeros_like(p.data))
+                           .reshape(-1) for p in params])
+
+
+def set_flat_grads(params: list, flat: np.ndarray) -> None:
+    """The inverse of flat_grads: each parameter's .grad becomes its slice of flat."""
+    at = 0
+    for p in params:
+        p.grad = flat[at:at + p.data.size].reshape(p.data.shape).copy()
+        at += p.data.size
 
 
 def answer_accuracy(model: GPT, data: SyntheticData, n: int = 64, split: str = "eval"

@@ -1,0 +1,106 @@
+"""Canonical sums: add per-grain partial results in one fixed order, whoever computes them.
+
+Floating-point addition is not associative: (a + b) + c and a + (b + c) can differ in the
+last bit. A gradient is a sum over samples, so the bits of a trained model depend on how
+the samples were grouped: one batch of B in one process, B/2 on each of two data-parallel
+ranks summed by an all-reduce, or M micro-batches accumulated one after the other all
+round differently (within ~1e-16 relative, but not bit for bit). Determinism across
+layouts needs a sum whose grouping does not depend on the layout.
+
+The idea: fix a GRAIN (here one sample: every layout computes each sample's gradient with
+the same operations on the same shapes) and fix one binary TREE over the grain indices
+0..G-1: the aligned tree, whose nodes are the ranges [i 2^j, (i+1) 2^j) cut at G,
+
+    G = 6:               [0, 8)
+                    /              \\
+               [0, 4)              [4, 8) -> [4, 6)
+              /      \\             /      \\
+          [0, 2)    [2, 4)     [4, 6)    ([6, 8): empty, no addition)
+          /   \\     /   \\      /   \\
+         0     1   2     3    4     5
+
+A node's value is left + right (just left when the right child starts at or past G). Any
+rank that holds a contiguous range of grains (a dp rank's samples, a micro-batch's) can
+sum the complete aligned nodes inside its range without knowing the others: `TreeSum`
+does it as grains arrive, keeping a stack and merging two nodes as soon as they are
+siblings (the way a binary counter carries). The ranks then exchange their nodes, and
+`combine` evaluates the fixed tree from them: every addition of the tree happens once, on
+the same two operands, in the same order, whatever the layout. The result is bitwise the
+single-process tree sum of the same grains.
+
+One rank's view (rank r of a group, holding grains [a_r, b_r) of G):
+    1. for each grain i in increasing order: tree.push(i, value_i)   (no communication)
+    2. nodes = tree.nodes(): O(log G) aligned ranges and their sums
+    3. exchange the nodes (all_gather of the list; parallel/ decides how) and
+       root = combine(all nodes, G): every rank computes the same bits.
+Cost: G - 1 additions in all (as a plain sum), plus an exchange of at most 2 log2(G) + 1
+values per rank instead of one: a reference's price for exact reproducibility.
+
+Used by the deterministic mode (`--deterministic`): baseline.py sums per-sample gradients
+and losses with it, and the layouts do the same over their groups.
+References: Demmel & Nguyen 2013, "Fast reproducible floating-point summation" (the
+    problem and an order-independent alternative); the pairwise (tree) summation of
+    Higham 1993, "The accuracy of floating point summation", SIAM J. Sci. Comput. 14(4).
+Read next: baseline.py (train_single_process, deterministic=True).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Node = tuple[int, int, Any]           # (first grain, end grain, the sum over them)
+
+
+def is_aligned(lo: int, hi: int) -> bool:
+    """True if [lo, hi) is a node of the aligned tree: a power-of-two size dividing lo."""
+    size = hi - lo
+    return size >= 1 and size & (size - 1) == 0 and lo % size == 0
+
+
+class TreeSum:
+    """The complete aligned nodes over the grains pushed so far (in increasing order)."""
+
+    def __init__(self) -> None:
+        self._stack: list[Node] = []
+
+    def push(self, index: int, value: Any) -> None:
+        """Add grain `index` (larger than every grain pushed before) with its value."""
+        if self._stack and index < self._stack[-1][1]:
+            raise ValueError(f"TreeSum.push: grain {index} after grain "
+                             f"{self._stack[-1][1] - 1}; push grains in increasing order")
+        self._stack.append((index, index + 1, value))
+        while len(self._stack) >= 2:
+            (a, b, u), (c, d, v) = self._stack[-2], self._stack[-1]
+            if b != c or d - c != b - a or not is_aligned(a, d):
+                break
+            self._stack[-2:] = [(a, d, u + v)]         # two siblings: their parent
+
+    def nodes(self) -> list[Node]:
+        """The nodes held, in grain order (each an aligned range and its sum)."""
+        return list(self._stack)
+
+
+def combine(nodes: list[Node], count: int) -> Any:
+    """The value of the aligned tree over grains 0..count-1, from disjoint aligned nodes
+    that together cover them (each rank's TreeSum.nodes(), gathered). ValueError if a
+    grain is missing or a range is not a node of the tree."""
+    if count < 1:
+        raise ValueError(f"combine: count={count}; a sum needs at least one grain")
+    table = {}
+    for lo, hi, value in nodes:
+        if not is_aligned(lo, hi) or hi > count:
+            raise ValueError(f"combine: [{lo}, {hi}) is not a node of the tree over "
+                             f"{count} grains")
+        table[(lo, hi)] = value
+
+    def node(lo: int, size: int) -> Any:
+        if (lo, lo + size) in table:
+            return table[(lo, lo + size)]
+        if size == 1:
+            raise ValueError(f"combine: grain {lo} of {count} is in no node; every grain "
+                             f"must be pushed by exactly one rank")
+        half = size // 2
+        left = node(lo, half)
+        return left if lo + half >= count else left + node(lo + half, half)
+
+    return node(0, 1 << (count - 1).bit_length())

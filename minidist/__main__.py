@@ -8,6 +8,8 @@
                              recompute               benchmarks (medians, tables)
     python -m minidist memory --model ... --plan dp=2,zero=1 [--measure] [--fit]
                                                      the memory budget per rank
+    python -m minidist cluster simulate --policy fifo|easy|sjf|fair|las|all [--real]
+                                                     a GPU cluster's job scheduler
     python -m minidist --help | --version            this text | the version
     python -m minidist COMMAND --help                the options of one command
 
@@ -137,12 +139,18 @@ def _memory(argv: list[str]) -> int:
     return memory_main(argv) or 0
 
 
+def _cluster(argv: list[str]) -> int:
+    from minidist.cluster.cli import main as cluster_main
+    return cluster_main(argv) or 0
+
+
 def _train(argv: list[str]) -> int:
     from minidist import train
     return train.main(argv) or 0
 
 
-COMMANDS = {"run": _run, "train": _train, "demo": _demo, "bench": _bench, "memory": _memory}
+COMMANDS = {"run": _run, "train": _train, "demo": _demo, "bench": _bench, "memory": _memory,
+            "cluster": _cluster}
 
 
 def main(argv: list[str] | None = None) -> int:

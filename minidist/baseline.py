@@ -244,6 +244,10 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
                     help="activation recomputation: selective = the attention core, full = "
                          "every block (memory/recompute.py; the same numbers, less memory)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--deterministic", action="store_true",
+                    help="bitwise the same parameters and losses under every dp x ZeRO layout "
+                         "and micro-batch count: one sample per micro-batch, summed in a "
+                         "fixed tree (minidist/canonical.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--every", type=at_least(1), default=25, help="print every N steps")
     return ap
@@ -323,7 +327,7 @@ def run(a: argparse.Namespace) -> int:
         return 0
     result = train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.batch, lr=a.lr,
                                   seed=a.seed, grad_accum=a.grad_accum, optimizer=a.optimizer,
-                                  on_step=progress)
+                                  on_step=progress, deterministic=a.deterministic)
     print(bar.summary(time.perf_counter() - t0))
     show_samples(cfg, data_cfg, result.params)
     print(f"params sha256: {params_digest(result.params)}")

@@ -58,6 +58,7 @@ from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPTConfig
 from minidist.observe.peak import peak_flops
 from minidist.observe.progress import Progress
+from minidist.parallel import deterministic as determinism
 from minidist.parallel import placement, schedules
 from minidist.parallel.compose import Plan, build
 from minidist.reliability import recovery, straggler as stragglers
@@ -115,7 +116,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                   total_steps: int | None = None, injector=None, guard=None,
                   data_offset: int = 0,
                   on_step_end: Callable[["StepEnd"], None] | None = None,
-                  straggler=None) -> RankResult:
+                  straggler=None, deterministic: bool = False) -> RankResult:
     """Train GPT(model_cfg, seed) on this rank's share of `steps` global batches.
 
     Same arguments as baseline.train_single_process (grad_accum is plan.micro_batches)
@@ -142,6 +143,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     """
     check_compatible(model_cfg, data_cfg)
     plan.validate(model_cfg, global_batch, data_cfg.block_size)
+    if deterministic:
+        determinism.check(plan, model_cfg, guard, straggler)
     if not isinstance(steps, int) or steps < 0 or lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"train_on_rank: steps={steps!r} must be an int >= 0 and "
                          f"lr_schedule={lr_schedule!r} 'constant' or 'cosine'.")
@@ -181,11 +184,13 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         if injector is not None:
             injector.at("start", step)
 
+        rows = None if straggler is None else straggler.rows
+        first, mine = determinism.my_rows(rows, global_batch, plan.dp, lay.dp_group.rank)
         batches, n_tokens = schedules.micro_batches(data, step + data_offset, global_batch,
                                                     plan.dp, lay.dp_group.rank,
+                                                    mine if deterministic else
                                                     plan.micro_batches, seed, positions,
-                                                    **({} if straggler is None
-                                                       else {"rows": straggler.rows}))
+                                                    **({} if rows is None else {"rows": rows}))
         if injector is not None:               # random tokens instead of the batch
             batches = [replace(mb, x=injector.corrupt(step, mb.x, model_cfg.vocab_size))
                        for mb in batches]
@@ -198,6 +203,12 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                 injector.slow(step, sum(len(mb.x) for mb in batches))
             with contextlib.nullcontext() if injector is None else \
                     injector.nan_loss(lay.model, step):
+                if deterministic:              # parallel/deterministic.py: update too
+                    loss, norm = determinism.step(engine, lay.model.parameters(), batches,
+                                                  first, global_batch, n_tokens,
+                                                  lay.dp_group, lr_s, clip_grad)
+                    norms.append(norm)
+                    return loss
                 if stage is None:
                     return schedules.grad_accumulation(engine, batches, n_tokens)
                 loss = stage.step(engine, batches, n_tokens)
@@ -210,7 +221,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         local.append(compute())
         t1 = time.perf_counter()
         inner = float(getattr(engine, "compute_wait_s", 0.0))    # ZeRO-2/3: waits inside
-        if guard is None:
+        if deterministic:
+            pass                               # the update ran inside compute()
+        elif guard is None:
             norms.append(float(engine.step(lr_s, clip_grad)))
         else:                                  # reliability/spike.py: the update, or not
             def again() -> float:
@@ -427,7 +440,8 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
                            seed=a.seed, optimizer=a.optimizer,
                            on_step=lambda step, loss: losses.update({step: loss})
                            if printed(step) else None,
-                           straggler=stragglers.for_rank(ctx, a, plan, cfg), **resume)
+                           straggler=stragglers.for_rank(ctx, a, plan, cfg),
+                           deterministic=a.deterministic, **resume)
     if saver is not None:
         saver.close()
     if ctx.rank == 0 and bar.samples:
@@ -459,7 +473,14 @@ def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str
     """--check: train the single-process baseline, print the verdict; the exit code."""
     ref = baseline.train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.batch,
                                         lr=a.lr, seed=a.seed, grad_accum=a.grad_accum,
-                                        optimizer=a.optimizer)
+                                        optimizer=a.optimizer, deterministic=a.deterministic)
+    if a.deterministic:                          # the same bits, or a mismatch
+        same = run.losses == ref.losses and all(np.array_equal(run.params[k], v)
+                                                for k, v in ref.params.items())
+        print(f"{'OK' if same else 'MISMATCH'}: {layout} training "
+              f"{'equals' if same else 'differs from'} the deterministic single-process run "
+              f"bit for bit ({cfg.dtype}; every loss and parameter compared with ==)")
+        return 0 if same else 1
     d_loss = max((abs(x - y) for x, y in zip(run.losses, ref.losses)), default=0.0)
     d_param = max(float(np.max(np.abs(run.params[k] - v))) for k, v in ref.params.items())
     d_first = abs(run.losses[0] - ref.losses[0]) if ref.losses else 0.0

@@ -1,0 +1,130 @@
+"""Deterministic mode for data parallelism and ZeRO: every layout adds the same numbers in the
+same order, so the trained parameters and losses are bitwise those of one process.
+
+A dp rank normally sums its micro-batches' gradients, then the ranks sum their partial sums
+(all-reduce, reduce-scatter): how the samples are grouped shows in the last bits. Here the
+grain is one sample (canonical.py): every layout computes each sample's gradient with the
+same operations on the same shapes, and the samples' gradients are added in one fixed tree
+over their global row indices 0..B-1, as train_single_process(deterministic=True) does.
+
+One rank's view of a step (dp rank d of the dp group, holding rows [a_d, b_d) of the
+global batch, any number of micro-batches asked for: the grain decides, not M):
+    1. for each of my rows i, in order: forward and backward of that one sample inside
+       engine.no_sync(); push (i, my local gradient) into a TreeSum and zero the local
+       gradient; push (i, its loss) into a second TreeSum
+    2. all_gather the nodes of both trees over dp (the node count and ranges first)
+    3. root = canonical.combine(every node, B): the same bits on every rank; the norm of
+       the root in parameter order and its clipping, exactly as the single process
+    4. hand the root to the engine through its own reduction: rank 0's local gradient
+       becomes the root, every other rank's becomes zeros, and engine.step() reduces as
+       always (DDP all-reduce, ZeRO reduce-scatter, any algorithm): root + 0 + ... + 0 is
+       the root exactly, whatever the order of the additions, so each rank ends with the
+       root (or its shard of it) and the optimizer runs on it unchanged
+    5. the step's loss: combine of the loss nodes, kept by rank 0 only (the others add 0)
+Covered: dp of any size, ZeRO 0-3, any micro-batch count, float64
+and float32. Not yet covered (refused by train.py): tp, cp, pp, ep, whose sums across
+ranks run over other grains (contraction shards, positions, pipeline-tied weights).
+Communication: the nodes (at most about 2 log2(B) gradients per rank, all-gathered) plus
+the engine's usual reduction of one gradient; the reference pays it for exactness.
+Read next: canonical.py, then train.py (--deterministic).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist import collectives as C
+from minidist.canonical import Node, TreeSum, combine
+from minidist.optim import global_grad_norm
+from minidist.optim.clip import clip_to
+
+
+def check(plan, cfg, guard=None, straggler=None) -> None:
+    """ValueError unless the deterministic mode covers this layout (module docstring)."""
+    others = {k: getattr(plan, k) for k in ("tp", "cp", "pp", "ep") if getattr(plan, k) > 1}
+    if others:
+        raise ValueError(f"--deterministic covers dp, ZeRO 0-3 and any micro-batch count; "
+                         f"not yet {', '.join(f'{k}={v}' for k, v in others.items())}, whose "
+                         f"sums across ranks run over other grains. Drop those axes, or "
+                         f"run without --deterministic (equal within ~1e-12 in float64).")
+    if guard is not None:
+        raise ValueError("--deterministic with --spike: not supported together yet; the "
+                         "spike guard steps the engine itself.")
+    if straggler is not None and straggler.mode == "rebalance":
+        raise ValueError("--deterministic with --straggler rebalance: not supported yet "
+                         "(uneven rows are, through train_on_rank's rows; use detect).")
+    if cfg.moe_every and cfg.routing_group > cfg.block_size:
+        raise ValueError(f"--deterministic: a MoE routing group of {cfg.routing_group} "
+                         f"tokens spans several samples, but the grain is one sample; use "
+                         f"--moe-group-size <= {cfg.block_size}.")
+
+
+def my_rows(rows, global_batch: int, dp: int, d: int) -> tuple[int, int]:
+    """(first global row, number of rows) of dp rank d: rows[d] after those of ranks < d,
+    or an even split when rows is None."""
+    if rows is None:
+        return d * (global_batch // dp), global_batch // dp
+    return sum(rows[:d]), rows[d]
+
+
+def local_views(engine, params: list) -> list[np.ndarray]:
+    """Writable views of this rank's not-yet-reduced gradient of each parameter (after
+    backwards inside no_sync()): ZeRO's flat unit buffers (any stage), DDP's .grad."""
+    if hasattr(engine, "_unit_of"):                       # ZeroEngine: flat unit buffers
+        out = []
+        for p in params:
+            i, k = engine._unit_of[id(p)]
+            s = engine.units[i].slots[k]
+            out.append(engine._grad_buffer(i)[s.offset:s.offset + s.numel].reshape(s.shape))
+        return out
+    for p in params:                                      # DataParallel: .grad itself
+        if p.grad is None:
+            p.grad = np.zeros_like(p.data)
+    return [engine.local_grad(p) for p in params]
+
+
+def _gather_nodes(nodes: list[Node], size: int, dtype, group) -> list[Node]:
+    """Every rank's nodes (ranges and values of `size` elements), all-gathered over group."""
+    counts = C.all_gather(np.array([len(nodes)], np.int64), group=group).reshape(-1)
+    k = int(counts.max())
+    ranges = np.full((k, 2), -1, np.int64)
+    values = np.zeros((k, size), dtype)
+    for j, (lo, hi, v) in enumerate(nodes):
+        ranges[j], values[j] = (lo, hi), np.asarray(v).reshape(-1)
+    all_ranges = C.all_gather(ranges, group=group)                     # (W, k, 2)
+    all_values = C.all_gather(values, group=group)                     # (W, k, size)
+    return [(int(lo), int(hi), all_values[r, j]) for r in range(len(counts))
+            for j, (lo, hi) in enumerate(all_ranges[r][:counts[r]])]
+
+
+def step(engine, params: list, batches: list, first_row: int, global_batch: int,
+         n_tokens: int, group, lr: float, clip_grad: float | None) -> tuple[float, float]:
+    """Steps 1-5 of the module docstring for this rank's one-sample micro-batches (the
+    first of them is global row first_row); returns (global loss or 0.0, gradient norm)."""
+    grads, losses = TreeSum(), TreeSum()
+    for j, mb in enumerate(batches):
+        with engine.no_sync():
+            _, loss = engine.forward(mb.x, mb.y, n_tokens=n_tokens, aux_weight=mb.aux_weight,
+                                     dropout_key=mb.dropout_key)
+            loss.backward()
+        views = local_views(engine, params)
+        grads.push(first_row + j, np.concatenate([v.reshape(-1) for v in views]))
+        losses.push(first_row + j, np.asarray(loss.data, np.float64).reshape(1))
+        for v in views:
+            v[...] = 0
+    dtype = params[0].data.dtype
+    size = sum(p.data.size for p in params)
+    root = combine(_gather_nodes(grads.nodes(), size, dtype, group), global_batch)
+    total = combine(_gather_nodes(losses.nodes(), 1, np.float64, group), global_batch)
+    pieces, at = [], 0
+    for p in params:                                  # the root, cut into parameters
+        pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())
+        at += p.data.size
+    norm = global_grad_norm(pieces)                   # as the single process computes it
+    if clip_grad is not None:
+        clip_to(pieces, norm, clip_grad)
+    mine = group.rank == 0
+    for v, g in zip(local_views(engine, params), pieces):
+        v[...] = g if mine else 0
+    engine.step(lr, None)                             # root + zeros: the root, exactly
+    return (float(total[0]) if mine else 0.0), norm

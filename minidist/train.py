@@ -441,7 +441,7 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
                            on_step=lambda step, loss: losses.update({step: loss})
                            if printed(step) else None,
                            straggler=stragglers.for_rank(ctx, a, plan, cfg),
-                           deterministic=a.deterministic, **resume)
+                           deterministic=getattr(a, "deterministic", False), **resume)
     if saver is not None:
         saver.close()
     if ctx.rank == 0 and bar.samples:
@@ -473,8 +473,9 @@ def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str
     """--check: train the single-process baseline, print the verdict; the exit code."""
     ref = baseline.train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.batch,
                                         lr=a.lr, seed=a.seed, grad_accum=a.grad_accum,
-                                        optimizer=a.optimizer, deterministic=a.deterministic)
-    if a.deterministic:                          # the same bits, or a mismatch
+                                        optimizer=a.optimizer,
+                                        deterministic=getattr(a, "deterministic", False))
+    if getattr(a, "deterministic", False):       # the same bits, or a mismatch
         same = run.losses == ref.losses and all(np.array_equal(run.params[k], v)
                                                 for k, v in ref.params.items())
         print(f"{'OK' if same else 'MISMATCH'}: {layout} training "

@@ -5,9 +5,10 @@
                              [--zero 1] [--check]    --check: against one process)
     python -m minidist demo [name]                   list the demos, or run one
     python -m minidist bench collectives|autograd|train|pipeline|checkpoint|throughput|
-                             recompute               benchmarks (medians, tables)
+                             recompute|observe       benchmarks (medians, tables)
     python -m minidist memory --model ... --plan dp=2,zero=1 [--measure] [--fit]
                                                      the memory budget per rank
+    python -m minidist report RUN_DIR                 a run directory's summary (and plots)
     python -m minidist cluster simulate --policy fifo|easy|sjf|fair|las|all [--real]
                                                      a GPU cluster's job scheduler
     python -m minidist --help | --version            this text | the version
@@ -30,7 +31,7 @@ import sys
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
 BENCHES = ("collectives", "autograd", "train", "pipeline", "checkpoint", "throughput",
-           "recompute")
+           "recompute", "observe")
 INTERRUPTED = 128 + signal.SIGINT           # the shells' code for "ended by SIGINT"
 STDOUT_CLOSED = 128 + signal.SIGPIPE        # ... and for "ended by SIGPIPE"
 
@@ -144,13 +145,18 @@ def _cluster(argv: list[str]) -> int:
     return cluster_main(argv) or 0
 
 
+def _report(argv: list[str]) -> int:
+    from minidist.observe.report import main as report_main
+    return report_main(argv) or 0
+
+
 def _train(argv: list[str]) -> int:
     from minidist import train
     return train.main(argv) or 0
 
 
 COMMANDS = {"run": _run, "train": _train, "demo": _demo, "bench": _bench, "memory": _memory,
-            "cluster": _cluster}
+            "cluster": _cluster, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,7 @@ from minidist.baseline import check_compatible
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPTConfig
 from minidist.observe.peak import peak_flops
+from minidist.observe import run_dir
 from minidist.observe.progress import Progress
 from minidist.parallel import deterministic as determinism
 from minidist.parallel import placement, schedules
@@ -77,7 +78,7 @@ class RankResult:
     optimizer_state: dict                           # baseline's state_dict() layout
     bytes_per_step: tuple[dict[str, int], ...]      # {"sent": B, "recv": B}, both axes
     bytes_by_axis: tuple[dict[str, int], ...]       # {"dp": sent B, "tp": sent B}
-    memory: dict[str, int]                          # engine.memory() after the last step
+    memory: dict                # engine.memory() after the last step; "ledger": memory/ledger.py
     timing: dict[str, tuple[float, ...]]            # "compute", "comm_wait", "step", "cpu"
     pipeline: dict | None = None                    # pp > 1: "timeline", "held_peak", ...
     moe: tuple[dict[str, dict], ...] = ()           # per step: {layer: routing stats}
@@ -116,7 +117,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                   total_steps: int | None = None, injector=None, guard=None,
                   data_offset: int = 0,
                   on_step_end: Callable[["StepEnd"], None] | None = None,
-                  straggler=None, deterministic: bool = False) -> RankResult:
+                  straggler=None, observer=None,
+                  device_memory: int | str | None = None,
+                  memory_ledger: bool = False, deterministic: bool = False) -> RankResult:
     """Train GPT(model_cfg, seed) on this rank's share of `steps` global batches.
 
     Same arguments as baseline.train_single_process (grad_accum is plan.micro_batches)
@@ -140,6 +143,13 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     straggler (reliability/straggler.Straggler): per-step timings gathered over the world
     group (not counted in bytes_per_step), stragglers named, and under rebalance uneven
     rows per dp rank (the same result up to the order of additions).
+    observer (observe/run_dir.RankObserver): begin(step) before each step and end(step, its
+    numbers, its span, its pipeline timeline) after it: the metrics lines and the trace of
+    the run directory. It needs the global loss of each step: the same 8-byte all-reduce as
+    on_step's (made once when both are given).
+    device_memory (bytes, or a size such as "64MB"): the steps run under memory/ledger.py's
+    Ledger with that per-rank budget, which raises DeviceOutOfMemory past it; memory_ledger:
+    the same without a budget. RankResult.memory["ledger"] is then its summary() (peaks).
     """
     check_compatible(model_cfg, data_cfg)
     plan.validate(model_cfg, global_batch, data_cfg.block_size)
@@ -178,7 +188,11 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     moe_layers = {name: m for name, m in lay.model.named_modules() if hasattr(m, "take_totals")}
     moe_steps: list[dict] = []
     timing: dict[str, list[float]] = {"compute": [], "comm_wait": [], "step": [], "cpu": []}
+    ledger = None if device_memory is None and not memory_ledger else \
+        _ledger(ctx, engine, device_memory)
     for step in range(start_step, start_step + steps):
+        if observer is not None:
+            observer.begin(step)
         lr_s = lr if lr_schedule == "constant" else optim.lr_at(
             step, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr)
         if injector is not None:
@@ -218,7 +232,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
 
         before = _traffic(groups)
         t0, c0 = time.perf_counter(), time.process_time()
-        local.append(compute())
+        with contextlib.nullcontext() if ledger is None else ledger:     # memory/ledger.py
+            local.append(compute())
         t1 = time.perf_counter()
         inner = float(getattr(engine, "compute_wait_s", 0.0))    # ZeRO-2/3: waits inside
         if deterministic:
@@ -232,6 +247,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
             loss_s = float(_global_loss([local[-1]], grad, lay.pp_group, canonical)[0])
             norms.append(float(guard.step(step, engine, lr_s, clip_grad, loss_s, again)[0]))
         t2 = time.perf_counter()
+        if ledger is not None:                     # memory/ledger.py: this step's peak
+            ledger.mark("optimizer")
+            ledger.end_step()
         lrs.append(float(lr_s))
         after = _traffic(groups)
         traffic.append({k: after[k] - before[k] for k in ("sent", "recv")})
@@ -245,8 +263,16 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                           t2 - t0)
         if moe_layers:
             moe_steps.append(_moe_stats(moe_layers, grad, canonical))
-        if on_step is not None:
-            on_step(step, float(_global_loss([local[-1]], grad, lay.pp_group, canonical)[0]))
+        if on_step is not None or observer is not None:
+            loss_s = float(_global_loss([local[-1]], grad, lay.pp_group, canonical)[0])
+            if on_step is not None:
+                on_step(step, loss_s)
+        if observer is not None:                   # observe/run_dir.py: metrics, trace
+            observer.end(step, {"loss": loss_s, "grad_norm": norms[-1], "lr": lrs[-1],
+                                "time_s": {k: v[-1] for k, v in timing.items()},
+                                "bytes_sent": by_axis[-1], "bytes": traffic[-1],
+                                "memory": engine.memory()},
+                         (t0, t2), timelines[-1] if stage is not None else None)
         if injector is not None:
             injector.at("end", step)
         if on_step_end is not None:
@@ -258,13 +284,32 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                       lrs=tuple(lrs), params=engine.full_params(),
                       optimizer_state=engine.full_optimizer_state(),
                       bytes_per_step=tuple(traffic), bytes_by_axis=tuple(by_axis),
-                      memory=engine.memory(),
+                      memory=_memory(engine, ledger),
                       timing={k: tuple(v) for k, v in timing.items()},
                       pipeline=None if stage is None else {
                           "stage": stage.cut.stage, "timeline": timelines,
                           "held_peak": stage.held_peak,
                           "held_bytes_peak": stage.held_bytes_peak},
                       moe=tuple(moe_steps))
+
+
+def _ledger(ctx, engine, budget):
+    """This rank's memory/ledger.py Ledger (budget: bytes, a size string or None), holding
+    the engine's parameters, gradients and optimizer state."""
+    from minidist.memory.ledger import Ledger
+    from minidist.runtime.errors import rank_prefix
+    ledger = Ledger(budget, prefix=rank_prefix(ctx.rank, ctx.world_size))
+    ledger.track_engine(engine)
+    return ledger
+
+
+def _memory(engine, ledger) -> dict:
+    """engine.memory(), and the ledger's summary() under "ledger" (the ledger is closed)."""
+    out = engine.memory()
+    if ledger is not None:
+        out["ledger"] = ledger.summary()
+        ledger.close()
+    return out
 
 
 def _moe_stats(layers: dict, grad, algo: str) -> dict[str, dict]:
@@ -309,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     try:                                         # a bad plan fails here, before spawning
         resilience = recovery.options(a, a.dp * a.tp * a.cp * a.pp, a.pp)
         if a.dp == a.tp == a.cp == a.pp == 1 and a.zero == 0 and not a.check \
-                and not resilience.active:
+                and not resilience.active and a.run_dir is None \
+                and a.device_memory is None:
             return baseline.run(a)
         cfg, data_cfg, plan = _job(a)
     except ValueError as e:
@@ -324,14 +370,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     a.peak_flops = peak_flops(cfg.dtype).flops   # one rank's, for MFU (measured once, cached)
     from minidist.runtime import RankFailure
+    a.run_path = run_dir.for_cli(a, ["python", "-m", "minidist", "train",
+                                     *(sys.argv[1:] if argv is None else argv)],
+                                 cfg, data_cfg, plan)          # observe/run_dir.py
     try:
         run = recovery.run(a, cfg, data_cfg, plan, resilience, _rank_main)
     except RankFailure as e:
         return _rank_failed(e)
     except ValueError as e:                      # a checkpoint of another run
         return baseline.cli_error(e)
+    finally:                                     # a failed run's directory is kept too
+        if a.run_path is not None:
+            run_dir.finish(a.run_path)
     baseline.show_samples(cfg, data_cfg, run.params)
     print(f"params sha256: {baseline.params_digest(run.params)}")
+    if a.run_path is not None:
+        print(f"run directory: {a.run_path} (python -m minidist report {a.run_path})")
     return _check(a, cfg, data_cfg, run, layout) if a.check else 0
 
 
@@ -362,10 +416,23 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--check", action="store_true",
                     help="also run the single-process baseline and compare")
     recovery.add_arguments(ap)
+    ap.add_argument("--device-memory", type=_device_memory, default=None, metavar="SIZE",
+                    help="per-rank device-memory budget, e.g. 64MB or 2GiB: every rank runs "
+                         "under memory/ledger.py's Ledger and fails past it")
+    run_dir.add_arguments(ap)
     ap.add_argument("--check-placements", action="store_true",
                     help="assert the placement of every activation crossing a parallel "
                          "boundary (also MINIDIST_CHECK_PLACEMENTS=1)")
     return ap
+
+
+def _device_memory(text: str) -> int:
+    """--device-memory: "64MB" -> 64000000 (memory/ledger.py's parse_bytes)."""
+    from minidist.memory.ledger import parse_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -436,14 +503,20 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
             raise
 
     resume["on_step_end"] = progress
+    path = getattr(a, "run_path", None)          # main()'s run directory, if any
+    observer = None if path is None else run_dir.RankObserver(path, ctx.rank, a.trace_steps,
+                                                              ctx.world.group_names)
     result = train_on_rank(ctx, cfg, data_cfg, plan, global_batch=a.batch, lr=a.lr,
                            seed=a.seed, optimizer=a.optimizer,
                            on_step=lambda step, loss: losses.update({step: loss})
                            if printed(step) else None,
-                           straggler=stragglers.for_rank(ctx, a, plan, cfg),
+                           straggler=stragglers.for_rank(ctx, a, plan, cfg), observer=observer,
+                           device_memory=getattr(a, "device_memory", None),
                            deterministic=getattr(a, "deterministic", False), **resume)
     if saver is not None:
         saver.close()
+    if observer is not None:
+        observer.close()
     if ctx.rank == 0 and bar.samples:
         say(bar.summary(time.perf_counter() - t0))
     return result

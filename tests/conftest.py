@@ -4,7 +4,9 @@ after it."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 # One BLAS thread in the test process too (ranks pin theirs in runtime/launch.py); set
@@ -14,6 +16,11 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 # Placement checks on in every test (parallel/placement.py reads this when imported); a
 # test that measures bytes turns them off in its Plan, as their digests are traffic too.
 os.environ.setdefault("MINIDIST_CHECK_PLACEMENTS", "1")
+
+# `train` runs write a run directory (observe/run_dir.py), by default under ./runs: the tests'
+# go to a temporary folder instead (their subprocesses inherit it), removed at the end.
+_RUNS = tempfile.mkdtemp(prefix="minidist-test-runs-")
+os.environ["MINIDIST_RUN_DIR"] = _RUNS
 
 import pytest  # noqa: E402
 
@@ -28,6 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # a leak check counts only what the test itself created).
 OURS = ("sem.mp-", "mp-", "psm_")
 MPI_OURS = ("mpich_shm_", "mpi_")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def run_dirs_removed():
+    yield
+    shutil.rmtree(_RUNS, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

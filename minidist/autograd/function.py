@@ -36,6 +36,7 @@ Read next: autograd/ops.py
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Any
 
 from minidist import backend
@@ -47,8 +48,13 @@ from minidist.autograd.tensor import Tensor
 # parallel/placement.py uses it to pass activation placements on. None: no cost but a test.
 after_apply = None
 # Called as on_forward(cls, ctx, arrays, kwargs, result) after every forward when set;
-# observe/flops.py's FLOP ledger counts there. None: no cost but a test.
+# observe/flops.py's FLOP ledger counts there. None: no cost but a test. A hook that may share
+# the slot keeps the previous value, calls it too and puts it back (memory/ledger.py).
 on_forward = None
+# Called as trace_op(cls, t0, result) after every forward when set, t0 = perf_counter() taken
+# before it: observe/run_dir.py's trace (which wraps the node's backward to time it too).
+# None: no cost but two tests.
+trace_op = None
 
 
 class Context:
@@ -91,6 +97,7 @@ class Function:
                 needs.append(False)
         track = track and _tensor._grad_enabled
         ctx.needs_input_grad = needs
+        t0 = perf_counter() if trace_op is not None else 0.0
         out = cls.forward(ctx, *arrays, **kwargs)
         if not isinstance(out, backend.xp.ndarray):       # e.g. a NumPy scalar from a sum
             out = backend.xp.asarray(out)
@@ -103,4 +110,6 @@ class Function:
             on_forward(cls, ctx, arrays, kwargs, result)
         if after_apply is not None:
             after_apply(cls, args, result)
+        if trace_op is not None:
+            trace_op(cls, t0, result)
         return result

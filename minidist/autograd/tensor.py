@@ -43,6 +43,10 @@ _grad_enabled = True
 # Called as on_grad_add(g) for each gradient sum the engine itself does (a tensor used twice,
 # `+=` into a leaf's .grad) when set: observe/flops.py's FLOP ledger. None: no cost but a test.
 on_grad_add = None
+# Called as on_backward(t, grads) when set, once the engine is done with tensor t: a node's rule
+# ran and grads are its parents' gradients so far, or t is a leaf and grads = (t.grad,), before
+# its grad hooks. memory/ledger.py counts them. None: no cost but a test.
+on_backward = None
 
 
 def is_grad_enabled() -> bool:
@@ -268,6 +272,8 @@ def _run_backward(root: Tensor, grad: Any) -> None:
         node = t._node
         if node is None:                   # a leaf: accumulate into .grad
             _accumulate_leaf(t, g, given)
+            if on_backward is not None:
+                on_backward(t, (t.grad,))
             for hook in getattr(t, "_grad_hooks", None) or ():
                 hook(t)
             continue
@@ -282,6 +288,8 @@ def _run_backward(root: Tensor, grad: Any) -> None:
             grads[id(p)] = gp if prev is None else prev + gp     # never in place: may alias
             if on_grad_add is not None and prev is not None:
                 on_grad_add(gp)
+        if on_backward is not None:
+            on_backward(t, [grads.get(id(p)) for p in parents if p is not None])
 
 
 def _accumulate_leaf(t: Tensor, g: Any, given: set) -> None:

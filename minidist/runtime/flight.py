@@ -12,8 +12,10 @@ One rank's view:
        "started", then advance pos;
     2. on leaving it: set the same slot's state to "done" (or "failed") and
        its end time;
-    3. on a timeout: read all rings and print them (`render`); with
-       MINIDIST_TRACE_DIR set, also write them as a Chrome trace (`trace`).
+    3. on a timeout: read all rings, say in one sentence where every rank is
+       (`diagnose`: "rank 2 is stuck in all_reduce #17 on 'tp1'; ranks 0, 1, 3
+       are in #18."), then print them (`render`); with MINIDIST_TRACE_DIR set,
+       also write them as a Chrome trace (`trace`).
 
 Cost: two small writes into shared memory per call; no communication. (The
 writes go through `cells`, int64 memoryviews: a store there takes ~40 ns, against
@@ -29,12 +31,17 @@ Read next: runtime/records.py
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import numpy as np
 
 from minidist.runtime import call
 
 DEPTH = 16                      # calls remembered per rank
+# Called as observer(row) when a call ends, when set: row = the call's record (call.py's
+# layout, times from time.time_ns), in shared memory, to be copied, not kept.
+# observe/run_dir.py's trace records every call this way. None: no cost but a test.
+observer = None
 
 
 def cells(a: np.ndarray) -> memoryview:
@@ -67,6 +74,8 @@ class FlightRecorder:
         row = self._row
         row[call.T_END] = time.time_ns()
         row[call.STATE] = state
+        if observer is not None:
+            observer(row)
 
     def last(self, rank: int, k: int = 4) -> list[np.ndarray]:
         """The k most recent records of `rank`, oldest first."""
@@ -105,3 +114,62 @@ class FlightRecorder:
                 lines.append(f"  rank {r}: {what:<60} {int(rec[call.NBYTES]):>10} B"
                              f"  {state:<7} {ms:9.1f} ms")
         return "\n".join(lines)
+
+    def diagnose(self, names: dict[int, str], hung: Sequence[int] = ()) -> str:
+        """The hang in one sentence, from every rank's ring (`hang_sentence`)."""
+        return hang_sentence({r: _current(self.last(r, DEPTH))
+                              for r in range(self.rings.shape[0])}, names, hung)
+
+
+def _current(recs: list[np.ndarray]) -> np.ndarray | None:
+    """The call a rank is in: its newest record still running (an async call may run on a
+    worker thread beside a newer finished one), else its newest record; None: no call."""
+    running = [rec for rec in recs if rec[call.STATE] == call.STARTED]
+    return (running or recs or [None])[-1]
+
+
+def hang_sentence(current: dict[int, np.ndarray | None], names: dict[int, str],
+                  hung: Sequence[int] = ()) -> str:
+    """Where every rank is, in one sentence, the hung ranks first:
+        "rank 2 is stuck in all_reduce #17 on 'tp1'; ranks 0, 1, 3 are in #18."
+    current: global rank -> the record of the call it is in or made last (None: none);
+    hung: the ranks a timeout blames (runtime/watch.py). Ranks in the same place share a
+    clause; a clause on the same op and group as the one before names only the number."""
+    clauses, prev = [], None
+    places: dict[tuple, list[int]] = {}
+    for r in sorted(current, key=lambda r: (r not in hung, r)):
+        rec = current[r]
+        key = (r in hung, None) if rec is None else \
+            (r in hung, int(rec[call.STATE]) == call.STARTED, int(rec[call.OP]),
+             int(rec[call.GID]), int(rec[call.SEQ]))
+        places.setdefault(key, []).append(r)
+    for key, ranks in places.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
+        one = len(ranks) == 1
+        if key[1] is None:
+            clauses.append(f"{who} {'has' if one else 'have'} made no collective call")
+            continue
+        running, op, gid, seq = key[1:]
+        what = f"#{seq}" if prev == (op, gid) else \
+            f"{call.decode(op)} #{seq} on '{names.get(gid, f'group#{gid}')}'"
+        prev = (op, gid)
+        if running:
+            verb = ("is stuck in" if one else "are stuck in") if key[0] else \
+                ("is in" if one else "are in")
+            clauses.append(f"{who} {verb} {what}")
+        else:
+            clauses.append(f"{who} finished {what} and {'has' if one else 'have'} made no "
+                           "call since")
+    return "; ".join(clauses) + "."
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 1, 3] -> "0, 1, 3"; a run of four or more consecutive ranks -> "4-7"."""
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out += [f"{ranks[i]}-{ranks[j]}"] if j - i >= 3 else [str(r) for r in ranks[i:j + 1]]
+        i = j + 1
+    return ", ".join(out)

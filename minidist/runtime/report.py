@@ -12,8 +12,10 @@ top down:
                  ranks that never reached the call, CollectiveTimeout.hung),
                  else "rank 1 of 4 failed" (or "..., and every other rank the
                  same way", e.g. a setup error)
-    the error    the first failing rank's error, once (a timeout's text carries
-                 the flight recorder: the last calls of every member)
+    the error    the first failing rank's error, once (a timeout's text opens
+                 with the hang in one sentence, "rank 2 is stuck in all_reduce #17
+                 on 'tp1'; ranks 0, 1, 3 are in #18.", runtime/flight.py, and
+                 carries the flight recorder: the last calls of every member)
     the others   "ranks [...] failed the same way" (e.g. every rank hit the
                  same setup error), "ranks [...] stopped as a consequence"
     traceback    the first failing rank's stack, without repeating the error

@@ -11,10 +11,12 @@ and looks, in this order, at:
                               call: CollectiveMismatch;
     the peer's call record    (runtime/records.py) at this sequence number, a
                               different call: CollectiveMismatch naming both;
-    the deadline              passed: CollectiveTimeout, whose text names the
-                              hung ranks (`hung`) and carries every member's
-                              last calls from the flight recorder (and, with
-                              MINIDIST_TRACE_DIR, a Chrome trace of them).
+    the deadline              passed: CollectiveTimeout, whose text opens with
+                              one sentence on where every rank is (flight.py,
+                              diagnose), names the hung ranks (`hung`) and
+                              carries every member's last calls from the flight
+                              recorder (and, with MINIDIST_TRACE_DIR, a Chrome
+                              trace of them).
 Which ranks are hung: each check stamps this rank's beat on the board, so a rank
 whose beat is older than STALE is not in a wait (stopped, in a loop, asleep). A
 rank that is waiting is not hung: it waits for the hung one. So the hung ranks
@@ -141,7 +143,9 @@ class PeerWatch:
     def _timeout_text(self, hung: tuple[int, ...], why: str) -> str:
         g = self.g
         who = f"global rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))}: {why}"
-        return (f"{g.prefix} {self._doing()} waited {g.timeout:g} s to {self.what} group rank "
+        recorder = g.records.recorder                 # the hang in one sentence leads
+        return (f"{g.prefix} {recorder.diagnose(g.group_names, hung)}\n"
+                f"{g.prefix} {self._doing()} waited {g.timeout:g} s to {self.what} group rank "
                 f"{self.peer} (global rank {g.ranks[self.peer]}); {who}, so "
                 f"{'they are' if len(hung) > 1 else 'it is'} hung (or called a different "
                 "collective, or the same ones in a different order).\n"

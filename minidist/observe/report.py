@@ -1,0 +1,188 @@
+"""The run report: a run directory read back, summarised in a few lines, and plotted.
+
+    python -m minidist report RUN_DIR [--no-plots]
+
+A run directory (observe/run_dir.py) holds every step of every rank; the report answers
+the first questions one asks of a run: did the loss go down, how fast was it (tokens/s),
+where did each rank's step time go (compute, waiting for communication, the rest), how
+many bytes did each rank send per step on each mesh axis, and how much memory does each
+rank hold. A run that did not finish has no summary.json: the report summarises its
+metrics lines instead, and says so.
+
+What it prints (times are means per step; shares are of the rank's step time):
+    the command and the model, layout and batch (config.json)
+    steps, first and final loss, tokens/s, median step time (summary.json)
+    per rank: step ms, compute / comm wait / other ms (share), bytes sent per step and
+    axis, model state after the last step (params + grads + optimizer), peak RSS
+    the trace: its events, the traced steps, and where to open it
+With the `plot` extra (matplotlib), PNGs in RUN_DIR/plots: loss.png (loss and gradient
+norm per step), step_time.png (each rank's step split into compute / comm wait /
+other), memory.png (each rank's model state by kind, and its peak RSS). Without it, one
+line says how to get them.
+
+Reference: the per-step numbers follow torchtitan's and Megatron-LM's training logs.
+Read next: observe/metrics.py (the lines), observe/run_dir.py (the folder).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from minidist.observe import metrics
+from minidist.observe.run_dir import load
+
+SHARES = ("compute", "comm_wait", "other")
+
+
+def _size(n: float) -> str:
+    """Bytes for people: 512 B, 28.1 KiB, 40.3 MiB, 1.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def summary_of(path: Path) -> tuple[dict, bool]:
+    """(the run's summary, True if it is summary.json; False: made from the metrics, as a
+    run that did not finish has none)."""
+    saved = load(path, "summary.json")
+    if saved is not None:
+        return saved, True
+    cfg = load(path, "config.json") or {}
+    return metrics.summarize(metrics.read(path / "metrics"), cfg.get("tokens_per_step")), False
+
+
+def text(path: Path) -> list[str]:
+    """The report's lines for the run directory `path`."""
+    cfg = load(path, "config.json") or {}
+    s, finished = summary_of(path)
+    out = [f"run directory {path}"]
+    if cfg:
+        m, d = cfg["model"], cfg["data"]
+        out += [f"  {cfg['command'] or '(started from Python, no command line)'}",
+                f"  GPT {m['n_layer']} layers, C={m['n_embd']}, H={m['n_head']}, "
+                f"T={m['block_size']}, {m['dtype']} · task {d['task']} · "
+                f"{cfg['plan_describe']} = {cfg['world_size']} ranks · "
+                f"{cfg['tokens_per_step']} tokens/step"]
+    if not finished:
+        out.append("  (no summary.json: the run did not finish, or is still running; "
+                   "summarised from its metrics lines)")
+    if not s.get("steps"):
+        return out + ["no step finished: metrics/ has no lines"]
+    tok = f"{s['tokens_per_s']:,.0f} tokens/s · " if s.get("tokens_per_s") else ""
+    out.append(f"steps {s['first_step']}-{s['last_step']} ({s['steps']}) · loss "
+               f"{s['losses'][0]:.4f} -> {s['final_loss']:.4f} · {tok}median step "
+               f"{s['step_s_median'] * 1e3:.1f} ms (the slowest rank's)")
+    return out + _rank_table(s["ranks"]) + [_trace_line(path)]
+
+
+def _rank_table(ranks: dict) -> list[str]:
+    axes = sorted({a for r in ranks.values() for a in r["bytes_sent"]})
+    head = (f"  {'rank':<5}{'step ms':>9}" + "".join(f"{k.replace('_', ' ') + ' ms':>17}"
+                                                   for k in SHARES)
+            + "".join(f"{'sent ' + a:>12}" for a in axes) + f"{'model state':>13}"
+            + f"{'peak RSS':>11}")
+    out = ["per rank, mean per step (and its share of the rank's step):", head]
+    for r, v in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+        t = v["time_s"]
+        share = {k: t[k] / t["step"] * 100 if t["step"] else 0.0 for k in SHARES}
+        cells = "".join(f"{t[k] * 1e3:>11.2f} {share[k]:>4.0f}%" for k in SHARES)
+        sent = "".join(f"{_size(v['bytes_sent'].get(a, 0)):>12}" for a in axes)
+        out.append(f"  {r:<5}{t['step'] * 1e3:>9.2f}{cells}{sent}"
+                   f"{_size(sum(v['memory'].values())):>13}{_size(v['rss_peak']):>11}")
+    return out
+
+
+def _trace_line(path: Path) -> str:
+    trace = path / "trace.json"
+    if not trace.exists():
+        parts = list((path / "trace").glob("rank*.jsonl"))
+        return (f"trace: not merged yet ({len(parts)} part files in {path / 'trace'})"
+                if parts else "trace: none (no step was traced: --trace-steps)")
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    steps = sorted({int(e["name"].split()[1]) for e in events if e["cat"] == "step"})
+    ranks = len({e["pid"] for e in events})
+    return (f"trace: {trace}, {len(events):,} events on {ranks} rank{'s' if ranks > 1 else ''}, "
+            f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
+            "(open it in https://ui.perfetto.dev)")
+
+
+def plots(path: Path) -> list[Path]:
+    """loss.png, step_time.png and memory.png in RUN_DIR/plots; ImportError without
+    matplotlib."""
+    from matplotlib.figure import Figure                 # no pyplot: no global backend state
+    from matplotlib.ticker import MaxNLocator
+    lines, (s, _) = metrics.read(path / "metrics"), summary_of(path)
+    folder = path / "plots"
+    folder.mkdir(exist_ok=True)
+    first = lines[min(lines)]
+    steps = [rec["step"] for rec in first]
+    fig = Figure(figsize=(7, 5))
+    for i, (key, label) in enumerate((("loss", "loss (global batch)"),
+                                      ("grad_norm", "gradient norm (before clipping)"))):
+        ax = fig.add_subplot(2, 1, i + 1)
+        ax.plot(steps, metrics.columns(first, key), marker="." if len(steps) < 50 else None)
+        ax.set(ylabel=label, xlabel="step" if i else None)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(folder / "loss.png", dpi=110)
+    ranks = sorted(s["ranks"], key=int)
+    fig = Figure(figsize=(7, 4))
+    ax, bottom = fig.add_subplot(), [0.0] * len(ranks)
+    for k in SHARES:
+        ms = [s["ranks"][r]["time_s"][k] * 1e3 for r in ranks]
+        ax.bar(ranks, ms, bottom=bottom, label=k.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, ms)]
+    ax.set(xlabel="rank", ylabel="ms per step (mean)", title="where the step time goes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "step_time.png", dpi=110)
+    fig = Figure(figsize=(8, 4))
+    ax, bottom = fig.add_subplot(1, 2, 1), [0.0] * len(ranks)
+    for k in sorted({k for r in ranks for k in s["ranks"][r]["memory"]}):
+        kib = [s["ranks"][r]["memory"].get(k, 0) / 1024 for r in ranks]
+        ax.bar(ranks, kib, bottom=bottom, label=k)
+        bottom = [b + v for b, v in zip(bottom, kib)]
+    ax.set(xlabel="rank", ylabel="KiB", title="model state after the last step")
+    ax.legend(fontsize=8)
+    ax = fig.add_subplot(1, 2, 2)
+    ax.bar(ranks, [s["ranks"][r]["rss_peak"] / 2**20 for r in ranks], color="gray")
+    ax.set(xlabel="rank", ylabel="MiB", title="peak resident set size")
+    fig.tight_layout()
+    fig.savefig(folder / "memory.png", dpi=110)
+    return [folder / n for n in ("loss.png", "step_time.png", "memory.png")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m minidist report RUN_DIR`: print the run's report and write its plots.
+    Exit code 0; 2 (one `error:` line) if RUN_DIR is not a run directory."""
+    from minidist.baseline import CliParser, cli_error
+    ap = CliParser(prog="python -m minidist report",
+                   description="Summarise a run directory written by `python -m minidist "
+                               "train` (and plot it, with the `plot` extra).")
+    ap.add_argument("run_dir", help="the folder `train` printed as 'run directory: ...'")
+    ap.add_argument("--no-plots", action="store_true", help="print only, write no PNGs")
+    a = ap.parse_args(argv)
+    path = Path(a.run_dir)
+    if not (path / "config.json").exists() and not (path / "metrics").is_dir():
+        return cli_error(f"{path} is not a run directory (it has no config.json and no "
+                         "metrics/). Give the folder that `python -m minidist train` printed "
+                         "as 'run directory: ...'.")
+    print("\n".join(text(path)))
+    if a.no_plots or not summary_of(path)[0].get("steps"):
+        return 0
+    try:
+        written = plots(path)
+    except ImportError:
+        print("plots: matplotlib is not installed (pip install 'minidist[plot]'), so no PNGs "
+              "were written")
+        return 0
+    print(f"plots: {', '.join(str(p) for p in written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The observability demo runs as a user runs it: a dp=2 x tp=2 run with its run directory in
+a temporary folder, the trace per rank, the report; it ends with its OK line (every call of
+the traced step is in the trace, by each rank's flight recorder) and leaves nothing behind."""
+
+import os
+import re
+import tempfile
+
+import pytest
+
+from tests.helpers import run_demo
+
+pytestmark = pytest.mark.multiproc
+PREFIX = "minidist-demo25-"
+
+
+def _temp_folders() -> set[str]:
+    return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith(PREFIX)}
+
+
+def test_observability_demo_shows_the_run_directory_trace_and_report_and_ends_ok():
+    before = _temp_folders()
+    rc, out = run_demo("25_observability.py")
+    text = "\n".join(out)
+    assert rc == 0, text
+    assert out[0].startswith("demo 25 · observability · dp=2 x tp=2 = 4 ranks"), out[0]
+    for line in ("== the run directory run/ ==", "  config.json  (", "  metrics/",
+                 "    rank3.jsonl  (3 lines)", "  summary.json  (", "  trace.json  (",
+                 "== python -m minidist report RUN_DIR --no-plots =="):
+        assert any(x.startswith(line) for x in out), f"missing {line!r}\n{text}"
+    for r in range(4):
+        assert any(x.startswith(f"rank {r}: ") and "all_reduce on tp" in x for x in out), r
+    assert re.fullmatch(r"OK: trace has every collective of the traced steps \(4 ranks: "
+                        r"(\d+), \1, \1, \1 calls = the flight recorder's counts; sequence "
+                        r"numbers contiguous and equal on every group, 4\)", out[-1]), out[-1]
+    assert _temp_folders() <= before, f"left {_temp_folders() - before}"

@@ -94,6 +94,7 @@ class StepEnd:
     engine: object
     losses: Callable[[], tuple[float, ...]]
     seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)   # this step: step, comm wait, compute
+    memory: int = 0              # bytes: the ledger's peak of this step, else the model state
 
 
 def _traffic(groups: dict[str, object]) -> dict[str, int]:
@@ -249,7 +250,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         t2 = time.perf_counter()
         if ledger is not None:                     # memory/ledger.py: this step's peak
             ledger.mark("optimizer")
-            ledger.end_step()
+            peak = ledger.end_step()
+        else:
+            peak = sum(engine.memory().values())    # model state and ZeRO's buffer peaks
         lrs.append(float(lr_s))
         after = _traffic(groups)
         traffic.append({k: after[k] - before[k] for k in ("sent", "recv")})
@@ -278,7 +281,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         if on_step_end is not None:
             on_step_end(StepEnd(step, engine, lambda: tuple(float(v) for v in _global_loss(
                 local, grad, lay.pp_group, canonical)), (timing["step"][-1],
-                timing["comm_wait"][-1], timing["compute"][-1])))
+                timing["comm_wait"][-1], timing["compute"][-1]), int(peak)))
     losses = _global_loss(local, grad, lay.pp_group, canonical)
     return RankResult(losses=tuple(float(v) for v in losses), grad_norms=tuple(norms),
                       lrs=tuple(lrs), params=engine.full_params(),
@@ -486,8 +489,7 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
     def progress(end: StepEnd) -> None:
         """COLLECTIVE at printed steps: every rank's [step s, comm wait s, memory bytes]."""
         if printed(end.step):
-            state = sum(v for k, v in end.engine.memory().items())      # model state, peaks
-            mine = np.array([end.seconds[0], end.seconds[1], state], np.float64)
+            mine = np.array([end.seconds[0], end.seconds[1], end.memory], np.float64)
             table = C.all_gather(mine, group=ctx.world)                  # (W, 3)
             if ctx.rank == 0:
                 say(bar.line(end.step, losses.pop(end.step), time.perf_counter() - t0, table))

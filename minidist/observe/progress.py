@@ -11,9 +11,11 @@
                  per token, observe/throughput.py) / (window seconds x peak FLOP/s x ranks)
     comm         the share of the printed step's time that the ranks waited for communication
                  (their mean of comm_wait / step, RankResult.timing); the rest is compute
-    mem          the largest memory over the ranks, as each rank measured it: the engine's
-                 model state (parameters, gradients, optimizer state, and ZeRO's peaks of
-                 gathered and unsharded buffers); left out when nothing was measured
+    mem          the largest memory over the ranks, as each rank measured it: with
+                 --device-memory the ledger's peak of that step (memory/ledger.py: every
+                 array, activations included), else the engine's model state (parameters,
+                 gradients, optimizer state, ZeRO's gathered and unsharded buffers' peaks);
+                 left out when nothing was measured
     ETA          steps left x the window's seconds per step; then a 10-character bar
 
 The first three fields are those of the single-process baseline's line, so anything that

@@ -252,7 +252,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
             ledger.mark("optimizer")
             peak = ledger.end_step()
         else:
-            peak = sum(engine.memory().values())    # model state and ZeRO's buffer peaks
+            peak = sum(v for v in engine.memory().values()         # model state and
+                       if isinstance(v, (int, np.integer)))            # ZeRO's buffer peaks
         lrs.append(float(lr_s))
         after = _traffic(groups)
         traffic.append({k: after[k] - before[k] for k in ("sent", "recv")})

@@ -284,7 +284,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                 local, grad, lay.pp_group, canonical)), (timing["step"][-1],
                 timing["comm_wait"][-1], timing["compute"][-1]), int(peak)))
     losses = _global_loss(local, grad, lay.pp_group, canonical)
-    return RankResult(losses=tuple(float(v) for v in losses), grad_norms=tuple(norms),
+    result = RankResult(losses=tuple(float(v) for v in losses), grad_norms=tuple(norms),
                       lrs=tuple(lrs), params=engine.full_params(),
                       optimizer_state=engine.full_optimizer_state(),
                       bytes_per_step=tuple(traffic), bytes_by_axis=tuple(by_axis),
@@ -295,6 +295,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                           "held_peak": stage.held_peak,
                           "held_bytes_peak": stage.held_bytes_peak},
                       moe=tuple(moe_steps))
+    if plan.offload != "none":                 # memory/offload.py: remove its files now
+        engine.opt.close()
+    return result
 
 
 def _ledger(ctx, engine, budget):
@@ -359,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         resilience = recovery.options(a, a.dp * a.tp * a.cp * a.pp, a.pp)
         if a.dp == a.tp == a.cp == a.pp == 1 and a.zero == 0 and not a.check \
                 and not resilience.active and a.run_dir is None \
-                and a.device_memory is None:
+                and a.device_memory is None and a.precision == "fp32" \
+                and a.offload == "none":
             return baseline.run(a)
         cfg, data_cfg, plan = _job(a)
     except ValueError as e:
@@ -417,6 +421,19 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"],
                     help="which positions each cp rank holds")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "fp8"],
+                    help="mixed precision (memory/precision.py): the model copy and "
+                         "activations in bf16 / fp16 / fp8 GEMMs, fp32 master weights")
+    ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "low"],
+                    help="gradients stored and summed over dp in fp32 (4 bytes each) or "
+                         "in the low-precision format (2 bytes)")
+    ap.add_argument("--offload", default="none", choices=["none", "host", "disk"],
+                    help="optimizer state (ZeRO-3: parameter shards too) off the device: in "
+                         "host memory, or in memmap files read ahead of the update "
+                         "(memory/offload.py)")
+    ap.add_argument("--offload-dir", default=None, metavar="D",
+                    help="--offload disk: the run's files go under D (default: the OS temp "
+                         "dir); directories of dead runs there are swept")
     ap.add_argument("--check", action="store_true",
                     help="also run the single-process baseline and compare")
     recovery.add_arguments(ap)
@@ -451,6 +468,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _job(a) -> tuple[GPTConfig, DataConfig, Plan]:
     """The model, the task and the validated Plan of the options (notes on stdout where an
     option is changed); ValueError if they make no job."""
+    if a.check and a.precision != "fp32":
+        raise ValueError(f"--check compares with the float64 baseline; --precision "
+                         f"{a.precision} rounds on purpose. Drop one of the two.")
     if a.check and a.dtype != "float64":
         print("--check trains in float64: in float32 the layouts' different rounding grows "
               "over hundreds of Adam steps, so only float64 can show they compute the same.")
@@ -469,7 +489,8 @@ def _job(a) -> tuple[GPTConfig, DataConfig, Plan]:
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,
                 schedule=_schedule_argument(a.schedule), virtual_stages=a.virtual_stages,
-                layers_per_stage=a.layers_per_stage)
+                layers_per_stage=a.layers_per_stage, precision=a.precision,
+                grad_reduce=a.grad_reduce, offload=a.offload, offload_dir=a.offload_dir)
     plan.validate(cfg, a.batch, data_cfg.block_size)
     return cfg, data_cfg, plan
 

@@ -22,6 +22,11 @@ from minidist.autograd.function import Context, Function
 from minidist.autograd.ops import unbroadcast
 from minidist.autograd.tensor import Tensor
 
+# Mixed precision (memory/precision.py) sets this to its Autocast while a forward runs:
+# matmul then rounds its inputs and output to the low-precision format, and softmax,
+# log_softmax, layer_norm and cross_entropy upcast their inputs to float32. None: as is.
+precision = None
+
 
 def _mm(x: Any, y: Any) -> Any:
     """x @ y; a stack (..., K) times a matrix (K, N) runs as ONE (prod(...), K) @ (K, N) GEMM."""
@@ -42,32 +47,39 @@ class MatMul(Function):
 
     @staticmethod
     def forward(ctx: Context, a: Any, b: Any) -> Any:
+        if precision is not None:                    # memory/precision.py: rounded GEMM
+            return precision.matmul_forward(ctx, a, b)
         ctx.save_for_backward(a, b)
         return _mm(a, b)
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
-        a, b = ctx.saved_tensors
-        need_a, need_b = ctx.needs_input_grad
-        a2 = a.reshape(1, -1) if a.ndim == 1 else a                  # (..., M, K)
-        b2 = b.reshape(-1, 1) if b.ndim == 1 else b                  # (..., K, N)
-        if a.ndim == 1 and b.ndim == 1:                              # put back M=1 / N=1
-            g = g.reshape(1, 1)
-        elif a.ndim == 1:
-            g = g[..., None, :]                                      # (..., N) -> (..., 1, N)
-        elif b.ndim == 1:
-            g = g[..., None]                                         # (..., M) -> (..., M, 1)
-        da = db = None
-        if need_a:
-            da = unbroadcast(_mm(g, b2.swapaxes(-1, -2)), a2.shape)
-            da = da.reshape(a.shape) if a.ndim == 1 else da
-        if need_b:
-            if b2.ndim == 2 and a2.ndim > 2:                         # sum over the stack in GEMM
-                db = a2.reshape(-1, a2.shape[-1]).T @ g.reshape(-1, g.shape[-1])
-            else:
-                db = unbroadcast(a2.swapaxes(-1, -2) @ g, b2.shape)
-            db = db.reshape(b.shape) if b.ndim == 1 else db
-        return da, db
+        if getattr(ctx, "autocast", None) is not None:
+            return ctx.autocast.matmul_backward(ctx, g)
+        return matmul_grads(*ctx.saved_tensors, g, *ctx.needs_input_grad)
+
+
+def matmul_grads(a: Any, b: Any, g: Any, need_a: bool, need_b: bool) -> tuple:
+    """(da, db) of y = a @ b for the output gradient g (MatMul's rule; None if not needed)."""
+    a2 = a.reshape(1, -1) if a.ndim == 1 else a                  # (..., M, K)
+    b2 = b.reshape(-1, 1) if b.ndim == 1 else b                  # (..., K, N)
+    if a.ndim == 1 and b.ndim == 1:                              # put back M=1 / N=1
+        g = g.reshape(1, 1)
+    elif a.ndim == 1:
+        g = g[..., None, :]                                      # (..., N) -> (..., 1, N)
+    elif b.ndim == 1:
+        g = g[..., None]                                         # (..., M) -> (..., M, 1)
+    da = db = None
+    if need_a:
+        da = unbroadcast(_mm(g, b2.swapaxes(-1, -2)), a2.shape)
+        da = da.reshape(a.shape) if a.ndim == 1 else da
+    if need_b:
+        if b2.ndim == 2 and a2.ndim > 2:                         # sum over the stack in GEMM
+            db = a2.reshape(-1, a2.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+        else:
+            db = unbroadcast(a2.swapaxes(-1, -2) @ g, b2.shape)
+        db = db.reshape(b.shape) if b.ndim == 1 else db
+    return da, db
 
 
 def matmul(a: Any, b: Any) -> Tensor:
@@ -228,16 +240,22 @@ def masked_fill(x: Any, mask: Any, value: float) -> Tensor:
 
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """exp(x) / sum exp(x) over `axis` (fused.Softmax)."""
+    if precision is not None:
+        x = precision.upcast(x)
     return fused.Softmax.apply(x, axis=axis)
 
 
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
     """x - log sum exp(x) over `axis` (fused.LogSoftmax)."""
+    if precision is not None:
+        x = precision.upcast(x)
     return fused.LogSoftmax.apply(x, axis=axis)
 
 
 def layer_norm(x: Any, weight: Any, bias: Any, eps: float = 1e-5) -> Tensor:
     """Normalise over the last axis, then scale by weight and shift by bias (fused.LayerNorm)."""
+    if precision is not None:
+        x, weight, bias = (precision.upcast(v) for v in (x, weight, bias))
     return fused.LayerNorm.apply(x, weight, bias, eps=eps)
 
 
@@ -269,6 +287,8 @@ def cross_entropy(logits: Tensor, targets: Any, ignore_index: int = -100,
             f"cross_entropy: targets range over [{int(counted.min())}, {int(counted.max())}] "
             f"but there are {V} classes; use 0..{V - 1}, or ignore_index={ignore_index} to skip."
         )
+    if precision is not None:
+        logits = precision.upcast(logits)
     z = logits if logits.ndim == 2 else ops.reshape(logits, -1, V)
     loss = fused.CrossEntropy.apply(z, t=t.reshape(-1), ignore_index=ignore_index,
                                     reduction=reduction)

@@ -89,7 +89,8 @@ class Tensor:
             data = xp.asarray(data, dtype=dtype)
             if dtype is None and data.dtype.kind == "f":
                 data = data.astype(backend.default_dtype(), copy=False)
-        if requires_grad and data.dtype.kind not in "fc":
+        if requires_grad and data.dtype.kind not in "fc" \
+                and not data.dtype.name.startswith(("bfloat16", "float8")):   # ml_dtypes
             raise ValueError(f"Tensor: requires_grad=True needs a float array, got dtype "
                              f"{data.dtype}; integers (token ids, indices) have no gradient.")
         self.data = data

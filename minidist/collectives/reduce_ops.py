@@ -42,13 +42,19 @@ OPS: tuple[str, ...] = tuple(_UFUNCS)
 _REDUCIBLE_KINDS = "iufc"
 
 
+def _is_ml_float(dtype: np.dtype) -> bool:
+    """bf16 and the fp8 types of ml_dtypes (memory/precision.py): NumPy sees them as kind
+    "V", yet they add like floats (each element in fp32, rounded back to the format)."""
+    return dtype.kind == "V" and dtype.type.__module__.startswith("ml_dtypes")
+
+
 def check_op(op: str, dtype: np.dtype, where: str = "reduction") -> str:
     """Return `op` if it is a known operator usable on `dtype`; raise ValueError otherwise."""
     if not isinstance(op, str) or op not in _UFUNCS:
         raise ValueError(
             f"{where}: unknown op {op!r}. Use one of {', '.join(map(repr, OPS))}.")
     dtype = np.dtype(dtype)
-    if dtype.kind not in _REDUCIBLE_KINDS:
+    if dtype.kind not in _REDUCIBLE_KINDS and not _is_ml_float(dtype):
         raise ValueError(
             f"{where}: cannot reduce arrays of dtype {dtype} with op={op!r}; reductions need "
             "an int, float or complex dtype. Convert first, e.g. x.astype(np.int64).")

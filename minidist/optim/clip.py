@@ -24,6 +24,13 @@ from typing import Any, Iterable, Sequence
 from minidist import backend
 
 
+def wide(x: Any) -> Any:
+    """x as float32 if it is stored in fewer than 4 bytes (bf16, fp16: memory/precision.py),
+    else x itself: sums of squares of 16-bit gradients overflow (fp16) or lose their
+    digits (bf16) if accumulated in 16 bits."""
+    return x.astype("float32") if x.dtype.itemsize < 4 else x
+
+
 def global_grad_norm(grads: Sequence[Any]) -> float:
     """sqrt(sum of squares of every element of every array in grads); None entries skipped.
 
@@ -33,7 +40,7 @@ def global_grad_norm(grads: Sequence[Any]) -> float:
     total = 0.0
     for g in grads:
         if g is not None:
-            flat = g.reshape(-1)
+            flat = wide(g.reshape(-1))
             total += float(xp.dot(flat, flat))
     return math.sqrt(total)
 

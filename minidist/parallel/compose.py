@@ -71,6 +71,9 @@ class Plan:
     Pipeline: `schedule` is a name in schedules.SCHEDULES or a PipelineSchedule (e.g.
     from_csv) for pp stages and micro_batches; virtual_stages V (interleaved; default 2
     there, 1 otherwise); layers_per_stage: layer counts per virtual stage (default even).
+    Mixed precision (memory/precision.py; dp and ZeRO only): precision "bf16", "fp16" or
+    "fp8" makes the model hold a rounded copy and wraps the engine in master_weights.py's
+    MixedPrecision; grad_reduce "low" stores and sums the gradients in that format.
     """
 
     dp: int = 1
@@ -91,6 +94,8 @@ class Plan:
     schedule: str | PipelineSchedule = "1f1b"    # pipeline schedule (pp > 1)
     virtual_stages: int | None = None        # chunks per pp rank; None: 2 interleaved, else 1
     layers_per_stage: tuple[int, ...] | None = None
+    precision: str = "fp32"                  # "fp32", "bf16", "fp16", "fp8" (memory/precision.py)
+    grad_reduce: str = "fp32"                # gradients stored and summed in "fp32" or "low"
 
     def __post_init__(self) -> None:
         for field, minimum in (("dp", 1), ("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1),
@@ -130,6 +135,19 @@ class Plan:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Plan: sequence_parallel=True needs tp > 1 (it splits the "
                              "sequence over the tensor-parallel ranks); set tp or drop SP.")
+        self.policy()                            # validates precision and grad_reduce
+
+    def policy(self):
+        """memory/precision.Policy of a mixed-precision Plan; None for fp32 (nothing changes)."""
+        if self.precision == "fp32" and self.grad_reduce == "fp32":
+            return None
+        from minidist.memory.precision import Policy     # needs ml_dtypes (extra "precision")
+        policy = Policy(self.precision, self.grad_reduce)
+        if not policy.low:
+            raise ValueError("Plan: grad_reduce='low' sums gradients in the low-precision "
+                             "format, and precision='fp32' has none; choose precision bf16, "
+                             "fp16 or fp8, or grad_reduce='fp32'.")
+        return policy
 
     @property
     def world_size(self) -> int:
@@ -159,8 +177,10 @@ class Plan:
             if self.pp > 1 else ""
         cp = f" x cp={self.cp} ({self.cp_algo})" if self.cp > 1 else ""
         ep = f" (ep={self.ep})" if self.ep > 1 else ""
+        low = f", {self.precision} (grads {self.grad_reduce})" \
+            if self.policy() is not None else ""
         return f"{pp}dp={self.dp}{ep}{cp} x tp={self.tp}" \
-            f"{' (SP)' if self.sequence_parallel else ''}"
+            f"{' (SP)' if self.sequence_parallel else ''}{low}"
 
     @property
     def checks(self) -> bool:
@@ -220,6 +240,23 @@ class Plan:
                              f"use a MoE model with n_experts a multiple of {self.ep}.")
         if self.pp > 1:
             self._validate_pipeline(cfg)
+        if self.policy() is not None:
+            self._validate_precision(cfg)
+
+    def _validate_precision(self, cfg: GPTConfig) -> None:
+        """Mixed precision is built for dp and ZeRO 1-3 of a float32 model, no recompute."""
+        other = {k: getattr(self, k) for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1}
+        if self.precision == "fp8" and self.zero == 3:
+            raise ValueError("Plan: precision='fp8' with ZeRO-3 is not built: ZeRO-3's "
+                             "backward runs each block's forward again, and fp8's delayed "
+                             "scales would quantise the rerun differently. Use zero <= 2.")
+        if other or cfg.dtype != "float32" or cfg.recompute != "none":
+            raise ValueError(
+                f"Plan: precision={self.precision!r} is built for data parallelism and ZeRO "
+                f"1-3 of a float32 model (its fp32 master weights) without recomputation; "
+                f"this job has {other or 'no other axis'}, dtype={cfg.dtype!r}, recompute="
+                f"{cfg.recompute!r}. Use tp = pp = cp = ep = 1, dtype float32 and recompute "
+                "none, or precision fp32.")
 
     def _validate_routing_groups(self, cfg: GPTConfig, global_batch: int, seq_len: int) -> None:
         """ValueError unless every rank holds whole MoE routing groups (nn/moe.py): groups
@@ -318,6 +355,10 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
     sharding = ModelSharding(cfg, seed, tensor_parallel, check=plan.checks, context=context,
                              cut=pipe.get("cut"), pp=pipe.get("pp"),
                              model_group=pipe.get("model"), ep=experts.get("ep"))
+    policy = plan.policy()
+    if policy is not None:                        # the model holds the low-precision copy
+        from minidist.memory.precision import cast_parameters
+        cast_parameters(sharding.model, policy)
     opt = dict(optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
                momentum=momentum)
     if plan.zero == 0:
@@ -333,6 +374,9 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
         ep = {"expert_group": experts["edp"]} if experts else {}
         engine = ZeroEngine(sharding.model, grad, plan.zero, algo=plan.algo,
                             sharding=sharding, **ep, **opt)
+    if policy is not None:                        # fp32 master weights, loss scaling
+        from minidist.memory.master_weights import MixedPrecision
+        engine = MixedPrecision(engine, policy, grad, **opt)
     stage = None
     if pipe:
         stage = PipelineStage(sharding.model, pipe["cut"], pipe["links"],

@@ -78,6 +78,7 @@ from minidist import collectives as C
 from minidist.baseline import make_optimizer
 from minidist.nn import Module, Parameter
 from minidist.optim import clip_to
+from minidist.optim.clip import wide
 from minidist.parallel.engine import Engine
 
 ALGOS = ("auto", "direct", "ring", "tree", "halving")
@@ -200,7 +201,8 @@ class DataParallel(Engine):
         grads = self._summed_grads()
         self.comm_wait_s = time.perf_counter() - t0
         norm = self._norm(self.sharding.grad_sq(grads) if self.sharding is not None
-                          else sum(float(g.reshape(-1) @ g.reshape(-1)) for g in grads))
+                          else sum(float(wide(g.reshape(-1)) @ wide(g.reshape(-1)))
+                                   for g in grads))
         if skip is not None and skip(norm):
             self._zero_grads()
             return norm

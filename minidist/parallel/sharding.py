@@ -58,6 +58,7 @@ import numpy as np
 from minidist import backend
 from minidist import collectives as C
 from minidist.nn import GPT, GPTConfig
+from minidist.optim.clip import wide
 from minidist.parallel import placement as pl
 from minidist.parallel.context import parallelize_context
 from minidist.parallel.expert import is_expert_parameter, parallelize_experts
@@ -122,7 +123,7 @@ class ModelSharding:
         total, experts = 0.0, 0.0
         for g, own, expert in zip(grads, self.owned, self.expert):
             if g is not None and own:
-                flat = g.reshape(-1)
+                flat = wide(g.reshape(-1))          # 16-bit gradients: summed in fp32
                 if expert:                       # my experts only: summed over ep below
                     experts += float(backend.xp.dot(flat, flat))
                 else:

@@ -74,6 +74,7 @@ from minidist import collectives as C
 from minidist.baseline import make_optimizer
 from minidist.nn import Module
 from minidist.optim import clip_to
+from minidist.optim.clip import wide
 from minidist.parallel import zero3
 from minidist.parallel.engine import Engine
 from minidist.parallel.flat import FlatShard, FlatUnit, split_units
@@ -188,7 +189,7 @@ class ZeroEngine(Engine):
         element counted once over tp too (norm_mask: 0 on Replicate parameters off tp rank 0)."""
         local = 0.0
         for s, mask in zip(self.shards, self.norm_mask):
-            g = s.grad
+            g = wide(s.grad)                     # 16-bit gradients: summed in fp32
             local += float(np.dot(g, g)) if mask is None else float(np.dot(g * mask, g))
         total = 0.0
         for part in self._all_gather(np.array([local])).reshape(-1):

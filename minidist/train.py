@@ -154,8 +154,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     """
     check_compatible(model_cfg, data_cfg)
     plan.validate(model_cfg, global_batch, data_cfg.block_size)
-    if deterministic:
+    if deterministic:                  # one sample per micro-batch: the grain decides, not M
         determinism.check(plan, model_cfg, guard, straggler)
+        plan = replace(plan, micro_batches=global_batch // plan.dp)
     if not isinstance(steps, int) or steps < 0 or lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"train_on_rank: steps={steps!r} must be an int >= 0 and "
                          f"lr_schedule={lr_schedule!r} 'constant' or 'cosine'.")
@@ -218,15 +219,21 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                 injector.slow(step, sum(len(mb.x) for mb in batches))
             with contextlib.nullcontext() if injector is None else \
                     injector.nan_loss(lay.model, step):
-                if deterministic:              # parallel/deterministic.py: update too
+                if deterministic and stage is None:     # parallel/deterministic.py: the
                     loss, norm = determinism.step(engine, lay.model.parameters(), batches,
-                                                  first, global_batch, n_tokens,
-                                                  lay.dp_group, lr_s, clip_grad)
+                                                  first, global_batch, n_tokens,  # update
+                                                  lay.dp_group, lr_s, clip_grad)  # too
                     norms.append(norm)
                     return loss
                 if stage is None:
                     return schedules.grad_accumulation(engine, batches, n_tokens)
-                loss = stage.step(engine, batches, n_tokens)
+                if deterministic:
+                    loss, norm = determinism.pipeline_step(
+                        engine, stage, batches, first, global_batch, n_tokens, lay.dp_group,
+                        lay.pp_group, determinism.param_order(model_cfg), lr_s, clip_grad)
+                    norms.append(norm)
+                else:
+                    loss = stage.step(engine, batches, n_tokens)
                 timelines.append([(a.kind, a.micro_batch, a.chunk, t0_, t1_)
                                   for a, t0_, t1_ in stage.record])
                 return loss

@@ -21,9 +21,17 @@ global batch, any number of micro-batches asked for: the grain decides, not M):
        the root exactly, whatever the order of the additions, so each rank ends with the
        root (or its shard of it) and the optimizer runs on it unchanged
     5. the step's loss: combine of the loss nodes, kept by rank 0 only (the others add 0)
-Covered: dp of any size, ZeRO 0-3, any micro-batch count, float64
-and float32. Not yet covered (refused by train.py): tp, cp, pp, ep, whose sums across
-ranks run over other grains (contraction shards, positions, pipeline-tied weights).
+Pipeline stages (`pipeline_step`, GPipe and 1F1B): each stage runs its schedule on the
+one-sample micro-batches; after a micro-batch's backward the stage's local gradient is
+that sample's share of its parameters. The tied wte has two shares, the embedding's on the
+first stage and the head's on the last: the two exchange them per sample over the
+embedding group and add them (a + b = b + a exactly, as the single process's leaf adds
+them), so both stages push the same per-sample wte gradient. The norm adds each
+parameter's sum of squares in the single process's parameter order, gathered over pp.
+Covered: dp of any size, ZeRO 0-3, pp (gpipe, 1f1b) and their products, any micro-batch
+count, float64 and float32. Not yet covered (refused by train.py): tp, cp, ep and the
+interleaved and zero-bubble schedules, whose sums run over other grains (contraction
+shards, positions, chunks of one micro-batch's backward on one stage).
 Communication: the nodes (at most about 2 log2(B) gradients per rank, all-gathered) plus
 the engine's usual reduction of one gradient; the reference pays it for exactness.
 Read next: canonical.py, then train.py (--deterministic).
@@ -31,19 +39,27 @@ Read next: canonical.py, then train.py (--deterministic).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
+from minidist import backend
 from minidist import collectives as C
 from minidist.canonical import Node, TreeSum, combine
 from minidist.optim import global_grad_norm
-from minidist.optim.clip import clip_to
+from minidist.optim.clip import clip_to, wide
 
 
 def check(plan, cfg, guard=None, straggler=None) -> None:
     """ValueError unless the deterministic mode covers this layout (module docstring)."""
-    others = {k: getattr(plan, k) for k in ("tp", "cp", "pp", "ep") if getattr(plan, k) > 1}
+    others = {k: getattr(plan, k) for k in ("tp", "cp", "ep") if getattr(plan, k) > 1}
+    name = plan.schedule if isinstance(plan.schedule, str) else plan.schedule.name
+    if plan.pp > 1 and (name not in ("gpipe", "1f1b") or cfg.moe_every):
+        others[f"pp with {'MoE' if cfg.moe_every else name}"] = plan.pp
     if others:
-        raise ValueError(f"--deterministic covers dp, ZeRO 0-3 and any micro-batch count; "
+        raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (gpipe, 1f1b) and any "
+                         f"micro-batch count; "
                          f"not yet {', '.join(f'{k}={v}' for k, v in others.items())}, whose "
                          f"sums across ranks run over other grains. Drop those axes, or "
                          f"run without --deterministic (equal within ~1e-12 in float64).")
@@ -65,6 +81,13 @@ def my_rows(rows, global_batch: int, dp: int, d: int) -> tuple[int, int]:
     if rows is None:
         return d * (global_batch // dp), global_batch // dp
     return sum(rows[:d]), rows[d]
+
+
+@functools.lru_cache(maxsize=8)
+def param_order(cfg) -> list[str]:
+    """The single process's parameter names in model.parameters() order (the norm's)."""
+    from minidist.nn import GPT
+    return [name for name, _ in GPT(cfg, seed=None).named_parameters()]
 
 
 def local_views(engine, params: list) -> list[np.ndarray]:
@@ -128,3 +151,77 @@ def step(engine, params: list, batches: list, first_row: int, global_batch: int,
         v[...] = g if mine else 0
     engine.step(lr, None)                             # root + zeros: the root, exactly
     return (float(total[0]) if mine else 0.0), norm
+
+
+def _global_norm(named: list, order: list[str], pp_group) -> float:
+    """sqrt of the sum of each parameter's sum of squares, added in `order` (the single
+    process's parameter order) whichever stage holds it: as optim.global_grad_norm adds."""
+    index = {n: i for i, n in enumerate(order)}
+    mine = np.full(len(order), np.nan)
+    for name, g in named:
+        flat = wide(g.reshape(-1))
+        mine[index[name]] = float(backend.xp.dot(flat, flat))
+    table = mine[None] if pp_group is None else C.all_gather(mine, group=pp_group)
+    total = 0.0
+    for column in table.T:                    # the first stage that holds the parameter
+        total += float(column[~np.isnan(column)][0])
+    return math.sqrt(total)
+
+
+def pipeline_step(engine, stage, batches: list, first_row: int, global_batch: int,
+                  n_tokens: int, group, pp_group, order: list[str], lr: float,
+                  clip_grad: float | None) -> tuple[float, float]:
+    """step() for a pipeline stage (module docstring); returns (loss or 0.0, norm)."""
+    named = list(stage.model.named_parameters())
+    params = [p for _, p in named]
+    last = stage.cut.stage == stage.cut.stages - 1
+    per_sample, losses = {}, {}
+    stage.begin(batches, n_tokens)
+    with engine.no_sync():
+        for a in stage.schedule.actions[stage.cut.stage]:
+            stage.run(a)
+            if a.kind == "F" and last:        # the sample's loss, before B drops the graph
+                y = stage.live[a.micro_batch, a.chunk]["y"]
+                losses[a.micro_batch] = np.asarray(y.data, np.float64).reshape(1)
+            elif a.kind == "B":               # this stage's share of the sample's gradient
+                views = local_views(engine, params)
+                per_sample[a.micro_batch] = np.concatenate([v.reshape(-1) for v in views])
+                for v in views:
+                    v[...] = 0
+    stage.finish()
+    if stage.embed_group is not None:         # the tied wte: embedding share + head share
+        at = 0
+        for name, p in named:
+            if name == "wte.weight":
+                break
+            at += p.data.size
+        n = stage.model.wte.weight.data.size
+        both = C.all_gather(np.stack([per_sample[m][at:at + n] for m in sorted(per_sample)]),
+                            group=stage.embed_group)                      # (2, M, n)
+        for j, m in enumerate(sorted(per_sample)):
+            per_sample[m][at:at + n] = both[0, j] + both[1, j]
+    grads = TreeSum()
+    for m in sorted(per_sample):
+        grads.push(first_row + m, per_sample[m])
+    size = sum(p.data.size for p in params)
+    root = combine(_gather_nodes(grads.nodes(), size, params[0].data.dtype, group),
+                   global_batch)
+    total = 0.0
+    if last:
+        tree = TreeSum()
+        for m in sorted(losses):
+            tree.push(first_row + m, losses[m])
+        total = float(combine(_gather_nodes(tree.nodes(), 1, np.float64, group),
+                              global_batch)[0])
+    pieces, at = [], 0
+    for p in params:
+        pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())
+        at += p.data.size
+    norm = _global_norm([(name, g) for (name, _), g in zip(named, pieces)], order, pp_group)
+    if clip_grad is not None:
+        clip_to(pieces, norm, clip_grad)
+    mine = group.rank == 0
+    for v, g in zip(local_views(engine, params), pieces):
+        v[...] = g if mine else 0
+    engine.step(lr, None)
+    return (total if mine and last else 0.0), norm

@@ -1,6 +1,7 @@
-"""Deterministic mode (parallel/deterministic.py): every dp size and ZeRO stage, any
-micro-batch count, float64 and float32, trains the same bits as the deterministic single
-process: losses, gradient norms and every parameter, compared with ==, not a tolerance."""
+"""Deterministic mode (parallel/deterministic.py): every dp size, ZeRO stage, pipeline
+(gpipe, 1f1b) and micro-batch count, float64 and float32, trains the same bits as the
+deterministic single process: losses, gradient norms and every parameter, compared with
+==, not a tolerance."""
 
 import numpy as np
 import pytest
@@ -51,3 +52,18 @@ def test_the_layouts_it_does_not_cover_are_refused_by_name():
     cfg = _cfg("float64")
     with pytest.raises(Exception, match="not yet tp=2"):
         spawn(2, _rank, cfg, Plan(tp=2))
+    with pytest.raises(Exception, match="not yet pp with zb-h1=2"):
+        spawn(2, _rank, cfg, Plan(pp=2, micro_batches=2, schedule="zb-h1"))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dp, pp, zero, schedule", [(1, 2, 0, "1f1b"), (1, 2, 0, "gpipe"),
+                                                    (2, 2, 1, "1f1b"), (1, 3, 0, "1f1b"),
+                                                    (2, 2, 2, "gpipe")])
+def test_pipeline_layouts_equal_the_single_process_bit_for_bit(dtype, dp, pp, zero, schedule):
+    cfg = _cfg(dtype).__class__(**{**_cfg(dtype).__dict__, "n_layer": 3})
+    ref = train_single_process(cfg, DATA, steps=STEPS, global_batch=B, lr=LR, clip_grad=CLIP,
+                               deterministic=True)
+    plan = Plan(dp=dp, pp=pp, zero=zero, micro_batches=2, schedule=schedule)
+    for r, run in enumerate(spawn(dp * pp, _rank, cfg, plan)):
+        _same(run, ref, f"{plan.describe()} ZeRO-{zero} {schedule} rank {r}")

@@ -35,6 +35,8 @@ def test_a_preempted_job_resumes_to_the_uninterrupted_parameters(tmp_path):
     assert child_pids() == []
 
 
+# ~11 s (three real jobs, two preemptions): slow; the default run keeps the one-job case
+@pytest.mark.slow
 def test_cli_real_las_on_the_built_in_trace(capsys):
     assert main(["simulate", "--real", "--policy", "las"]) == 0
     out = capsys.readouterr().out

@@ -291,17 +291,20 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                 local, grad, lay.pp_group, canonical)), (timing["step"][-1],
                 timing["comm_wait"][-1], timing["compute"][-1]), int(peak)))
     losses = _global_loss(local, grad, lay.pp_group, canonical)
-    return RankResult(losses=tuple(float(v) for v in losses), grad_norms=tuple(norms),
-                      lrs=tuple(lrs), params=engine.full_params(),
-                      optimizer_state=engine.full_optimizer_state(),
-                      bytes_per_step=tuple(traffic), bytes_by_axis=tuple(by_axis),
-                      memory=_memory(engine, ledger),
-                      timing={k: tuple(v) for k, v in timing.items()},
-                      pipeline=None if stage is None else {
-                          "stage": stage.cut.stage, "timeline": timelines,
-                          "held_peak": stage.held_peak,
-                          "held_bytes_peak": stage.held_bytes_peak},
-                      moe=tuple(moe_steps))
+    result = RankResult(losses=tuple(float(v) for v in losses), grad_norms=tuple(norms),
+                        lrs=tuple(lrs), params=engine.full_params(),
+                        optimizer_state=engine.full_optimizer_state(),
+                        bytes_per_step=tuple(traffic), bytes_by_axis=tuple(by_axis),
+                        memory=_memory(engine, ledger),
+                        timing={k: tuple(v) for k, v in timing.items()},
+                        pipeline=None if stage is None else {
+                            "stage": stage.cut.stage, "timeline": timelines,
+                            "held_peak": stage.held_peak,
+                            "held_bytes_peak": stage.held_bytes_peak},
+                        moe=tuple(moe_steps))
+    if plan.offload != "none":                 # memory/offload.py: remove its files now
+        engine.opt.close()
+    return result
 
 
 def _ledger(ctx, engine, budget):
@@ -366,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         resilience = recovery.options(a, a.dp * a.tp * a.cp * a.pp, a.pp)
         if a.dp == a.tp == a.cp == a.pp == 1 and a.zero == 0 and not a.check \
                 and not resilience.active and a.run_dir is None \
-                and a.device_memory is None and a.precision == "fp32":
+                and a.device_memory is None and a.precision == "fp32" \
+                and a.offload == "none":
             return baseline.run(a)
         cfg, data_cfg, plan = _job(a)
     except ValueError as e:
@@ -430,6 +434,13 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "low"],
                     help="gradients stored and summed over dp in fp32 (4 bytes each) or "
                          "in the low-precision format (2 bytes)")
+    ap.add_argument("--offload", default="none", choices=["none", "host", "disk"],
+                    help="optimizer state (ZeRO-3: parameter shards too) off the device: in "
+                         "host memory, or in memmap files read ahead of the update "
+                         "(memory/offload.py)")
+    ap.add_argument("--offload-dir", default=None, metavar="D",
+                    help="--offload disk: the run's files go under D (default: the OS temp "
+                         "dir); directories of dead runs there are swept")
     ap.add_argument("--check", action="store_true",
                     help="also run the single-process baseline and compare")
     recovery.add_arguments(ap)
@@ -486,7 +497,7 @@ def _job(a) -> tuple[GPTConfig, DataConfig, Plan]:
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,
                 schedule=_schedule_argument(a.schedule), virtual_stages=a.virtual_stages,
                 layers_per_stage=a.layers_per_stage, precision=a.precision,
-                grad_reduce=a.grad_reduce)
+                grad_reduce=a.grad_reduce, offload=a.offload, offload_dir=a.offload_dir)
     plan.validate(cfg, a.batch, data_cfg.block_size)
     return cfg, data_cfg, plan
 

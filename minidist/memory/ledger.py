@@ -21,7 +21,8 @@ op saves becomes an activation; a weight an op saves stays a parameter).
                     engine.memory(); so are DDP's shared-memory buckets)
 Not counted: scratch inside one op (freed before it returns), the transport's shared-memory
 windows and the collectives' staging copies and results (runtime/shm.py, collectives/ring.py),
-gradients inside autograd/split.py's split backward, and Python objects.
+gradients inside autograd/split.py's split backward, Python objects, and what memory/offload.py
+moved to host memory or disk (its optimizer's state_arrays() is empty; host_arrays() names them).
 
 One rank's view:
     1. ledger = Ledger(budget="64MB"); ledger.track_engine(engine)
@@ -393,8 +394,9 @@ def engine_arrays(engine: Any) -> dict[str, list[tuple[str, Any]]]:
                                                 if p.grad is not None]
         return {"parameters": [(n, p.data) for n, p in named], "gradients": grads, **state}
     names, shards, stage = [u.name for u in engine.units], engine.shards, engine.stage
+    off = {id(a) for _, a in getattr(engine.opt, "host_arrays", list)()}   # memory/offload.py
     params = [(f"unit {n}", a) for n, a in zip(names, engine.p_full)] if stage < 3 \
-        else [(f"w_shard {n}", s.data) for n, s in zip(names, shards)]
+        else [(f"w_shard {n}", s.data) for n, s in zip(names, shards) if id(s.data) not in off]
     grads = [(f"unsharded grads {n}", g) for n, g in zip(names, engine.g_acc) if g is not None]
     grads += [(f"dw_shard {n}", s.grad) for n, s in zip(names, shards)] if stage > 1 else []
     return {"parameters": params, "gradients": grads, **state}

@@ -74,6 +74,8 @@ class Plan:
     Mixed precision (memory/precision.py; dp and ZeRO only): precision "bf16", "fp16" or
     "fp8" makes the model hold a rounded copy and wraps the engine in master_weights.py's
     MixedPrecision; grad_reduce "low" stores and sums the gradients in that format.
+    Offloading (memory/offload.py): offload "host" or "disk" moves the optimizer state (and
+    ZeRO-3's parameter shards) off the device; offload_dir: the disk tier's root directory.
     """
 
     dp: int = 1
@@ -96,6 +98,8 @@ class Plan:
     layers_per_stage: tuple[int, ...] | None = None
     precision: str = "fp32"                  # "fp32", "bf16", "fp16", "fp8" (memory/precision.py)
     grad_reduce: str = "fp32"                # gradients stored and summed in "fp32" or "low"
+    offload: str = "none"                    # optimizer state on "none", "host", "disk"
+    offload_dir: str | None = None           # disk: where the run's memmap files go
 
     def __post_init__(self) -> None:
         for field, minimum in (("dp", 1), ("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1),
@@ -136,6 +140,17 @@ class Plan:
             raise ValueError("Plan: sequence_parallel=True needs tp > 1 (it splits the "
                              "sequence over the tensor-parallel ranks); set tp or drop SP.")
         self.policy()                            # validates precision and grad_reduce
+        if self.offload not in ("none", "host", "disk"):
+            raise ValueError(f"Plan: offload={self.offload!r} is unknown; use 'none' (state on "
+                             "the device), 'host' or 'disk' (memory/offload.py).")
+        if self.offload_dir is not None and self.offload != "disk":
+            raise ValueError(f"Plan: offload_dir={self.offload_dir!r} is where the disk tier's "
+                             f"files go, but offload={self.offload!r}; use offload='disk' or "
+                             "drop offload_dir.")
+        if self.offload != "none" and self.precision != "fp32":
+            raise ValueError(f"Plan: offload={self.offload!r} with precision="
+                             f"{self.precision!r}: mixed precision's fp32 master weights are "
+                             "not offloaded; use precision 'fp32' or offload 'none'.")
 
     def policy(self):
         """memory/precision.Policy of a mixed-precision Plan; None for fp32 (nothing changes)."""
@@ -374,6 +389,9 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
         ep = {"expert_group": experts["edp"]} if experts else {}
         engine = ZeroEngine(sharding.model, grad, plan.zero, algo=plan.algo,
                             sharding=sharding, **ep, **opt)
+    if plan.offload != "none":                    # memory/offload.py: state off the device
+        from minidist.memory.offload import offload_engine
+        offload_engine(engine, plan.offload, plan.offload_dir)
     if policy is not None:                        # fp32 master weights, loss scaling
         from minidist.memory.master_weights import MixedPrecision
         engine = MixedPrecision(engine, policy, grad, **opt)

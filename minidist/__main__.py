@@ -9,6 +9,9 @@
     python -m minidist memory --model ... --plan dp=2,zero=1 [--measure] [--fit]
                                                      the memory budget per rank
     python -m minidist report RUN_DIR                 a run directory's summary (and plots)
+    python -m minidist roofline [--model tiny]        every op of a step on the H200's roofs
+                                                      and this CPU's (measured)
+    python -m minidist gpu check                      the GPU path on a GPU (a few minutes)
     python -m minidist cluster simulate --policy fifo|easy|sjf|fair|las|all [--real]
                                                      a GPU cluster's job scheduler
     python -m minidist --help | --version            this text | the version
@@ -150,13 +153,26 @@ def _report(argv: list[str]) -> int:
     return report_main(argv) or 0
 
 
+def _roofline(argv: list[str]) -> int:
+    from minidist.hardware.roofline_cli import main as roofline_main
+    return roofline_main(argv) or 0
+
+
+def _gpu(argv: list[str]) -> int:
+    """`gpu check`: imports nothing of the runtime (the GPU machine may lack multiprocess)."""
+    if not argv or argv[0] != "check":
+        return _error("usage: python -m minidist gpu check [--parts kernels,fusion,...]")
+    from minidist.gpu.check import main as check_main
+    return check_main(argv[1:]) or 0
+
+
 def _train(argv: list[str]) -> int:
     from minidist import train
     return train.main(argv) or 0
 
 
 COMMANDS = {"run": _run, "train": _train, "demo": _demo, "bench": _bench, "memory": _memory,
-            "cluster": _cluster, "report": _report}
+            "cluster": _cluster, "report": _report, "roofline": _roofline, "gpu": _gpu}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         what = "option" if argv[0].startswith("-") else "command"
         return _error(f"unknown {what} {argv[0]!r}; the commands are {', '.join(COMMANDS)} "
                       f"(python -m minidist {'|'.join(COMMANDS)} ...; --help for more)")
+    if argv[0] == "gpu":              # before the runtime's import: see _gpu
+        return _gpu(argv[1:])
     from minidist.runtime.process_setup import setup_rank_process
     setup_rank_process()              # one BLAS thread, reuse of freed memory: as every rank
     try:

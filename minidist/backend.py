@@ -15,20 +15,38 @@ Tensor built from Python numbers or lists of them; an array keeps the dtype it
 has. float64 is the default because the tests compare parallel runs with the
 single-process run at tolerances near 1e-12.
 
+Devices: `use_device("gpu")` (the CLI's `--device gpu`, or MINIDIST_DEVICE=gpu) is
+use("cupy") after checking that CuPy is installed (the `gpu` extra, CuPy for CUDA
+13) and sees a CUDA device; otherwise it says why in one line. The GPT, autograd,
+optimizers and baseline.py then run on the GPU unchanged; data and results cross
+to the host through to_numpy. A multi-rank run would put each rank's arrays on
+the GPU too, but its collectives work on host shared memory, so every message
+would be staged through host memory (to_numpy before the send, xp.asarray after
+the receive); that staging is not wired in yet, and `train --device gpu` with
+more than one rank stops with a one-line error. `python -m minidist gpu check`
+(gpu/check.py) compares GPU steps with CPU steps.
+
 Read next: autograd/tensor.py
 """
 
 from __future__ import annotations
 
 import math
+import os
 from types import ModuleType
-from typing import Any
+from typing import Any, Mapping
 
 import numpy
 
 xp: ModuleType = numpy
 _default_dtype = numpy.dtype("float64")
 _FLOAT_DTYPES = ("float32", "float64")
+DEVICES = ("cpu", "gpu")
+DEVICE_ENV = "MINIDIST_DEVICE"
+MULTI_RANK_GPU = ("--device gpu runs only the plain single-process job (no parallel, --zero, "
+                  "--check, run-directory, memory or precision options): the ranks' "
+                  "collectives work on host shared memory and do not yet stage GPU arrays "
+                  "through it. Use --device cpu for this job.")
 
 
 def use(name: str) -> ModuleType:
@@ -48,6 +66,49 @@ def use(name: str) -> ModuleType:
     else:
         raise ValueError(f"backend.use({name!r}): unknown array module; use 'numpy' or 'cupy'.")
     return xp
+
+
+def parse_device(text: str) -> str:
+    """"cpu" or "gpu" from `text` (case and spaces ignored, empty = "cpu"); ValueError else."""
+    name = str(text).strip().lower() or "cpu"
+    if name not in DEVICES:
+        raise ValueError(f"device {text!r} is unknown; use 'cpu' or 'gpu' (--device, or the "
+                         f"environment variable {DEVICE_ENV}).")
+    return name
+
+
+def device_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """The device $MINIDIST_DEVICE names ("cpu" when it is unset or empty)."""
+    return parse_device((os.environ if environ is None else environ).get(DEVICE_ENV, ""))
+
+
+def gpu_problem() -> str | None:
+    """Why the GPU path cannot run here, in a few words; None when CuPy sees a CUDA device."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:                    # no driver, no device: CUDARuntimeError
+        why = " ".join(str(e).split())[:120]
+        return (f"CuPy {getattr(cupy, '__version__', '?')} finds no usable CUDA device "
+                f"({type(e).__name__}: {why})")
+    return None if count > 0 else "CuPy sees 0 CUDA devices"
+
+
+def use_device(name: str) -> ModuleType:
+    """use("numpy") for "cpu"; use("cupy") for "gpu" once CuPy sees a CUDA device, else a
+    one-line ValueError saying why (`xp` is then left as it was)."""
+    name = parse_device(name)
+    if name == "cpu":
+        return use("numpy")
+    problem = gpu_problem()
+    if problem is not None:
+        raise ValueError(f"device 'gpu': {problem}; the GPU path needs the 'gpu' extra "
+                         "(pip install -e '.[gpu]': CuPy for CUDA 13) and an NVIDIA GPU with "
+                         "its driver. Use --device cpu here.")
+    return use("cupy")
 
 
 def to_numpy(a: Any) -> numpy.ndarray:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from typing import Callable
 
 import numpy as np
 
-from minidist import optim
+from minidist import backend, optim
 from minidist.canonical import TreeSum, combine
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPT, DropoutKey, GPTConfig
@@ -248,9 +249,20 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
                     help="bitwise the same parameters and losses under every dp x ZeRO layout "
                          "and micro-batch count: one sample per micro-batch, summed in a "
                          "fixed tree (minidist/canonical.py)")
+    ap.add_argument("--device", type=_device, default=os.environ.get(backend.DEVICE_ENV, ""),
+                    help="cpu (NumPy) or gpu (CuPy; needs the 'gpu' extra and a CUDA "
+                         f"device); default ${backend.DEVICE_ENV}, else cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--every", type=at_least(1), default=25, help="print every N steps")
     return ap
+
+
+def _device(text: str) -> str:
+    """--device (and its default, $MINIDIST_DEVICE): 'cpu' or 'gpu' (backend.parse_device)."""
+    try:
+        return backend.parse_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def configs_from(a: argparse.Namespace) -> tuple[GPTConfig, DataConfig]:
@@ -299,6 +311,7 @@ def run(a: argparse.Namespace) -> int:
     are noise, not a result)."""
     try:
         cfg, data_cfg = configs_from(a)
+        backend.use_device(getattr(a, "device", "cpu"))     # one line if there is no GPU
     except ValueError as e:
         return cli_error(e)
     if a.batch % a.grad_accum:

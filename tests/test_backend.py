@@ -69,3 +69,68 @@ def test_to_numpy():
     a = np.arange(3.0)
     assert backend.to_numpy(a) is a
     assert np.array_equal(backend.to_numpy([1, 2]), [1, 2])
+
+
+# --- the device: --device / MINIDIST_DEVICE, and the one-line error without a GPU ---------
+
+def test_device_names_and_the_environment_variable():
+    assert backend.device_from_env({}) == "cpu"
+    assert backend.device_from_env({"MINIDIST_DEVICE": ""}) == "cpu"
+    assert backend.device_from_env({"MINIDIST_DEVICE": " GPU "}) == "gpu"
+    assert backend.device_from_env({"MINIDIST_DEVICE": "cpu"}) == "cpu"
+    with pytest.raises(ValueError, match="device 'tpu' is unknown; use 'cpu' or 'gpu'"):
+        backend.device_from_env({"MINIDIST_DEVICE": "tpu"})
+    assert backend.use_device("cpu") is np and backend.xp is np
+
+
+def _without_a_gpu(monkeypatch, kind: str) -> None:
+    """Make `import cupy` fail ("missing"), or give a CuPy whose runtime finds no device."""
+    import sys
+    import types
+    if kind == "missing":
+        monkeypatch.setitem(sys.modules, "cupy", None)        # import raises ImportError
+        return
+
+    def no_device():
+        raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+    fake = types.SimpleNamespace(__version__="14.2.0", cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=no_device)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("missing", "CuPy is not installed"),
+    ("no device", "CuPy 14.2.0 finds no usable CUDA device (RuntimeError: cudaErrorNoDevice")])
+def test_use_device_gpu_without_one_says_why_in_one_line(monkeypatch, kind, says):
+    _without_a_gpu(monkeypatch, kind)
+    with pytest.raises(ValueError) as e:
+        backend.use_device("gpu")
+    message = str(e.value)
+    assert message.startswith(f"device 'gpu': {says}") and "\n" not in message, message
+    assert message.endswith("Use --device cpu here.")
+    assert backend.xp is np                                   # nothing was swapped
+
+
+@pytest.mark.parametrize("argv, env, says", [
+    (["--device", "gpu"], None, "error: device 'gpu': CuPy is not installed"),
+    ([], "gpu", "error: device 'gpu': CuPy is not installed"),
+    (["--device", "gpu", "--dp", "2"], None, "error: --device gpu runs only the plain "
+                                             "single-process job"),
+    ([], "tpu", "error: argument --device: device 'tpu' is unknown")])
+def test_train_device_errors_are_one_line_with_exit_code_2(monkeypatch, capsys, argv, env,
+                                                           says):
+    from minidist import train
+    _without_a_gpu(monkeypatch, "missing")
+    if env is None:
+        monkeypatch.delenv("MINIDIST_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("MINIDIST_DEVICE", env)
+    try:
+        code = train.main(["--steps", "1", *argv])
+    except SystemExit as e:                                    # argparse's usage error
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(says), captured.err
+    assert backend.xp is np

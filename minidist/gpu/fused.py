@@ -1,0 +1,298 @@
+"""Kernel fusion: each fused op as the kernel launches it makes, on a GPU or on the emulator.
+
+A fused kernel does in one pass over memory what a framework does in several launches:
+LayerNorm reads x once and writes y once instead of writing and re-reading the
+normalised x; softmax cross-entropy writes its gradient over the logits instead of
+materialising the softmax; AdamW updates every tensor of a model in one launch. The
+kernels are in gpu/kernels/*.cu; their unfused counterparts, for measuring what fusion
+saves, in gpu/unfused.py and gpu/kernels/unfused.cu.
+
+Each op below is written once, for a `Device`: it allocates outputs with dev.empty, and
+launches kernels with dev.launch(file, kernel, grid, block, args). Two devices exist:
+    CupyDevice (here)      CuPy arrays on a CUDA GPU; every .cu file is compiled by NVRTC
+                           into a cupy.RawModule on first use
+    Emulator (emulate/)    NumPy arrays; the same .cu source built with g++ and a C++ shim,
+                           blocks run on CPU threads
+so the launch sequences (grids, argument order, host-side set-up) that run on the GPU are
+the ones the CPU tests check against the float64 twins (gpu/twins.py). Both devices count
+launches in dev.launches. Scalars are cast to the exact C type each kernel declares, read
+from its source (emulate/source.py): CuPy does not check, and a Python float would arrive
+as a double where the kernel reads a float.
+
+One op's view (e.g. layernorm_forward): check shapes and block size, allocate y, mean,
+rstd, launch one block per row (at most MAX_BLOCKS, the kernel strides over the rest).
+Shapes: activations (..., C) float32 C-contiguous, treated as (N, C) rows.
+Reference: llm.c's dev/cuda kernels (Karpathy 2024) pair each kernel with a CPU check.
+Read next: gpu/unfused.py, emulate/cases.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from minidist import backend
+from minidist.gpu.emulate.runner import LaunchRecord, dims3
+from minidist.gpu.emulate.source import Kernel, Param, kernel_path, read_kernels
+
+MAX_BLOCKS = 1024            # grid cap: kernels stride over rows / elements past it
+MAX_PARTIALS = 256           # rows of partial sums in two-stage column reductions
+FA_MAX_D, FA_MAX_BLOCK = 64, 256     # flash_attention.cu: registers per thread
+
+
+class Device(Protocol):
+    """Where arrays live and kernels run: CupyDevice or emulate.runner.Emulator."""
+
+    launches: list
+
+    def empty(self, shape: Any, dtype: Any = np.float32) -> Any: ...
+    def zeros(self, shape: Any, dtype: Any = np.float32) -> Any: ...
+    def asarray(self, a: Any, dtype: Any = None) -> Any: ...
+    def address(self, a: Any) -> int: ...
+    def to_numpy(self, a: Any) -> np.ndarray: ...
+    def launch(self, cu: str | Path, kernel: str, grid: Any, block: Any,
+               args: Sequence[Any], shared_bytes: int = 0) -> None: ...
+
+
+class CupyDevice:
+    """The Device on a CUDA GPU through CuPy (NVRTC compiles each .cu file once)."""
+
+    def __init__(self) -> None:
+        problem = backend.gpu_problem()
+        if problem is not None:
+            raise RuntimeError(
+                f"CupyDevice: the fused GPU path needs CuPy and a CUDA device: {problem}. "
+                "Install the 'gpu' extra on a GPU machine, or run the same kernels on the CPU "
+                "with minidist.gpu.emulate.runner.Emulator().")
+        import cupy
+        self.cp, self.launches = cupy, []
+        self._modules: dict[Path, tuple[Any, dict[str, Kernel]]] = {}
+
+    def empty(self, shape: Any, dtype: Any = np.float32) -> Any:
+        return self.cp.empty(shape, dtype)
+
+    def zeros(self, shape: Any, dtype: Any = np.float32) -> Any:
+        return self.cp.zeros(shape, dtype)
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        return self.cp.ascontiguousarray(self.cp.asarray(a, dtype))
+
+    def address(self, a: Any) -> int:
+        return int(a.data.ptr)
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return self.cp.asnumpy(a)
+
+    def launch(self, cu: str | Path, kernel: str, grid: Any, block: Any,
+               args: Sequence[Any], shared_bytes: int = 0) -> None:
+        """Launch `kernel` of file `cu` on the current device (same arguments as Emulator)."""
+        path = kernel_path(cu)
+        if path not in self._modules:
+            self._modules[path] = (self.cp.RawModule(code=path.read_text()), read_kernels(path))
+        module, kernels = self._modules[path]
+        params = kernels[kernel].params
+        if len(args) != len(params):
+            raise ValueError(f"{kernel} takes {len(params)} arguments; got {len(args)}.")
+        fn = module.get_function(kernel)
+        if shared_bytes > 48 * 1024:                    # above 48 KiB is opt-in per kernel
+            fn.max_dynamic_shared_size_bytes = shared_bytes
+        g, b = dims3(grid, "grid"), dims3(block, "block")
+        fn(g, b, tuple(self._arg(p, a, kernel) for p, a in zip(params, args)),
+           shared_mem=shared_bytes)
+        self.launches.append(LaunchRecord(path.name, kernel, g, b, shared_bytes))
+
+    def _arg(self, p: Param, a: Any, kernel: str) -> Any:
+        if p.pointer == 0:
+            return np.dtype(p.dtype).type(a)
+        if a is None:
+            return np.uint64(0)
+        if not isinstance(a, self.cp.ndarray) or a.dtype != np.dtype(p.dtype) \
+                or not a.flags.c_contiguous:
+            raise ValueError(f"{kernel}: argument {p.name!r} needs a C-contiguous {p.dtype} "
+                             f"CuPy array; got {type(a).__name__} {getattr(a, 'dtype', '')}.")
+        return a
+
+
+# ---- helpers shared with unfused.py ----
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive b."""
+    return -(-a // b)
+
+
+def grid_for(n: int, per_block: int = 1, cap: int = MAX_BLOCKS) -> int:
+    """Blocks for n items at per_block items a block, at least 1 and at most cap."""
+    return max(1, min(cdiv(n, per_block), cap))
+
+
+def check_block(block: int, op: str, warp_multiple: bool = True, most: int = 1024) -> None:
+    """A ValueError unless block is a positive multiple of 32 (when asked) and <= most."""
+    if not 0 < block <= most or (warp_multiple and block % 32):
+        need = "a multiple of 32 (its reductions use whole warps)" if warp_multiple else "> 0"
+        raise ValueError(f"{op}: block={block} threads; it must be {need} and at most {most}.")
+
+
+def rows_of(x: Any, op: str) -> tuple[int, int]:
+    """(N, C) of an activation (..., C), which must be a C-contiguous float32 array."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous or x.ndim < 1:
+        raise ValueError(f"{op}: x must be a C-contiguous float32 array (..., C); got "
+                         f"{x.dtype} {x.shape}. The kernels are written for float32.")
+    C = x.shape[-1]
+    return (x.size // C if C else 0), C
+
+
+def ce_setup(dev: Device, targets: Any, V: int, reduction: str,
+             ignore_index: int) -> tuple[int, float]:
+    """(count of counted rows, dloss = dL/dloss_n) for cross-entropy; checks the targets."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"cross_entropy: reduction={reduction!r}; use 'mean' or 'sum'.")
+    t = dev.to_numpy(targets)
+    if t.dtype != np.int32:
+        raise ValueError(f"cross_entropy: targets must be int32 (the kernel reads int); "
+                         f"got {t.dtype}.")
+    bad = t[(t != ignore_index) & ((t < 0) | (t >= V))]
+    if bad.size:
+        raise ValueError(f"cross_entropy: target {int(bad[0])} is outside [0, {V}) and is not "
+                         f"ignore_index={ignore_index}.")
+    count = int((t != ignore_index).sum())
+    return count, (1.0 / max(count, 1) if reduction == "mean" else 1.0)
+
+
+# ---- the fused ops ----
+def layernorm_forward(dev: Device, x: Any, w: Any, b: Any, eps: float = 1e-5, *,
+                      block: int = 128, blocks: int | None = None) -> tuple[Any, Any, Any]:
+    """y = LayerNorm(x) * w + b, and the mean and rstd the backward needs; one launch."""
+    N, C = rows_of(x, "layernorm_forward")
+    check_block(block, "layernorm_forward")
+    y, mean, rstd = dev.empty(x.shape), dev.empty((N,)), dev.empty((N,))
+    dev.launch("layernorm.cu", "layernorm_forward", blocks or grid_for(N), block,
+               (x, w, b, y, mean, rstd, N, C, eps))
+    return y, mean, rstd
+
+
+def layernorm_backward(dev: Device, dy: Any, x: Any, w: Any, mean: Any, rstd: Any, *,
+                       block: int = 128, blocks: int | None = None) -> tuple[Any, Any, Any]:
+    """dx, dw, db of LayerNorm: stage 1 per row block, stage 2 sums the partial rows."""
+    N, C = rows_of(x, "layernorm_backward")
+    check_block(block, "layernorm_backward")
+    G = blocks or grid_for(N, cap=MAX_PARTIALS)
+    dx, dw, db = dev.empty(x.shape), dev.empty((C,)), dev.empty((C,))
+    dw_part, db_part = dev.empty((G, C)), dev.empty((G, C))
+    dev.launch("layernorm.cu", "layernorm_backward", G, block,
+               (dy, x, w, mean, rstd, dx, dw_part, db_part, N, C))
+    dev.launch("layernorm.cu", "layernorm_param_grads", grid_for(C, block), block,
+               (dw_part, db_part, dw, db, G, C))
+    return dx, dw, db
+
+
+def bias_gelu_forward(dev: Device, x: Any, bias: Any, *, block: int = 256,
+                      blocks: int | None = None) -> Any:
+    """y = gelu_tanh(x + bias) in one elementwise pass."""
+    N, C = rows_of(x, "bias_gelu_forward")
+    check_block(block, "bias_gelu_forward", warp_multiple=False)
+    y = dev.empty(x.shape)
+    dev.launch("bias_gelu.cu", "bias_gelu_forward", blocks or grid_for(N * C, block), block,
+               (x, bias, y, N * C, C))
+    return y
+
+
+def bias_gelu_backward(dev: Device, dy: Any, x: Any, bias: Any, *, block: int = 128,
+                       row_groups: int | None = None) -> tuple[Any, Any]:
+    """dx = dy * gelu'(x + bias) and dbias = column sums of dx (two launches)."""
+    N, C = rows_of(x, "bias_gelu_backward")
+    check_block(block, "bias_gelu_backward", warp_multiple=False)
+    G = row_groups or grid_for(N, cap=MAX_PARTIALS)
+    dx, dbias, part = dev.empty(x.shape), dev.empty((C,)), dev.empty((G, C))
+    dev.launch("bias_gelu.cu", "bias_gelu_backward", (cdiv(C, block), G), block,
+               (dy, x, bias, dx, part, N, C))
+    dev.launch("bias_gelu.cu", "bias_gelu_dbias", grid_for(C, block), block,
+               (part, dbias, G, C))
+    return dx, dbias
+
+
+def softmax_forward(dev: Device, x: Any, scale: float, *, block: int = 128,
+                    blocks: int | None = None) -> Any:
+    """y = causal softmax(scale * x) of scores (..., T, T); one launch, a block per row."""
+    R, T = _scores(x, "softmax_forward")
+    check_block(block, "softmax_forward")
+    y = dev.empty(x.shape)
+    dev.launch("softmax.cu", "softmax_forward", blocks or grid_for(R), block,
+               (x, y, R, T, scale))
+    return y
+
+
+def softmax_backward(dev: Device, dy: Any, y: Any, scale: float, *, block: int = 128,
+                     blocks: int | None = None) -> Any:
+    """dx = scale * y * (dy - rowsum(dy * y)); one launch."""
+    R, T = _scores(y, "softmax_backward")
+    check_block(block, "softmax_backward")
+    dx = dev.empty(y.shape)
+    dev.launch("softmax.cu", "softmax_backward", blocks or grid_for(R), block,
+               (dy, y, dx, R, T, scale))
+    return dx
+
+
+def cross_entropy(dev: Device, logits: Any, targets: Any, *, reduction: str = "mean",
+                  ignore_index: int = -100, block: int = 128,
+                  blocks: int | None = None) -> tuple[Any, Any]:
+    """(loss, per-row losses); the logits (N, V) are overwritten with d loss / d logits."""
+    N, V = rows_of(logits, "cross_entropy")
+    check_block(block, "cross_entropy")
+    count, dloss = ce_setup(dev, targets, V, reduction, ignore_index)
+    losses = dev.empty((N,))
+    dev.launch("cross_entropy.cu", "cross_entropy_forward_backward", blocks or grid_for(N),
+               block, (logits, targets, losses, N, V, dloss, ignore_index))
+    return losses.sum() * (1.0 / max(count, 1) if reduction == "mean" else 1.0), losses
+
+
+def adamw_multi_tensor(dev: Device, params: Sequence[Any], grads: Sequence[Any],
+                       ms: Sequence[Any], vs: Sequence[Any], *, lr: float, b1: float,
+                       b2: float, eps: float, wd: float, t: int, block: int = 256,
+                       chunk: int = 4096, blocks: int | None = None) -> None:
+    """One AdamW step on every tensor, in place, in one launch over a table of chunks."""
+    if t < 1 or chunk < 1:
+        raise ValueError(f"adamw_multi_tensor: step t={t} and chunk={chunk} must be >= 1.")
+    check_block(block, "adamw_multi_tensor", warp_multiple=False)
+    rows = []
+    for i, group in enumerate(zip(params, grads, ms, vs)):
+        for a, name in zip(group, "pgmv"):
+            rows_of(a, f"adamw_multi_tensor ({name} of tensor {i})")
+            if a.size != group[0].size:
+                raise ValueError(f"adamw_multi_tensor: tensor {i}: {name} has {a.size} "
+                                 f"elements, the parameter {group[0].size}.")
+        rows += [(i, s, min(chunk, group[0].size - s)) for s in range(0, group[0].size, chunk)]
+    if not rows:
+        return
+    tables = [dev.asarray(np.array([dev.address(a) for a in arrays], np.uint64))
+              for arrays in (params, grads, ms, vs)]
+    chunks = dev.asarray(np.array(rows, np.int64))          # (n_chunks, 3)
+    dev.launch("adamw.cu", "adamw_multi_tensor", blocks or grid_for(len(rows)), block,
+               (*tables, chunks, len(rows), lr, b1, b2, eps, wd, 1.0 - b1 ** t, 1.0 - b2 ** t))
+
+
+def flash_attention_forward(dev: Device, q: Any, k: Any, v: Any, *, causal: bool = True,
+                            scale: float | None = None, block: int = 64) -> tuple[Any, Any]:
+    """o = softmax(scale q k^T + mask) v and lse for heads (..., T, D); one launch."""
+    T, D = q.shape[-2], q.shape[-1]
+    rows_of(q, "flash_attention_forward")
+    if k.shape != q.shape or v.shape != q.shape or not 0 < D <= FA_MAX_D:
+        raise ValueError(f"flash_attention_forward: q {q.shape}, k {k.shape}, v {v.shape} "
+                         f"must share one shape (..., T, D) with D <= {FA_MAX_D} (the kernel "
+                         "keeps a row of q and of o in registers).")
+    check_block(block, "flash_attention_forward", warp_multiple=False, most=FA_MAX_BLOCK)
+    BH = q.size // (T * D) if T else 0
+    o, lse = dev.empty(q.shape), dev.empty(q.shape[:-1])
+    scale = D ** -0.5 if scale is None else scale
+    grid = (grid_for(T, block, cap=2**31 - 1), max(BH, 1))      # (query blocks, heads)
+    dev.launch("flash_attention.cu", "flash_attention_forward", grid, block,
+               (q, k, v, o, lse, T, D, scale, int(causal)))
+    return o, lse
+
+
+def _scores(x: Any, op: str) -> tuple[int, int]:
+    R, T = rows_of(x, op)
+    if x.ndim < 2 or x.shape[-2] != T:
+        raise ValueError(f"{op}: scores must be (..., T, T) (row r's query position is "
+                         f"r % T); got {x.shape}.")
+    return R, T

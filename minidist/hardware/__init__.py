@@ -1,0 +1,16 @@
+"""Hardware: what the machine can do, and what each op of the model asks of it.
+
+    op_costs.py       FLOPs and bytes of each op, as one fused kernel (the compulsory
+                      bytes) and as the unfused passes of its NumPy twin
+    roofline.py       arithmetic intensity: every op of a GPT training step (forward,
+                      backward, optimizer; fused and unfused; per precision) placed under
+                      a machine's compute and memory roofs (the H200's data sheet, this
+                      CPU's measured rates)
+    roofline_cli.py   `python -m minidist roofline`: this CPU's roofs, NumPy op timings
+                      against their bounds, the table and the PNG
+    cpu_caches.py     this CPU's memory hierarchy: read GB/s and random-access ns over
+                      working sets from 16 KB up, one plateau per cache level (the CPU twin
+                      of gpu/kernels/bandwidth.cu and pointer_chase.cu)
+
+Read next: hardware/op_costs.py, then hardware/roofline.py.
+"""

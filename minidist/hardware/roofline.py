@@ -1,0 +1,212 @@
+"""Arithmetic intensity: every op of the GPT, placed under a machine's compute and memory roofs.
+
+A kernel needs time for its arithmetic and time for its memory traffic, and cannot take
+less than either: with F FLOPs, Q bytes, a peak of P FLOP/s and a bandwidth of W B/s,
+    time >= max(F / P, Q / W).
+The ratio I = F / Q (FLOPs per byte, the arithmetic intensity) decides which term wins:
+below the ridge point I* = P / W the op is memory-bound (a faster ALU would not help),
+above it compute-bound. On an H200, I* = 66.9e12 / 4.8e12 = 14 FLOP/B for FP32 and 206
+FLOP/B for BF16 GEMMs on the tensor cores: a LayerNorm (about 1 FLOP/B) sits deep in the
+memory-bound region, a large GEMM (hundreds of FLOP/B) under the compute roof.
+
+Q is the op's traffic as hardware/op_costs.py counts it, for the op fused into one kernel
+(the compulsory bytes) and for its unfused passes; the gap between the two bounds is what
+fusion buys on a memory-bound op, and nothing on a compute-bound one.
+
+One training step's view (`gpt_ops`, then a Roof):
+    1. list the step's ops in the order they run, each with how often it runs:
+       forward   embedding; per block 2 LayerNorms, the qkv, proj, fc and fc2 GEMMs,
+                 attention, bias + GELU, 2 residual adds; ln_f; LM head; cross-entropy
+       backward  the same in reverse (cross-entropy's fused kernel already wrote dz)
+       optimizer the global gradient norm and AdamW over every parameter;
+    2. an op's kernels run one after another: its bound is the sum over them of
+       max(matmul / P_mm, other / P_vec, bytes / W) (P_mm: tensor cores on the GPU; on a
+       CPU, whose vector units do both kinds, the two compute terms add up);
+    3. memory-bound when the bytes terms outweigh the compute terms.
+The roofs: the H200's data sheet (`h200`), or this CPU's measured rates (roofline_cli.py:
+NumPy's matmul FLOP/s, via observe/peak.py, and the best of copy, read and write B/s).
+On a GPU each launch also costs a few microseconds of overhead, outside the roofline: the
+launch counts show where that matters (every op of the tiny demo GPT).
+
+Shapes: R = B*T rows of width C, F = mlp_ratio*C, H heads of D = C/H, V vocabulary, L
+layers; bytes per element s = 8, 4, 4 (TF32), 2 (BF16) by precision; AdamW and the norm
+keep float32 state under TF32/BF16 (mixed precision's master weights), float64 else.
+No communication: a rank of a parallel layout runs these ops on its shards.
+
+References: Williams, Waterman & Patterson 2009, "Roofline: an insightful visual performance
+    model for multicore architectures", CACM 52(4); NVIDIA H200 data sheet (dense rates,
+    no sparsity); Micikevicius et al. 2018, arXiv:1710.03740 (float32 master weights).
+Read next: hardware/roofline_cli.py (this CPU's roofs, the table), gpu/kernels/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minidist.hardware import op_costs as oc
+from minidist.hardware.op_costs import Kernel, Kernels
+from minidist.nn import GPTConfig
+
+PRECISIONS = {"float64": 8, "float32": 4, "tf32": 4, "bf16": 2}   # bytes per element
+VARIANTS = ("fused", "unfused")
+PHASES = ("forward", "backward", "optimizer")
+
+# H200 SXM, dense: FP64 33.5 (its tensor cores 66.9), FP32 66.9, TF32 494.7, BF16 989.4
+# TFLOP/s; HBM3e 4.8 TB/s. Elementwise math on TF32/BF16 data runs in FP32 (CUDA cores).
+H200_BANDWIDTH = 4.8e12
+H200_MATMUL = {"float64": 66.9e12, "float32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12}
+H200_VECTOR = {"float64": 33.5e12, "float32": 66.9e12, "tf32": 66.9e12, "bf16": 66.9e12}
+
+
+@dataclass(frozen=True)
+class Op:
+    """An op of the step, `times` per step, as one fused kernel list and one unfused."""
+
+    name: str
+    phase: str               # "forward", "backward" or "optimizer"
+    times: int
+    fused: Kernels
+    unfused: Kernels
+
+    def kernels(self, variant: str) -> Kernels:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant={variant!r}: use 'fused' or 'unfused'.")
+        return self.fused if variant == "fused" else self.unfused
+
+    def flops(self, variant: str = "fused") -> int:
+        return self.times * sum(k.flops for k in self.kernels(variant))
+
+    def matmul_flops(self, variant: str = "fused") -> int:
+        return self.times * sum(k.matmul for k in self.kernels(variant))
+
+    def bytes(self, variant: str = "fused") -> int:
+        return self.times * sum(k.bytes for k in self.kernels(variant))
+
+    def launches(self, variant: str = "fused") -> int:
+        return self.times * len(self.kernels(variant))
+
+    def intensity(self, variant: str = "fused") -> float:
+        """FLOPs per byte (0 for an op with no traffic)."""
+        q = self.bytes(variant)
+        return self.flops(variant) / q if q else 0.0
+
+
+@dataclass(frozen=True)
+class Roof:
+    """A machine's roofs: matmul and vector FLOP/s, and memory bandwidth in B/s."""
+
+    name: str
+    matmul: float
+    vector: float
+    bandwidth: float
+    overlap: bool = True     # matmul and vector units run at once (GPU tensor + CUDA cores)
+
+    def compute_seconds(self, k: Kernel) -> float:
+        """matmul/P_mm and other/P_vec: the larger where the two kinds of units overlap,
+        their sum where the same units do both (a CPU's vector units)."""
+        mm, other = k.matmul / self.matmul, k.other / self.vector
+        return max(mm, other) if self.overlap else mm + other
+
+    def kernel_seconds(self, k: Kernel) -> float:
+        """The least time kernel k can take here: max(compute time, bytes / W)."""
+        return max(self.compute_seconds(k), k.bytes / self.bandwidth)
+
+    def seconds(self, op: Op, variant: str = "fused") -> float:
+        """The op's bound per step: its kernels run one after another."""
+        return op.times * sum(self.kernel_seconds(k) for k in op.kernels(variant))
+
+    def limit(self, op: Op, variant: str = "fused") -> str:
+        """"memory" if the bytes terms are at least the compute terms, summed over the
+        kernels; "compute" otherwise; "-" when the op runs no kernel."""
+        ks = op.kernels(variant)
+        if not ks:
+            return "-"                       # nothing runs (done in another op's kernel)
+        memory = sum(k.bytes for k in ks) / self.bandwidth
+        compute = sum(self.compute_seconds(k) for k in ks)
+        return "memory" if memory >= compute else "compute"
+
+    def ridge(self, matmul: bool = True) -> float:
+        """I* = peak / bandwidth in FLOP/B: the intensity where the two roofs meet."""
+        return (self.matmul if matmul else self.vector) / self.bandwidth
+
+
+def h200(precision: str = "float32") -> Roof:
+    """The H200's data-sheet roofs for `precision` (PRECISIONS)."""
+    _check_precision(precision)
+    return Roof(f"H200 {precision}", H200_MATMUL[precision], H200_VECTOR[precision],
+                H200_BANDWIDTH)
+
+
+def _check_precision(precision: str) -> int:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is unknown; use one of "
+                         f"{', '.join(PRECISIONS)}.")
+    return PRECISIONS[precision]
+
+
+
+
+def parameter_sizes(cfg: GPTConfig) -> list[int]:
+    """Elements of each parameter array of GPT(cfg), in model.parameters() order."""
+    C, F, b = cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, cfg.bias
+    block = []
+    for shape in ((C,), (C, 3 * C), (C, C), (C,), (C, F), (F, C)):      # ln_1 ... mlp.proj
+        block += [shape[0] * shape[-1] if len(shape) == 2 else C] + ([shape[-1]] if b else [])
+    sizes = [cfg.vocab_size * C, cfg.block_size * C] + block * cfg.n_layer + [C] * (1 + b)
+    return sizes + ([] if cfg.tie_weights else [C * cfg.vocab_size])
+
+
+def gpt_ops(cfg: GPTConfig, batch: int, T: int | None = None, precision: str = "float32",
+            weight_decay: float = 0.0) -> list[Op]:
+    """The ops of one training step of GPT(cfg) on `batch` sequences of T tokens (default
+    block_size), in the order they run, with AdamW; see the module docstring."""
+    s = _check_precision(precision)
+    T = cfg.block_size if T is None else T
+    if cfg.moe_every:
+        raise ValueError(f"gpt_ops: moe_every={cfg.moe_every}; the roofline models a dense "
+                         "GPT (expert routing is data-dependent). Use moe_every=0.")
+    if batch < 1 or not 1 <= T <= cfg.block_size:
+        raise ValueError(f"gpt_ops: batch={batch} must be >= 1 and T={T} between 1 and "
+                         f"block_size={cfg.block_size}.")
+    B, C, L, V, H, bias = batch, cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.n_head, cfg.bias
+    R, F, D = B * T, cfg.mlp_ratio * C, C // H
+    sizes, s_opt = parameter_sizes(cfg), 8 if precision == "float64" else 4
+    fwd = [("embedding", 1, oc.embedding(B, T, C, s)),
+           ("layernorm", 2 * L + 1, oc.layernorm(R, C, s, bias)),
+           ("qkv matmul", L, oc.gemm(R, C, 3 * C, s, bias)),
+           ("attention", L, oc.attention(B, H, T, D, s)),
+           ("attn proj matmul", L, oc.gemm(R, C, C, s, bias)),
+           ("residual add", 2 * L, oc.residual(R * C, s)),
+           ("fc matmul", L, oc.gemm(R, C, F, s)),
+           ("bias + gelu" if bias else "gelu", L, oc.bias_gelu(R, F, s, bias)),
+           ("fc2 matmul", L, oc.gemm(R, F, C, s, bias)),
+           ("lm head matmul", 1, oc.gemm(R, C, V, s)),
+           ("cross-entropy", 1, oc.cross_entropy(R, V, s))]
+    bwd = [("cross-entropy", 1, oc.cross_entropy_backward(R, V, s)),
+           ("lm head matmul", 1, oc.gemm_backward(R, C, V, s)),
+           ("layernorm", 2 * L + 1, oc.layernorm_backward(R, C, s, bias)),
+           ("fc2 matmul", L, oc.gemm_backward(R, F, C, s, bias)),
+           ("bias + gelu" if bias else "gelu", L, oc.bias_gelu_backward(R, F, s, bias)),
+           ("fc matmul", L, oc.gemm_backward(R, C, F, s)),
+           ("attn proj matmul", L, oc.gemm_backward(R, C, C, s, bias)),
+           ("attention", L, oc.attention_backward(B, H, T, D, s)),
+           ("qkv matmul", L, oc.gemm_backward(R, C, 3 * C, s, bias)),
+           ("residual grad add", 2 * L, oc.residual(R * C, s)),
+           ("embedding", 1, oc.embedding_backward(B, T, C, V, s))]
+    opt = [("grad norm", 1, oc.grad_norm(sizes, s_opt)),
+           ("adamw", 1, oc.adamw(sizes, s_opt, weight_decay))]
+    return [Op(name, phase, times, *kernels)
+            for phase, rows in zip(PHASES, (fwd, bwd, opt)) for name, times, kernels in rows]
+
+
+def totals(ops: list[Op], variant: str = "fused") -> dict[str, int]:
+    """{"flops", "matmul_flops", "bytes", "launches"} summed over ops."""
+    return {"flops": sum(o.flops(variant) for o in ops),
+            "matmul_flops": sum(o.matmul_flops(variant) for o in ops),
+            "bytes": sum(o.bytes(variant) for o in ops),
+            "launches": sum(o.launches(variant) for o in ops)}
+
+
+def step_seconds(ops: list[Op], roof: Roof, variant: str = "fused") -> float:
+    """The step's bound on `roof`: the sum of its ops' bounds."""
+    return sum(roof.seconds(o, variant) for o in ops)

@@ -40,6 +40,10 @@ from minidist.reliability.checkpoint import (CheckpointError, CheckpointState, _
                                              _write_rank_file)
 from minidist.reliability.checkpoint_format import _meta
 
+# The writer thread's nice value (Linux: per thread). It shares the rank's core with
+# training; a low priority lets training run first and the writer fill the gaps.
+NICE = 10
+
 
 def _copy(state: CheckpointState) -> CheckpointState:
     """A private copy (checked with `_meta`): what the background thread writes."""
@@ -137,6 +141,10 @@ class AsyncCheckpointer:
 
     def _persist(self, previous: CheckpointState | None, state: CheckpointState) -> None:
         """The thread: commit `previous` (rank 0), then write this rank's part of `state`."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)   # this thread
+        except (OSError, AttributeError):    # not permitted, or not Linux: run as it is
+            pass
         try:
             if previous is not None:
                 self._commit(previous, spare=f".tmp-{_step_name(state.step)}")

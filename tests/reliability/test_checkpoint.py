@@ -390,3 +390,20 @@ def test_an_error_in_the_background_write_is_raised_on_the_training_thread(tmp_p
         writer.close()
         assert sorted(os.listdir(tmp_path)) == ["latest", "step00000003"]
         _assert_same(load(latest(tmp_path).path), _state(3))
+
+
+def test_the_async_writer_thread_yields_its_core_to_training(tmp_path):
+    """The writer runs at nice NICE (Linux: per thread), so on a core shared with training
+    the scheduler runs training first; the training thread keeps its own priority."""
+    from minidist.reliability import async_checkpoint
+    seen = []
+
+    def phase(name):
+        if name == "rank_file_written":
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with AsyncCheckpointer(tmp_path, on_phase=phase) as writer:
+        writer.snapshot(_state(1))
+    if before <= async_checkpoint.NICE:              # raising one's own nice is always allowed
+        assert seen == [async_checkpoint.NICE], seen
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

@@ -1,0 +1,18 @@
+"""The determinism demo runs as a user runs it: as usual the layouts' parameter hashes
+differ (the same numbers summed in other orders); with --deterministic all six equal the
+deterministic single process's, and it ends with its OK line."""
+
+import pytest
+
+from tests.helpers import run_demo
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_determinism_demo_prints_one_hash_for_every_layout():
+    rc, out = run_demo("23_determinism.py")
+    text = "\n".join(out)
+    assert rc == 0 and out[-1].startswith("OK: 6 layouts' parameters match"), text
+    usual = text.split("== --deterministic ==")[0]
+    assert usual.count(" ≠ ") >= 4, usual                  # rounding shows in the bits
+    assert "deterministic: 1 hash over 6 runs" in text

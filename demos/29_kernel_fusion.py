@@ -86,10 +86,12 @@ def emulated(ops: list[Op], seed: int) -> tuple[list[str], float, list[str]]:
     def ce(zz):
         fu.cross_entropy(emu, zz, t, reduction="sum")
         return zz                                                   # dz, written in place
+    _, _, u_rstd, u_xhat = un.layernorm_forward(emu, x, w, b)   # the unfused bwd's inputs
     cases = [  # name: (fused(), unfused.cu() or None, the twin's output, tolerance)
         (lambda: fu.layernorm_forward(emu, x, w, b)[0],
          lambda: un.layernorm_forward(emu, x, w, b)[0], twins.layernorm_forward(x, w, b)["y"]),
-        (lambda: fu.layernorm_backward(emu, dy, x, w, mean, rstd)[0], None,
+        (lambda: fu.layernorm_backward(emu, dy, x, w, mean, rstd)[0],
+         lambda: un.layernorm_backward(emu, dy, u_xhat, w, u_rstd)[0],
          twins.layernorm_backward(dy, x, w, b)["dx"]),
         (lambda: fu.bias_gelu_forward(emu, x, b), lambda: un.bias_gelu_forward(emu, x, b),
          twins.bias_gelu_forward(x, b)["y"]),

@@ -169,6 +169,7 @@ def fusion_ops(rig: Rig) -> list[tuple]:
     pgmv.append([r.random(n, f32) for n in sizes])                  # v >= 0
     hyper = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.0, t=1)
     _, mean, rstd = fu.layernorm_forward(dev, x, w, b)
+    _, _, u_rstd, u_xhat = un.layernorm_forward(dev, x, w, b)     # what the unfused bwd needs
     y = fu.softmax_forward(dev, S, scale)
     with rig.twins():
         ln, ge, sm = _ctx(LayerNorm, x, w, b), _ctx(Gelu, x + b), \
@@ -183,7 +184,9 @@ def fusion_ops(rig: Rig) -> list[tuple]:
          lambda: LayerNorm.forward(Context(), x, w, b),
          lambda: un.layernorm_forward(dev, x, w, b), oc.layernorm(N, C, 4)),
         ("layernorm backward", lambda: fu.layernorm_backward(dev, dy, x, w, mean, rstd),
-         lambda: LayerNorm.backward(ln, dy), None, oc.layernorm_backward(N, C, 4)),
+         lambda: LayerNorm.backward(ln, dy),
+         lambda: un.layernorm_backward(dev, dy, u_xhat, w, u_rstd),
+         oc.layernorm_backward(N, C, 4)),
         ("bias + gelu forward", lambda: fu.bias_gelu_forward(dev, x, b),
          lambda: Gelu.forward(Context(), x + b), lambda: un.bias_gelu_forward(dev, x, b),
          oc.bias_gelu(N, C, 4)),

@@ -6,10 +6,13 @@ NumPy-like step, every intermediate written to global memory and read back by th
 launch (kernels in gpu/kernels/unfused.cu). The tests check that both give the twin's
 numbers; dev.launches then shows the launch counts side by side, and the compulsory
 bytes of each version are written in the kernel files' headers (and computed in
-hardware/roofline.py):
+hardware/roofline.py). The LayerNorm backward is its twin's own passes, one kernel per
+NumPy expression of autograd/fused.LayerNorm.backward, so its launches and the bytes of
+each are exactly hardware/op_costs.layernorm_backward's unfused count (a test checks it):
 
     op                  fused launches   unfused launches   unfused intermediates
-    LayerNorm forward   1                4                  mean, var, xhat (N, C)
+    LayerNorm forward   1                4                  mean, rstd, xhat (N, C)
+    LayerNorm backward  2                11                 dxhat, dx, a product (N, C)
     bias + GeLU fwd     1                2                  u = x + bias (N, C)
     bias + GeLU bwd     2                3                  u, du (N, C)
     causal softmax      1                5                  s, exp (R, T), max, sum
@@ -33,18 +36,42 @@ U = "unfused.cu"
 
 
 def layernorm_forward(dev: Device, x: Any, w: Any, b: Any, eps: float = 1e-5, *,
-                      block: int = 128) -> tuple[Any, Any, Any]:
-    """(y, mean, var) by row_mean, row_var, normalize, scale_shift."""
+                      block: int = 128) -> tuple[Any, Any, Any, Any]:
+    """(y, mean, rstd, xhat) by row_mean, row_rstd, normalize, scale_shift: mean and rstd
+    as the fused kernel writes them, and xhat, which the twin keeps for its backward."""
     N, C = rows_of(x, "unfused layernorm_forward")
     check_block(block, "unfused layernorm_forward", warp_multiple=False)
-    mean, var = dev.empty((N,)), dev.empty((N,))
+    mean, rstd = dev.empty((N,)), dev.empty((N,))
     xhat, y = dev.empty(x.shape), dev.empty(x.shape)
     dev.launch(U, "row_mean", grid_for(N, block), block, (x, mean, N, C))
-    dev.launch(U, "row_var", grid_for(N, block), block, (x, mean, var, N, C))
-    dev.launch(U, "normalize", grid_for(N * C, block), block,
-               (x, mean, var, xhat, N * C, C, eps))
+    dev.launch(U, "row_rstd", grid_for(N, block), block, (x, mean, rstd, N, C, eps))
+    dev.launch(U, "normalize", grid_for(N * C, block), block, (x, mean, rstd, xhat, N * C, C))
     dev.launch(U, "scale_shift", grid_for(N * C, block), block, (xhat, w, b, y, N * C, C))
-    return y, mean, var
+    return y, mean, rstd, xhat
+
+
+def layernorm_backward(dev: Device, dy: Any, xhat: Any, w: Any, rstd: Any, *,
+                       block: int = 128) -> tuple[Any, Any, Any]:
+    """(dx, dw, db) from the forward's xhat and rstd by LayerNorm.backward's 11 passes:
+    dxhat = dy * w; dx = dxhat - mean(dxhat); dx -= xhat * mean(dxhat * xhat); dx *= rstd;
+    dw = column sums of dy * xhat; db = column sums of dy."""
+    N, C = rows_of(xhat, "unfused layernorm_backward")
+    check_block(block, "unfused layernorm_backward", warp_multiple=False)
+    n, each, rows, cols = N * C, grid_for(N * C, block), grid_for(N, block), grid_for(C, block)
+    dxhat, dx, t = dev.empty(xhat.shape), dev.empty(xhat.shape), dev.empty(xhat.shape)
+    m1, m2, dw, db = dev.empty((N,)), dev.empty((N,)), dev.empty((C,)), dev.empty((C,))
+    dev.launch(U, "column_multiply", each, block, (dy, w, dxhat, n, C))    # dxhat = dy * w
+    dev.launch(U, "row_mean", rows, block, (dxhat, m1, N, C))
+    dev.launch(U, "row_subtract", each, block, (dxhat, m1, dx, n, C))      # dx = dxhat - m1
+    dev.launch(U, "multiply", each, block, (dxhat, xhat, t, n))            # t = dxhat * xhat
+    dev.launch(U, "row_mean", rows, block, (t, m2, N, C))
+    dev.launch(U, "row_multiply", each, block, (xhat, m2, t, n, C))        # t = xhat * m2
+    dev.launch(U, "subtract", each, block, (dx, t, dx, n))                 # dx -= t
+    dev.launch(U, "row_multiply", each, block, (dx, rstd, dx, n, C))       # dx *= rstd
+    dev.launch(U, "multiply", each, block, (dy, xhat, t, n))               # t = dy * xhat
+    dev.launch(U, "column_sum", cols, block, (t, dw, N, C))
+    dev.launch(U, "column_sum", cols, block, (dy, db, N, C))
+    return dx, dw, db
 
 
 def bias_gelu_forward(dev: Device, x: Any, bias: Any, *, block: int = 256) -> Any:

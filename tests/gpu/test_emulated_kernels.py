@@ -18,6 +18,7 @@ from minidist.gpu.emulate.cases import CASES, run_all, run_case
 from minidist.gpu.emulate.runner import Emulator, EmulatorError
 from minidist.gpu.emulate.sanitize import run_python
 from minidist.gpu.emulate.source import KERNELS_DIR, read_kernels, rewrite_dynamic_shared
+from minidist.hardware import op_costs as oc
 from tests.gpu.conftest import KERNEL_FILES
 
 PARAMS = [(name, shape, block) for name, (_, shapes, blocks) in CASES.items()
@@ -51,9 +52,12 @@ def _launch_counts(emu: Emulator) -> dict[str, tuple[int, int]]:
     q = emu.asarray(rng.standard_normal((2, 13, 8)).astype(np.float32))
     ps = [emu.asarray(rng.standard_normal(n).astype(np.float32)) for n in (5, 70, 3)]
     hyper = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.0, t=1)
+    _, mean, rstd, xhat = unfused.layernorm_forward(emu, x, w, b)
     ops = {
         "LayerNorm forward": (lambda: fused.layernorm_forward(emu, x, w, b),
                               lambda: unfused.layernorm_forward(emu, x, w, b)),
+        "LayerNorm backward": (lambda: fused.layernorm_backward(emu, x, x, w, mean, rstd),
+                               lambda: unfused.layernorm_backward(emu, x, xhat, w, rstd)),
         "bias + GeLU fwd": (lambda: fused.bias_gelu_forward(emu, x, b),
                             lambda: unfused.bias_gelu_forward(emu, x, b)),
         "bias + GeLU bwd": (lambda: fused.bias_gelu_backward(emu, x, x, b),
@@ -89,6 +93,26 @@ def test_fusion_saves_the_launches_the_unfused_docstring_table_states(emulator):
             table[m.group(1)] = (int(m.group(2)), int(m.group(3)) * (3 if m.group(4) else 1))
     assert table == counts, f"docstring table {table}\nmeasured (3 AdamW tensors) {counts}"
     assert all(f < u for f, u in counts.values())
+
+
+@pytest.mark.parametrize("N,C", [(1, 5), (9, 100)])
+def test_unfused_layernorm_backward_makes_exactly_the_roofline_unfused_passes(emulator, N, C):
+    """unfused.cu's LayerNorm backward is hardware/op_costs.py's unfused count, kernel by
+    kernel: as many launches, and each launch's array arguments (each read or written whole,
+    once; an array updated in place is passed twice) add up to that pass's bytes."""
+    emu, moved = Emulator(), []
+    launch = emu.launch
+
+    def counting(cu, kernel, grid, block, args, shared_bytes=0):
+        moved.append(sum(a.nbytes for a in args if isinstance(a, np.ndarray)))
+        launch(cu, kernel, grid, block, args, shared_bytes)
+    rng = np.random.default_rng(2)
+    dy, x = (rng.standard_normal((N, C)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(C).astype(np.float32)
+    _, _, rstd, xhat = unfused.layernorm_forward(emu, x, w, w)
+    emu.launch = counting
+    unfused.layernorm_backward(emu, dy, xhat, w, rstd)
+    assert moved == [k.bytes for k in oc.layernorm_backward(N, C, 4)[1]]
 
 
 # ---- the emulator itself ----

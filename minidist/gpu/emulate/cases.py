@@ -18,7 +18,7 @@ stride loops give a block several rows.
 
 One case's view (e.g. layernorm):
     1. draw x, w, b, dy from the seed (float32), copy them to the device
-    2. run the fused forward and backward, the unfused forward; copy back to NumPy
+    2. run the fused forward and backward, the unfused ones; copy back to NumPy
     3. twin in float64; one Check per output and comparison
 Read next: emulate/sanitize.py, tests/gpu/test_emulated_kernels.py
 """
@@ -81,14 +81,18 @@ def case_layernorm(dev: Any, rng: np.random.Generator, shape: tuple, block: int)
     y, mean, rstd = fused.layernorm_forward(dev, X, W, B, block=block, blocks=_grid(N))
     dx, dw, db = fused.layernorm_backward(dev, DY, X, W, mean, rstd, block=block,
                                           blocks=_grid(N))
-    uy, umean, _ = unfused.layernorm_forward(dev, X, W, B, block=block)
+    uy, umean, urstd, uxhat = unfused.layernorm_forward(dev, X, W, B, block=block)
+    udx, udw, udb = unfused.layernorm_backward(dev, DY, uxhat, W, urstd, block=block)
+    got_b, ugot_b = {"dx": dx, "dw": dw, "db": db}, {"dx": udx, "dw": udw, "db": udb}
     checks: list = []
     _compare(checks, "layernorm_forward fused", {"y": y, "mean": mean, "rstd": rstd}, want_f,
              TOL, dev)
-    _compare(checks, "layernorm_backward fused", {"dx": dx, "dw": dw, "db": db}, want_b, TOL, dev)
-    _compare(checks, "layernorm_forward unfused", {"y": uy, "mean": umean}, want_f, TOL, dev)
-    _compare(checks, "layernorm_forward fused vs unfused", {"y": y}, {"y": dev.to_numpy(uy)},
-             TOL, dev)
+    _compare(checks, "layernorm_backward fused", got_b, want_b, TOL, dev)
+    _compare(checks, "layernorm_forward unfused", {"y": uy, "mean": umean, "rstd": urstd},
+             want_f, TOL, dev)
+    _compare(checks, "layernorm_backward unfused", ugot_b, want_b, TOL, dev)
+    _compare(checks, "layernorm fused vs unfused", {"y": y, **got_b},
+             {k: dev.to_numpy(v) for k, v in {"y": uy, **ugot_b}.items()}, TOL, dev)
     return checks
 
 

@@ -6,8 +6,11 @@
 // intermediate. gpu/fused.py runs both versions; their launch counts and the bytes they
 // move are what kernel fusion saves (counted there and in hardware/roofline.py).
 //
-// The sequences (gpu/fused.py, unfused_* functions):
-//   LayerNorm forward     row_mean, row_var, normalize, scale_shift           4 launches
+// The sequences (gpu/unfused.py, the fused op's namesake):
+//   LayerNorm forward     row_mean, row_rstd, normalize, scale_shift          4 launches
+//   LayerNorm backward    column_multiply, row_mean, row_subtract, multiply,  11
+//                         row_mean, row_multiply, subtract, row_multiply,
+//                         multiply, column_sum (dw), column_sum (db)
 //   bias + GeLU forward   add_bias, gelu_forward                              2
 //   bias + GeLU backward  add_bias, gelu_backward, column_sum                 3
 //   causal softmax        scale_mask, row_max, exp_sub, row_sum, row_divide   5
@@ -24,6 +27,10 @@
 //   (BH, T, D) attention heads, all row-major float32; targets int32.
 // Memory traffic: each kernel reads its inputs and writes its output once; e.g. the
 //   LayerNorm sequence moves 4 (6NC + 2C + 5N) B against the fused 4 (2NC + 2C + 2N) B.
+//   The LayerNorm backward is the twin's eleven NumPy passes (autograd/fused.py,
+//   LayerNorm.backward, given the forward's xhat and rstd), one kernel each, exactly as
+//   hardware/op_costs.py counts them: 4 (21NC + 3C + 5N) B against the fused
+//   4 (3NC + 3C + 2N) B plus its partial sums.
 // Twins: the same as the fused kernels (minidist/gpu/twins.py).
 
 #define GRID_STRIDE(i, n)                                                         \
@@ -46,12 +53,13 @@ extern "C" __global__ void row_mean(const float* x, float* mean, int R, int L) {
   }
 }
 
-extern "C" __global__ void row_var(const float* x, const float* mean, float* var, int R,
-                                   int L) {
+// rstd = 1 / sqrt(var + eps), var the mean square of the row minus its mean
+extern "C" __global__ void row_rstd(const float* x, const float* mean, float* rstd, int R,
+                                    int L, float eps) {
   GRID_STRIDE(r, R) {
     float s = 0.0f;
     for (int c = 0; c < L; ++c) s += (x[r * L + c] - mean[r]) * (x[r * L + c] - mean[r]);
-    var[r] = s / L;
+    rstd[r] = rsqrtf(s / L + eps);
   }
 }
 
@@ -88,14 +96,40 @@ extern "C" __global__ void column_sum(const float* x, float* out, int R, int L) 
 }
 
 // ---- elementwise: one thread per element of an (R, L) array, n = R * L ----
-extern "C" __global__ void normalize(const float* x, const float* mean, const float* var,
-                                     float* xhat, long long n, int L, float eps) {
-  GRID_STRIDE(i, n) xhat[i] = (x[i] - mean[i / L]) * rsqrtf(var[i / L] + eps);
+// (out may be one of the inputs: each thread reads and writes only its own elements)
+extern "C" __global__ void normalize(const float* x, const float* mean, const float* rstd,
+                                     float* xhat, long long n, int L) {
+  GRID_STRIDE(i, n) xhat[i] = (x[i] - mean[i / L]) * rstd[i / L];
 }
 
 extern "C" __global__ void scale_shift(const float* xhat, const float* w, const float* b,
                                        float* y, long long n, int L) {
   GRID_STRIDE(i, n) y[i] = xhat[i] * w[i % L] + b[i % L];
+}
+
+extern "C" __global__ void multiply(const float* a, const float* b, float* out, long long n) {
+  GRID_STRIDE(i, n) out[i] = a[i] * b[i];
+}
+
+extern "C" __global__ void subtract(const float* a, const float* b, float* out, long long n) {
+  GRID_STRIDE(i, n) out[i] = a[i] - b[i];
+}
+
+// out = a * w, w (L,) one number per column
+extern "C" __global__ void column_multiply(const float* a, const float* w, float* out,
+                                           long long n, int L) {
+  GRID_STRIDE(i, n) out[i] = a[i] * w[i % L];
+}
+
+// out = a * m and out = a - m, m (R,) one number per row
+extern "C" __global__ void row_multiply(const float* a, const float* m, float* out,
+                                        long long n, int L) {
+  GRID_STRIDE(i, n) out[i] = a[i] * m[i / L];
+}
+
+extern "C" __global__ void row_subtract(const float* a, const float* m, float* out,
+                                        long long n, int L) {
+  GRID_STRIDE(i, n) out[i] = a[i] - m[i / L];
 }
 
 extern "C" __global__ void add_bias(const float* x, const float* bias, float* u, long long n,

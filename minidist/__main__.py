@@ -167,8 +167,8 @@ def _gpu(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from minidist import train
-    return train.main(argv) or 0
+    from minidist import train_cli
+    return train_cli.main(argv) or 0
 
 
 COMMANDS = {"run": _run, "train": _train, "demo": _demo, "bench": _bench, "memory": _memory,

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from minidist import train
+from minidist import train, train_cli
 from minidist.reliability import faults
 from minidist.reliability.checkpoint import PHASES
 
@@ -171,10 +171,10 @@ def test_random_kills_recover_bitwise(seed, tmp_path, capsys):
 def _elastic_run(argv: list[str]):
     """recovery.run as `train` runs it, returning the RankResult of the whole run."""
     from minidist.reliability import recovery
-    a = train._arguments().parse_args(argv)
-    cfg, data_cfg, plan = train._job(a)
+    a = train_cli._arguments().parse_args(argv)
+    cfg, data_cfg, plan = train_cli._job(a)
     r = recovery.options(a, plan.world_size, plan.pp)
-    return a, cfg, data_cfg, recovery.run(a, cfg, data_cfg, plan, r, train._rank_main)
+    return a, cfg, data_cfg, recovery.run(a, cfg, data_cfg, plan, r, train_cli._rank_main)
 
 
 @pytest.mark.parametrize("extra, lines", [

@@ -158,6 +158,6 @@ def test_policies_and_their_refusals():
 
 
 def test_train_cli_offers_every_precision():
-    from minidist.train import _arguments
+    from minidist.train_cli import _arguments
     action = next(a for a in _arguments()._actions if a.dest == "precision")
     assert tuple(action.choices) == PRECISIONS

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from minidist import train
+from minidist import train_cli as train
 from minidist.autograd import Tensor, no_grad
 from minidist.autograd.saved import saved_bytes
 from minidist.baseline import model_config_for, train_single_process

@@ -28,9 +28,19 @@ def minidist_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess
                           text=True, timeout=timeout, cwd=ROOT, env=ENV)
 
 
+# A shell starts a job with SIGINT and SIGQUIT at their defaults. The test process may not
+# have them so when it forks: C's system(), run by any thread of it, ignores both in the
+# whole process until it returns, and a child forked meanwhile inherits SIG_IGN (seen in
+# full runs: jobs that Ctrl-C could not stop). So the job is started through a one-line
+# exec that sets them back to default first, as the shell would.
+_AS_A_SHELL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+               "signal.signal(signal.SIGQUIT, signal.SIG_DFL); "
+               "os.execv(sys.executable, [sys.executable, '-m', 'minidist', *sys.argv[1:]])")
+
+
 def start(*args: str) -> subprocess.Popen:
     """`python -m minidist ARGS` in its own process group (as a shell job), stdout piped."""
-    return subprocess.Popen([sys.executable, "-m", "minidist", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", _AS_A_SHELL, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV,
                             start_new_session=True)
 
@@ -126,8 +136,24 @@ def _interrupt_after_first_step(proc: subprocess.Popen) -> tuple[list[int], str]
         assert line, proc.communicate(timeout=30)[1]
     kids = child_pids(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:         # say what every process of the job is doing
+        states = {pid: _status(pid) for pid in [proc.pid, *child_pids(proc.pid)]}
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        raise AssertionError(f"SIGINT did not end the job within 30 s: {states}") from None
     return kids, err
+
+
+def _status(pid: int) -> str:
+    """A process's state, signal masks and wait channel, from /proc (for a failure message)."""
+    try:
+        lines = open(f"/proc/{pid}/status").read().splitlines()
+        keep = [x for x in lines if x.split(":")[0] in ("State", "SigBlk", "SigIgn", "SigCgt")]
+        return "; ".join(keep) + "; wchan " + open(f"/proc/{pid}/wchan").read()
+    except OSError as e:
+        return f"gone ({e.strerror})"
 
 
 def _alive(pid: int) -> bool:

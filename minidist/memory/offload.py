@@ -375,3 +375,18 @@ def offload_engine(engine: Any, tier: str, root: str | None = None, **options: A
             shard.data = opt.store.place(f"w_shard.{i}", shard.data)
             engine.stage3.handles[i].data = shard.data    # the leaf held the device copy
     return opt
+
+
+def check_plan(plan) -> None:
+    """ValueError unless a Plan's offload options make sense (parallel/compose.Plan)."""
+    if plan.offload not in ("none", "host", "disk"):
+        raise ValueError(f"Plan: offload={plan.offload!r} is unknown; use 'none' (state on "
+                         "the device), 'host' or 'disk' (memory/offload.py).")
+    if plan.offload_dir is not None and plan.offload != "disk":
+        raise ValueError(f"Plan: offload_dir={plan.offload_dir!r} is where the disk tier's "
+                         f"files go, but offload={plan.offload!r}; use offload='disk' or "
+                         "drop offload_dir.")
+    if plan.offload != "none" and plan.precision != "fp32":
+        raise ValueError(f"Plan: offload={plan.offload!r} with precision="
+                         f"{plan.precision!r}: mixed precision's fp32 master weights are "
+                         "not offloaded; use precision 'fp32' or offload 'none'.")

@@ -222,3 +222,30 @@ class Autocast:
         grads = functional.matmul_grads(a, b, g, *ctx.needs_input_grad)
         return tuple(None if d is None else round_to(d, self.dtype).astype(np.float32)
                      for d in grads)
+
+
+def plan_policy(plan) -> Policy:
+    """The Policy of a Plan that asks for mixed precision (parallel/compose.Plan.policy)."""
+    policy = Policy(plan.precision, plan.grad_reduce)
+    if not policy.low:
+        raise ValueError("Plan: grad_reduce='low' sums gradients in the low-precision "
+                         "format, and precision='fp32' has none; choose precision bf16, "
+                         "fp16 or fp8, or grad_reduce='fp32'.")
+    return policy
+
+
+def check_plan(plan, cfg) -> None:
+    """ValueError unless mixed precision is built for this Plan and model: dp and ZeRO 1-3
+    of a float32 model, no recomputation (fp8: ZeRO <= 2)."""
+    other = {k: getattr(plan, k) for k in ("tp", "pp", "cp", "ep") if getattr(plan, k) > 1}
+    if plan.precision == "fp8" and plan.zero == 3:
+        raise ValueError("Plan: precision='fp8' with ZeRO-3 is not built: ZeRO-3's "
+                         "backward runs each block's forward again, and fp8's delayed "
+                         "scales would quantise the rerun differently. Use zero <= 2.")
+    if other or cfg.dtype != "float32" or cfg.recompute != "none":
+        raise ValueError(
+            f"Plan: precision={plan.precision!r} is built for data parallelism and ZeRO "
+            f"1-3 of a float32 model (its fp32 master weights) without recomputation; "
+            f"this job has {other or 'no other axis'}, dtype={cfg.dtype!r}, recompute="
+            f"{cfg.recompute!r}. Use tp = pp = cp = ep = 1, dtype float32 and recompute "
+            "none, or precision fp32.")

@@ -140,29 +140,16 @@ class Plan:
             raise ValueError("Plan: sequence_parallel=True needs tp > 1 (it splits the "
                              "sequence over the tensor-parallel ranks); set tp or drop SP.")
         self.policy()                            # validates precision and grad_reduce
-        if self.offload not in ("none", "host", "disk"):
-            raise ValueError(f"Plan: offload={self.offload!r} is unknown; use 'none' (state on "
-                             "the device), 'host' or 'disk' (memory/offload.py).")
-        if self.offload_dir is not None and self.offload != "disk":
-            raise ValueError(f"Plan: offload_dir={self.offload_dir!r} is where the disk tier's "
-                             f"files go, but offload={self.offload!r}; use offload='disk' or "
-                             "drop offload_dir.")
-        if self.offload != "none" and self.precision != "fp32":
-            raise ValueError(f"Plan: offload={self.offload!r} with precision="
-                             f"{self.precision!r}: mixed precision's fp32 master weights are "
-                             "not offloaded; use precision 'fp32' or offload 'none'.")
+        if self.offload != "none" or self.offload_dir is not None:
+            from minidist.memory.offload import check_plan
+            check_plan(self)                     # memory/offload.py owns its options
 
     def policy(self):
         """memory/precision.Policy of a mixed-precision Plan; None for fp32 (nothing changes)."""
         if self.precision == "fp32" and self.grad_reduce == "fp32":
             return None
-        from minidist.memory.precision import Policy     # needs ml_dtypes (extra "precision")
-        policy = Policy(self.precision, self.grad_reduce)
-        if not policy.low:
-            raise ValueError("Plan: grad_reduce='low' sums gradients in the low-precision "
-                             "format, and precision='fp32' has none; choose precision bf16, "
-                             "fp16 or fp8, or grad_reduce='fp32'.")
-        return policy
+        from minidist.memory.precision import plan_policy    # needs ml_dtypes ("precision")
+        return plan_policy(self)
 
     @property
     def world_size(self) -> int:
@@ -256,22 +243,8 @@ class Plan:
         if self.pp > 1:
             self._validate_pipeline(cfg)
         if self.policy() is not None:
-            self._validate_precision(cfg)
-
-    def _validate_precision(self, cfg: GPTConfig) -> None:
-        """Mixed precision is built for dp and ZeRO 1-3 of a float32 model, no recompute."""
-        other = {k: getattr(self, k) for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1}
-        if self.precision == "fp8" and self.zero == 3:
-            raise ValueError("Plan: precision='fp8' with ZeRO-3 is not built: ZeRO-3's "
-                             "backward runs each block's forward again, and fp8's delayed "
-                             "scales would quantise the rerun differently. Use zero <= 2.")
-        if other or cfg.dtype != "float32" or cfg.recompute != "none":
-            raise ValueError(
-                f"Plan: precision={self.precision!r} is built for data parallelism and ZeRO "
-                f"1-3 of a float32 model (its fp32 master weights) without recomputation; "
-                f"this job has {other or 'no other axis'}, dtype={cfg.dtype!r}, recompute="
-                f"{cfg.recompute!r}. Use tp = pp = cp = ep = 1, dtype float32 and recompute "
-                "none, or precision fp32.")
+            from minidist.memory.precision import check_plan
+            check_plan(self, cfg)                # memory/precision.py owns its limits
 
     def _validate_routing_groups(self, cfg: GPTConfig, global_batch: int, seq_len: int) -> None:
         """ValueError unless every rank holds whole MoE routing groups (nn/moe.py): groups

@@ -88,7 +88,7 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
                          clip_grad: float | None = None, warmup_steps: int = 0,
                          lr_schedule: str = "constant", min_lr: float = 0.0,
                          on_step: Callable[[int, float, GPT], None] | None = None,
-                         deterministic: bool = False) -> TrainResult:
+                         deterministic: bool = False, grain: int = 1) -> TrainResult:
     """Train GPT(model_cfg, seed) on `steps` global batches of `data_cfg`; the ground truth.
 
     lr_schedule "constant" keeps lr; "cosine" uses optim.lr_at (linear warm-up over
@@ -97,11 +97,16 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     micro-batch, and the per-sample gradients and losses are added in the fixed tree of
     minidist/canonical.py, so the bits depend on no grouping: grad_accum changes nothing,
     and the layouts that do the same (train.py --deterministic) equal this run bit for bit.
+    grain (deterministic only): samples per micro-batch (the leaves of the tree are runs of
+    `grain` consecutive rows); every layout compared must use the same grain.
     """
     check_compatible(model_cfg, data_cfg)
     if steps < 0 or grad_accum < 1 or global_batch % grad_accum:
         raise ValueError(f"steps={steps}, global_batch={global_batch}, grad_accum={grad_accum}:"
                          " need steps >= 0 and global_batch a multiple of grad_accum >= 1.")
+    if deterministic and (not isinstance(grain, int) or grain < 1 or global_batch % grain):
+        raise ValueError(f"grain={grain!r}: the deterministic grain must be an int >= 1 that "
+                         f"divides global_batch={global_batch}.")
     if lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"lr_schedule={lr_schedule!r} is unknown; use 'constant' or 'cosine'.")
     model, data = GPT(model_cfg, seed), SyntheticData(data_cfg)
@@ -110,7 +115,7 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     for step in range(steps):
         opt.lr = lr if lr_schedule == "constant" else optim.lr_at(
             step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr=min_lr)
-        losses.append(_accumulate_canonical(model, data, step, global_batch, seed)
+        losses.append(_accumulate_canonical(model, data, step, global_batch, seed, grain)
                       if deterministic else
                       _accumulate_gradients(model, data, step, global_batch, grad_accum, seed))
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -146,25 +151,27 @@ def _accumulate_gradients(model: GPT, data: SyntheticData, step: int, global_bat
 
 
 def _accumulate_canonical(model: GPT, data: SyntheticData, step: int, global_batch: int,
-                          seed: int) -> float:
-    """_accumulate_gradients with one sample per micro-batch, its gradient and loss summed
-    over the samples in the aligned tree of canonical.py (grain: the global batch's row)."""
+                          seed: int, grain: int = 1) -> float:
+    """_accumulate_gradients with `grain` samples per micro-batch, whose gradients and losses
+    are summed in the aligned tree of canonical.py (leaf b: rows b grain .. (b+1) grain - 1)."""
     ids = data.global_indices(step, global_batch)                    # (B,)
     x, y = data.batch(ids)                                           # (B, T) each
     n_tokens = int((y != -100).sum())                                # over the GLOBAL batch
     params = model.parameters()
     grads, losses = TreeSum(), TreeSum()
-    for b in range(global_batch):
-        key = DropoutKey(seed, step, (int(ids[b]),))
-        _, loss = model(x[b:b + 1], y[b:b + 1], n_tokens=n_tokens,
-                        aux_weight=1 / global_batch, dropout_key=key)
+    leaves = global_batch // grain
+    for b in range(leaves):
+        rows = slice(b * grain, (b + 1) * grain)
+        key = DropoutKey(seed, step, tuple(int(i) for i in ids[rows]))
+        _, loss = model(x[rows], y[rows], n_tokens=n_tokens,
+                        aux_weight=grain / global_batch, dropout_key=key)
         loss.backward()
         grads.push(b, flat_grads(params))
         losses.push(b, loss.data.astype(np.float64))
         for p in params:
             p.grad = None
-    set_flat_grads(params, combine(grads.nodes(), global_batch))
-    return float(combine(losses.nodes(), global_batch))
+    set_flat_grads(params, combine(grads.nodes(), leaves))
+    return float(combine(losses.nodes(), leaves))
 
 
 def flat_grads(params: list) -> np.ndarray:
@@ -249,6 +256,9 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
                     help="bitwise the same parameters and losses under every dp x ZeRO layout "
                          "and micro-batch count: one sample per micro-batch, summed in a "
                          "fixed tree (minidist/canonical.py)")
+    ap.add_argument("--grain", type=int, default=1,
+                    help="--deterministic: samples per leaf of the tree (default 1); larger "
+                         "is faster, and runs compare bitwise only at the same grain")
     ap.add_argument("--device", type=_device, default=os.environ.get(backend.DEVICE_ENV, ""),
                     help="cpu (NumPy) or gpu (CuPy; needs the 'gpu' extra and a CUDA "
                          f"device); default ${backend.DEVICE_ENV}, else cpu")
@@ -340,7 +350,8 @@ def run(a: argparse.Namespace) -> int:
         return 0
     result = train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.batch, lr=a.lr,
                                   seed=a.seed, grad_accum=a.grad_accum, optimizer=a.optimizer,
-                                  on_step=progress, deterministic=a.deterministic)
+                                  on_step=progress, deterministic=a.deterministic,
+                                  grain=a.grain)
     print(bar.summary(time.perf_counter() - t0))
     show_samples(cfg, data_cfg, result.params)
     print(f"params sha256: {params_digest(result.params)}")

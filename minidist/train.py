@@ -113,7 +113,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                   on_step_end: Callable[["StepEnd"], None] | None = None,
                   straggler=None, observer=None,
                   device_memory: int | str | None = None,
-                  memory_ledger: bool = False, deterministic: bool = False) -> RankResult:
+                  memory_ledger: bool = False, deterministic: bool = False,
+                  grain: int = 1) -> RankResult:
     """Train GPT(model_cfg, seed) on this rank's share of `steps` global batches.
 
     Same arguments as baseline.train_single_process (grad_accum is plan.micro_batches)
@@ -144,12 +145,15 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     device_memory (bytes, or a size such as "64MB"): the steps run under memory/ledger.py's
     Ledger with that per-rank budget, which raises DeviceOutOfMemory past it; memory_ledger:
     the same without a budget. RankResult.memory["ledger"] is then its summary() (peaks).
+    deterministic (parallel/deterministic.py): bitwise train_single_process(deterministic=
+    True, grain=grain); every micro-batch is one grain of `grain` rows, whatever
+    plan.micro_batches says, so each dp rank's rows must be a multiple of grain.
     """
     check_compatible(model_cfg, data_cfg)
     plan.validate(model_cfg, global_batch, data_cfg.block_size)
-    if deterministic:                  # one sample per micro-batch: the grain decides, not M
-        determinism.check(plan, model_cfg, guard, straggler)
-        plan = replace(plan, micro_batches=global_batch // plan.dp)
+    if deterministic:                  # a grain per micro-batch: the grain decides, not M
+        determinism.check(plan, model_cfg, guard, straggler, grain, global_batch)
+        plan = replace(plan, micro_batches=global_batch // (plan.dp * grain))
     if not isinstance(steps, int) or steps < 0 or lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"train_on_rank: steps={steps!r} must be an int >= 0 and "
                          f"lr_schedule={lr_schedule!r} 'constant' or 'cosine'.")
@@ -197,7 +201,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         first, mine = determinism.my_rows(rows, global_batch, plan.dp, lay.dp_group.rank)
         batches, n_tokens = schedules.micro_batches(data, step + data_offset, global_batch,
                                                     plan.dp, lay.dp_group.rank,
-                                                    mine if deterministic else
+                                                    mine // grain if deterministic else
                                                     plan.micro_batches, seed, positions,
                                                     **({} if rows is None else {"rows": rows}))
         if injector is not None:               # random tokens instead of the batch
@@ -214,15 +218,17 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                     injector.nan_loss(lay.model, step):
                 if deterministic and stage is None:     # parallel/deterministic.py: the
                     loss, norm = determinism.step(engine, lay.model.parameters(), batches,
-                                                  first, global_batch, n_tokens,  # update
-                                                  lay.dp_group, lr_s, clip_grad)  # too
+                                                  first // grain, global_batch // grain,
+                                                  n_tokens, lay.dp_group, lr_s,   # update
+                                                  clip_grad)                      # too
                     norms.append(norm)
                     return loss
                 if stage is None:
                     return schedules.grad_accumulation(engine, batches, n_tokens)
                 if deterministic:
                     loss, norm = determinism.pipeline_step(
-                        engine, stage, batches, first, global_batch, n_tokens, lay.dp_group,
+                        engine, stage, batches, first // grain, global_batch // grain,
+                        n_tokens, lay.dp_group,
                         lay.pp_group, determinism.param_order(model_cfg), lr_s, clip_grad)
                     norms.append(norm)
                 else:

@@ -229,7 +229,8 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
                            if printed(step) else None,
                            straggler=stragglers.for_rank(ctx, a, plan, cfg), observer=observer,
                            device_memory=getattr(a, "device_memory", None),
-                           deterministic=getattr(a, "deterministic", False), **resume)
+                           deterministic=getattr(a, "deterministic", False),
+                           grain=getattr(a, "grain", 1), **resume)
     if saver is not None:
         saver.close()
     if observer is not None:
@@ -264,7 +265,8 @@ def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str
     ref = baseline.train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.batch,
                                         lr=a.lr, seed=a.seed, grad_accum=a.grad_accum,
                                         optimizer=a.optimizer,
-                                        deterministic=getattr(a, "deterministic", False))
+                                        deterministic=getattr(a, "deterministic", False),
+                                        grain=getattr(a, "grain", 1))
     if getattr(a, "deterministic", False):       # the same bits, or a mismatch
         same = run.losses == ref.losses and all(np.array_equal(run.params[k], v)
                                                 for k, v in ref.params.items())

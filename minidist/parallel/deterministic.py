@@ -8,7 +8,8 @@ same operations on the same shapes, and the samples' gradients are added in one 
 over their global row indices 0..B-1, as train_single_process(deterministic=True) does.
 
 One rank's view of a step (dp rank d of the dp group, holding rows [a_d, b_d) of the
-global batch, any number of micro-batches asked for: the grain decides, not M):
+global batch, any number of micro-batches asked for: the grain decides, not M; written
+here for a grain of one sample):
     1. for each of my rows i, in order: forward and backward of that one sample inside
        engine.no_sync(); push (i, my local gradient) into a TreeSum and zero the local
        gradient; push (i, its loss) into a second TreeSum
@@ -21,17 +22,24 @@ global batch, any number of micro-batches asked for: the grain decides, not M):
        the root exactly, whatever the order of the additions, so each rank ends with the
        root (or its shard of it) and the optimizer runs on it unchanged
     5. the step's loss: combine of the loss nodes, kept by rank 0 only (the others add 0)
-Pipeline stages (`pipeline_step`, GPipe and 1F1B): each stage runs its schedule on the
-one-sample micro-batches; after a micro-batch's backward the stage's local gradient is
-that sample's share of its parameters. The tied wte has two shares, the embedding's on the
-first stage and the head's on the last: the two exchange them per sample over the
-embedding group and add them (a + b = b + a exactly, as the single process's leaf adds
-them), so both stages push the same per-sample wte gradient. The norm adds each
-parameter's sum of squares in the single process's parameter order, gathered over pp.
-Covered: dp of any size, ZeRO 0-3, pp (gpipe, 1f1b) and their products, any micro-batch
-count, float64 and float32. Not yet covered (refused by train.py): tp, cp, ep and the
-interleaved and zero-bubble schedules, whose sums run over other grains (contraction
-shards, positions, chunks of one micro-batch's backward on one stage).
+Pipeline stages (`pipeline_step`, every schedule): each stage runs its schedule on the
+one-grain micro-batches; a sample's share of the stage's parameters is complete after its
+last backward action there (B, or W when zero bubble splits the backward), and an
+interleaved stage adds its chunks' parts, which touch disjoint parameters (x + 0 = x). The
+tied wte has two shares, the embedding's on the first stage and the head's on the last:
+the two exchange them per grain over the embedding group and add them (a + b = b + a
+exactly, as the single process's leaf adds them), so both stages push the same wte
+gradient. The norm adds each parameter's sum of squares in the single process's parameter
+order, gathered over pp.
+The grain: `grain` rows per leaf (default 1, --grain). Any grain gives a bitwise
+reproducible run; layouts agree with each other and with the single process at the same
+grain, and each dp rank must hold whole grains. A larger grain runs larger matmuls (closer
+to the plain mode's speed) and fewer leaves; grain = B / dp is the plain mode's own
+micro-batch.
+Covered: dp of any size, ZeRO 0-3, pp (every schedule) and their products, any
+micro-batch count, float64 and float32. Not yet covered (refused by train.py): tp, cp and
+ep, whose sums across ranks run over other grains (contraction shards, positions, tokens
+routed to an expert from several samples), and pp with MoE.
 Communication: the nodes (at most about 2 log2(B) gradients per rank, all-gathered) plus
 the engine's usual reduction of one gradient; the reference pays it for exactness.
 Read next: canonical.py, then train.py (--deterministic).
@@ -51,14 +59,22 @@ from minidist.optim import global_grad_norm
 from minidist.optim.clip import clip_to, wide
 
 
-def check(plan, cfg, guard=None, straggler=None) -> None:
-    """ValueError unless the deterministic mode covers this layout (module docstring)."""
+def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
+          global_batch: int | None = None) -> None:
+    """ValueError unless the deterministic mode covers this layout (module docstring) with
+    micro-batches of `grain` rows on every dp rank."""
+    if not isinstance(grain, int) or isinstance(grain, bool) or grain < 1:
+        raise ValueError(f"--grain {grain!r}: the deterministic grain must be an int >= 1 "
+                         f"(rows per leaf of the sum's tree).")
+    if global_batch is not None and (global_batch // plan.dp) % grain:
+        raise ValueError(f"--grain {grain}: each of the dp={plan.dp} ranks holds "
+                         f"{global_batch // plan.dp} rows, not a whole number of grains; "
+                         f"use a grain that divides {global_batch // plan.dp}.")
     others = {k: getattr(plan, k) for k in ("tp", "cp", "ep") if getattr(plan, k) > 1}
-    name = plan.schedule if isinstance(plan.schedule, str) else plan.schedule.name
-    if plan.pp > 1 and (name not in ("gpipe", "1f1b") or cfg.moe_every):
-        others[f"pp with {'MoE' if cfg.moe_every else name}"] = plan.pp
+    if plan.pp > 1 and cfg.moe_every:
+        others["pp with MoE"] = plan.pp
     if others:
-        raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (gpipe, 1f1b) and any "
+        raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule) and any "
                          f"micro-batch count; "
                          f"not yet {', '.join(f'{k}={v}' for k, v in others.items())}, whose "
                          f"sums across ranks run over other grains. Drop those axes, or "
@@ -69,10 +85,10 @@ def check(plan, cfg, guard=None, straggler=None) -> None:
     if straggler is not None and straggler.mode == "rebalance":
         raise ValueError("--deterministic with --straggler rebalance: not supported yet "
                          "(uneven rows are, through train_on_rank's rows; use detect).")
-    if cfg.moe_every and cfg.routing_group > cfg.block_size:
+    if cfg.moe_every and cfg.routing_group > grain * cfg.block_size:
         raise ValueError(f"--deterministic: a MoE routing group of {cfg.routing_group} "
-                         f"tokens spans several samples, but the grain is one sample; use "
-                         f"--moe-group-size <= {cfg.block_size}.")
+                         f"tokens spans several grains of {grain} sample(s); use "
+                         f"--moe-group-size <= {grain * cfg.block_size} or a larger --grain.")
 
 
 def my_rows(rows, global_batch: int, dp: int, d: int) -> tuple[int, int]:
@@ -120,10 +136,11 @@ def _gather_nodes(nodes: list[Node], size: int, dtype, group) -> list[Node]:
             for j, (lo, hi) in enumerate(all_ranges[r][:counts[r]])]
 
 
-def step(engine, params: list, batches: list, first_row: int, global_batch: int,
-         n_tokens: int, group, lr: float, clip_grad: float | None) -> tuple[float, float]:
-    """Steps 1-5 of the module docstring for this rank's one-sample micro-batches (the
-    first of them is global row first_row); returns (global loss or 0.0, gradient norm)."""
+def step(engine, params: list, batches: list, first: int, leaves: int, n_tokens: int,
+         group, lr: float, clip_grad: float | None) -> tuple[float, float]:
+    """Steps 1-5 of the module docstring for this rank's one-grain micro-batches (the first
+    of them is leaf `first` of the `leaves` of the global batch); returns (global loss or
+    0.0, gradient norm)."""
     grads, losses = TreeSum(), TreeSum()
     for j, mb in enumerate(batches):
         with engine.no_sync():
@@ -131,14 +148,14 @@ def step(engine, params: list, batches: list, first_row: int, global_batch: int,
                                      dropout_key=mb.dropout_key)
             loss.backward()
         views = local_views(engine, params)
-        grads.push(first_row + j, np.concatenate([v.reshape(-1) for v in views]))
-        losses.push(first_row + j, np.asarray(loss.data, np.float64).reshape(1))
+        grads.push(first + j, np.concatenate([v.reshape(-1) for v in views]))
+        losses.push(first + j, np.asarray(loss.data, np.float64).reshape(1))
         for v in views:
             v[...] = 0
     dtype = params[0].data.dtype
     size = sum(p.data.size for p in params)
-    root = combine(_gather_nodes(grads.nodes(), size, dtype, group), global_batch)
-    total = combine(_gather_nodes(losses.nodes(), 1, np.float64, group), global_batch)
+    root = combine(_gather_nodes(grads.nodes(), size, dtype, group), leaves)
+    total = combine(_gather_nodes(losses.nodes(), 1, np.float64, group), leaves)
     pieces, at = [], 0
     for p in params:                                  # the root, cut into parameters
         pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())
@@ -168,7 +185,7 @@ def _global_norm(named: list, order: list[str], pp_group) -> float:
     return math.sqrt(total)
 
 
-def pipeline_step(engine, stage, batches: list, first_row: int, global_batch: int,
+def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
                   n_tokens: int, group, pp_group, order: list[str], lr: float,
                   clip_grad: float | None) -> tuple[float, float]:
     """step() for a pipeline stage (module docstring); returns (loss or 0.0, norm)."""
@@ -176,16 +193,20 @@ def pipeline_step(engine, stage, batches: list, first_row: int, global_batch: in
     params = [p for _, p in named]
     last = stage.cut.stage == stage.cut.stages - 1
     per_sample, losses = {}, {}
+    grads_at = "W" if stage.schedule.split_backward else "B"    # zero bubble: W, else B
     stage.begin(batches, n_tokens)
     with engine.no_sync():
         for a in stage.schedule.actions[stage.cut.stage]:
             stage.run(a)
-            if a.kind == "F" and last:        # the sample's loss, before B drops the graph
+            if a.kind == "F" and stage.cut.vstage(a.chunk) == stage.last_vstage:
+                # the sample's loss, before B drops the graph
                 y = stage.live[a.micro_batch, a.chunk]["y"]
                 losses[a.micro_batch] = np.asarray(y.data, np.float64).reshape(1)
-            elif a.kind == "B":               # this stage's share of the sample's gradient
+            elif a.kind == grads_at:          # this chunk's share of the sample's gradient
                 views = local_views(engine, params)
-                per_sample[a.micro_batch] = np.concatenate([v.reshape(-1) for v in views])
+                part = np.concatenate([v.reshape(-1) for v in views])
+                m = a.micro_batch             # chunks own disjoint parameters: x + 0 = x
+                per_sample[m] = part if m not in per_sample else per_sample[m] + part
                 for v in views:
                     v[...] = 0
     stage.finish()
@@ -202,17 +223,17 @@ def pipeline_step(engine, stage, batches: list, first_row: int, global_batch: in
             per_sample[m][at:at + n] = both[0, j] + both[1, j]
     grads = TreeSum()
     for m in sorted(per_sample):
-        grads.push(first_row + m, per_sample[m])
+        grads.push(first + m, per_sample[m])
     size = sum(p.data.size for p in params)
     root = combine(_gather_nodes(grads.nodes(), size, params[0].data.dtype, group),
-                   global_batch)
+                   leaves)
     total = 0.0
     if last:
         tree = TreeSum()
         for m in sorted(losses):
-            tree.push(first_row + m, losses[m])
+            tree.push(first + m, losses[m])
         total = float(combine(_gather_nodes(tree.nodes(), 1, np.float64, group),
-                              global_batch)[0])
+                              leaves)[0])
     pieces, at = [], 0
     for p in params:
         pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())

@@ -52,18 +52,51 @@ def test_the_layouts_it_does_not_cover_are_refused_by_name():
     cfg = _cfg("float64")
     with pytest.raises(Exception, match="not yet tp=2"):
         spawn(2, _rank, cfg, Plan(tp=2))
-    with pytest.raises(Exception, match="not yet pp with zb-h1=2"):
-        spawn(2, _rank, cfg, Plan(pp=2, micro_batches=2, schedule="zb-h1"))
+    with pytest.raises(Exception, match="not yet pp with MoE=2"):
+        moe = cfg.__class__(**{**cfg.__dict__, "moe_every": 1, "n_experts": 2,
+                                "moe_group_size": 8})
+        spawn(2, _rank, moe, Plan(pp=2, micro_batches=2))
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("dp, pp, zero, schedule", [(1, 2, 0, "1f1b"), (1, 2, 0, "gpipe"),
                                                     (2, 2, 1, "1f1b"), (1, 3, 0, "1f1b"),
-                                                    (2, 2, 2, "gpipe")])
+                                                    (2, 2, 2, "gpipe"),
+                                                    (1, 2, 0, "interleaved"),
+                                                    (1, 2, 2, "interleaved"),
+                                                    (1, 2, 0, "zb-h1"), (2, 2, 1, "zb-h1"),
+                                                    (1, 4, 0, "zb-h1")])
 def test_pipeline_layouts_equal_the_single_process_bit_for_bit(dtype, dp, pp, zero, schedule):
-    cfg = _cfg(dtype).__class__(**{**_cfg(dtype).__dict__, "n_layer": 3})
+    """Each schedule's gradient of a sample on a stage is complete after its last backward
+    action there: B, or W under zero bubble; interleaving adds the chunks' disjoint parts."""
+    cfg = _cfg(dtype).__class__(**{**_cfg(dtype).__dict__, "n_layer": 4})
     ref = train_single_process(cfg, DATA, steps=STEPS, global_batch=B, lr=LR, clip_grad=CLIP,
                                deterministic=True)
     plan = Plan(dp=dp, pp=pp, zero=zero, micro_batches=2, schedule=schedule)
     for r, run in enumerate(spawn(dp * pp, _rank, cfg, plan)):
         _same(run, ref, f"{plan.describe()} ZeRO-{zero} {schedule} rank {r}")
+
+
+def _grain_rank(ctx, cfg, plan, grain):
+    return train_on_rank(ctx, cfg, DATA, plan, steps=STEPS, global_batch=B, lr=LR,
+                         clip_grad=CLIP, deterministic=True, grain=grain)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_larger_grain_is_bitwise_across_layouts_that_hold_whole_grains(dtype):
+    """grain=3: four leaves of three rows; dp=2, dp=4 with ZeRO-3 and dp=2 x pp=2 (zb-h1)
+    each equal the single process with the same grain."""
+    cfg = _cfg(dtype).__class__(**{**_cfg(dtype).__dict__, "n_layer": 4})
+    ref = train_single_process(cfg, DATA, steps=STEPS, global_batch=B, lr=LR, clip_grad=CLIP,
+                               deterministic=True, grain=3)
+    for plan in (Plan(dp=2), Plan(dp=4, zero=3), Plan(dp=2, pp=2, schedule="zb-h1")):
+        for r, run in enumerate(spawn(plan.world_size, _grain_rank, cfg, plan, 3)):
+            _same(run, ref, f"{plan.describe()} grain 3 rank {r}")
+
+
+def test_a_grain_that_does_not_divide_a_ranks_rows_is_refused():
+    with pytest.raises(Exception, match="not a whole number of grains"):
+        spawn(2, _grain_rank, _cfg("float64"), Plan(dp=2), 4)
+    with pytest.raises(ValueError, match="divides global_batch"):
+        train_single_process(_cfg("float64"), DATA, steps=1, global_batch=B, lr=LR,
+                             deterministic=True, grain=5)

@@ -41,6 +41,7 @@ import numpy as np
 
 from minidist import backend, optim
 from minidist.canonical import TreeSum, combine
+from minidist.canonical_matmul import tile_model
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPT, DropoutKey, GPTConfig
 
@@ -110,6 +111,8 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     if lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"lr_schedule={lr_schedule!r} is unknown; use 'constant' or 'cosine'.")
     model, data = GPT(model_cfg, seed), SyntheticData(data_cfg)
+    if deterministic:                        # matmuls over the tiles every layout uses
+        tile_model(model)
     opt = make_optimizer(optimizer, model.parameters(), lr, weight_decay, betas, momentum)
     losses, norms, lrs = [], [], []
     for step in range(steps):

@@ -46,7 +46,9 @@ Read next: baseline.py (train_single_process, deterministic=True).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 Node = tuple[int, int, Any]           # (first grain, end grain, the sum over them)
 
@@ -104,3 +106,45 @@ def combine(nodes: list[Node], count: int) -> Any:
         return left if lo + half >= count else left + node(lo + half, half)
 
     return node(0, 1 << (count - 1).bit_length())
+
+
+def stacked_nodes(values: Any, index: Sequence[int]) -> list[Node]:
+    """The aligned nodes of the grains stacked along values' axis 0, grain values[j] having
+    the global index index[j] (increasing; runs of consecutive indices, possibly several):
+    TreeSum's nodes, computed a level at a time over whole arrays (vectorised) instead of a
+    grain at a time. Each node is a perfect subtree, its sum its pairs added level by level."""
+    out, j = [], 0
+    while j < len(index):
+        lo, run = index[j], 1
+        while j + run < len(index) and index[j + run] == lo + run:
+            run += 1                                       # [lo, lo + run): one run
+        hi = lo + run
+        while lo < hi:
+            size = 1
+            while lo % (2 * size) == 0 and lo + 2 * size <= hi:
+                size *= 2                                  # the largest aligned node at lo
+            part = values[j:j + size]
+            while len(part) > 1:
+                part = part[0::2] + part[1::2]             # one level of the perfect tree
+            out.append((lo, lo + size, part[0]))
+            lo, j = lo + size, j + size
+    return out
+
+
+def gather_nodes(nodes: list[Node], shape: tuple, dtype,
+                 all_gather: Callable[[np.ndarray], np.ndarray]) -> list[Node]:
+    """Every rank's nodes (values of `shape`), through all_gather(array) -> (W, *shape): a
+    collective over the group that holds the other grains (parallel/ passes one, so that
+    this module needs no runtime). The node counts first (they differ between ranks), then
+    the ranges and the values, padded to the largest count."""
+    size = int(np.prod(shape, dtype=np.int64))
+    counts = all_gather(np.array([len(nodes)], np.int64)).reshape(-1)
+    k = int(counts.max())
+    ranges = np.full((k, 2), -1, np.int64)
+    values = np.zeros((k, size), dtype)
+    for j, (lo, hi, v) in enumerate(nodes):
+        ranges[j], values[j] = (lo, hi), np.asarray(v).reshape(-1)
+    all_ranges = all_gather(ranges)                                    # (W, k, 2)
+    all_values = all_gather(values)                                    # (W, k, size)
+    return [(int(lo), int(hi), all_values[r, j].reshape(shape)) for r in range(len(counts))
+            for j, (lo, hi) in enumerate(all_ranges[r][:counts[r]])]

@@ -171,6 +171,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     if initial_state is not None:
         lay.engine.load_full_state(*initial_state)
     engine, grad, data = lay.engine, lay.grad_group, SyntheticData(data_cfg)
+    if deterministic:                          # the tp-shardable matmuls over fixed tiles
+        determinism.tile_model(lay.model)
+        named = list(lay.model.named_parameters())
     canonical = "direct" if getattr(grad, "supports_shared", False) else "auto"  # MPI: no shm
     groups = {"dp": grad}                     # the gradient sync: dp (x cp)
     if lay.mesh is not None:
@@ -217,10 +220,10 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
             with contextlib.nullcontext() if injector is None else \
                     injector.nan_loss(lay.model, step):
                 if deterministic and stage is None:     # parallel/deterministic.py: the
-                    loss, norm = determinism.step(engine, lay.model.parameters(), batches,
-                                                  first // grain, global_batch // grain,
-                                                  n_tokens, lay.dp_group, lr_s,   # update
-                                                  clip_grad)                      # too
+                    loss, norm = determinism.step(engine, named, batches, first // grain,
+                                                  global_batch // grain, n_tokens,  # the
+                                                  lay.dp_group, lr_s, clip_grad,    # update
+                                                  lay.tp_group)                     # too
                     norms.append(norm)
                     return loss
                 if stage is None:
@@ -229,7 +232,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                     loss, norm = determinism.pipeline_step(
                         engine, stage, batches, first // grain, global_batch // grain,
                         n_tokens, lay.dp_group,
-                        lay.pp_group, determinism.param_order(model_cfg), lr_s, clip_grad)
+                        lay.pp_group, determinism.param_order(model_cfg), lr_s, clip_grad,
+                        lay.tp_group)
                     norms.append(norm)
                 else:
                     loss = stage.step(engine, batches, n_tokens)

@@ -267,11 +267,12 @@ def gelu(x: Any, approximate: str = "tanh") -> Tensor:
 
 
 def cross_entropy(logits: Tensor, targets: Any, ignore_index: int = -100,
-                  reduction: str = "mean") -> Tensor:
+                  reduction: str = "mean", tree: bool = False) -> Tensor:
     """Softmax cross-entropy of logits (..., V) against integer targets (...).
 
     reduction: "mean" over targets != ignore_index (0 if there are none), "sum",
-    or "none" (a loss per position, shape of targets, 0 where ignored).
+    or "none" (a loss per position, shape of targets, 0 where ignored). tree: the
+    softmax's sum over V in canonical.py's fixed tree (the deterministic mode).
     """
     xp = backend.xp
     t = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
@@ -291,7 +292,7 @@ def cross_entropy(logits: Tensor, targets: Any, ignore_index: int = -100,
         logits = precision.upcast(logits)
     z = logits if logits.ndim == 2 else ops.reshape(logits, -1, V)
     loss = fused.CrossEntropy.apply(z, t=t.reshape(-1), ignore_index=ignore_index,
-                                    reduction=reduction)
+                                    reduction=reduction, tree=tree)
     return ops.reshape(loss, t.shape) if reduction == "none" else loss
 
 

@@ -127,11 +127,14 @@ class CrossEntropy(Function):
     there are none), "sum" does not, "none" returns one loss per row.
     Backward, per counted row with weight w_n (1/count, 1 or g_n):
         dz_n = w_n * (softmax(z_n) - onehot(t_n)).
-    The softmax is computed once, in the forward, and reused.
+    The softmax is computed once, in the forward, and reused. tree: the sum over V in
+    the aligned tree of canonical.py (the deterministic mode's, which vocabulary-parallel
+    ranks reproduce: parallel/vocab.py) instead of NumPy's.
     """
 
     @staticmethod
-    def forward(ctx: Context, z: Any, *, t: Any, ignore_index: int, reduction: str) -> Any:
+    def forward(ctx: Context, z: Any, *, t: Any, ignore_index: int, reduction: str,
+                tree: bool = False) -> Any:
         xp = backend.xp
         N = z.shape[0]
         rows = xp.arange(N)
@@ -139,7 +142,12 @@ class CrossEntropy(Function):
         t_safe = xp.where(keep, t, 0)
         z_max = z.max(axis=1, keepdims=True)                       # (N, 1)
         p = xp.exp(z - z_max)
-        sums = p.sum(axis=1, keepdims=True)
+        if tree:
+            from minidist.canonical_matmul import tree_over_tiles
+            V = p.shape[1]
+            sums = tree_over_tiles(p.T, tuple(range(V)), V, None)[:, None]
+        else:
+            sums = p.sum(axis=1, keepdims=True)
         p /= sums                                                  # softmax (N, V)
         losses = (xp.log(sums[:, 0]) + z_max[:, 0]) - z[rows, t_safe]
         w = keep.astype(z.dtype)                                   # 1 counted, 0 ignored

@@ -43,6 +43,7 @@ from minidist import backend
 from minidist import seed as seeding
 from minidist.autograd import Tensor, no_grad
 from minidist.autograd import functional as F
+from minidist.canonical_matmul import tiled_matmul
 from minidist.memory import recompute as recomputation
 from minidist.nn.attention import CausalSelfAttention
 from minidist.nn.layers import STD, MLP, DropoutKey, Dropout, Embedding, LayerNorm, Linear
@@ -161,7 +162,11 @@ class GPTLayout:
                             sits, {1: (first position or positions, T)}  {} here
         logits(x, w)        the LM head: x (B, T, C) @ w (C, V)          -> (B, T, V)
         loss_sum(z, y)      sum over counted tokens of CE(z, y)          -> scalar
+    head_tiles (canonical_matmul.Tiles, set by the deterministic mode): the LM head over
+    fixed tiles and the loss's sum over V in a fixed tree; None: one matmul, NumPy's sum.
     """
+
+    head_tiles = None
 
     def positions(self, T: int):
         return backend.xp.arange(T)
@@ -170,10 +175,13 @@ class GPTLayout:
         return {}
 
     def logits(self, x: Tensor, w: Tensor) -> Tensor:
+        if self.head_tiles is not None:
+            return tiled_matmul(x, w, self.head_tiles)
         return x @ w                                             # (B, T, C) @ (C, V)
 
     def loss_sum(self, logits: Tensor, targets) -> Tensor:
-        return F.cross_entropy(logits, backend.xp.asarray(targets), reduction="sum")
+        return F.cross_entropy(logits, backend.xp.asarray(targets), reduction="sum",
+                               tree=self.head_tiles is not None)
 
 
 class GPT(Module):

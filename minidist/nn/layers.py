@@ -25,6 +25,7 @@ from minidist import backend
 from minidist import seed as seeding
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
+from minidist.canonical_matmul import tiled_matmul
 from minidist.nn.module import Module, Parameter
 
 STD = 0.02                                            # GPT-2's initialiser
@@ -40,7 +41,10 @@ class DropoutKey:
 
 
 class Linear(Module):
-    """y = x @ W + b with W (in_features, out_features)."""
+    """y = x @ W + b with W (in_features, out_features). `tiles` (canonical_matmul.Tiles,
+    set by the deterministic mode): x @ W over fixed tiles of W; None: one matmul."""
+
+    tiles = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dtype: str = "float64", std: float = STD) -> None:
@@ -48,7 +52,8 @@ class Linear(Module):
         self.bias = Parameter((out_features,), seeding.zeros(), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = x @ self.weight                            # (..., C) @ (C, F) -> (..., F)
+        y = x @ self.weight if self.tiles is None else \
+            tiled_matmul(x, self.weight, self.tiles)     # (..., C) @ (C, F) -> (..., F)
         return y if self.bias is None else y + self.bias
 
 

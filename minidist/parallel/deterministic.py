@@ -1,5 +1,5 @@
-"""Deterministic mode for data parallelism and ZeRO: every layout adds the same numbers in the
-same order, so the trained parameters and losses are bitwise those of one process.
+"""Deterministic mode: every layout adds the same numbers in the same order, so the trained
+parameters and losses are bitwise those of one process.
 
 A dp rank normally sums its micro-batches' gradients, then the ranks sum their partial sums
 (all-reduce, reduce-scatter): how the samples are grouped shows in the last bits. Here the
@@ -36,10 +36,14 @@ reproducible run; layouts agree with each other and with the single process at t
 grain, and each dp rank must hold whole grains. A larger grain runs larger matmuls (closer
 to the plain mode's speed) and fewer leaves; grain = B / dp is the plain mode's own
 micro-batch.
-Covered: dp of any size, ZeRO 0-3, pp (every schedule) and their products, any
-micro-batch count, float64 and float32. Not yet covered (refused by train.py): tp, cp and
-ep, whose sums across ranks run over other grains (contraction shards, positions, tokens
-routed to an expert from several samples), and pp with MoE.
+Tensor parallelism (parallel/deterministic_tensor.py): the single process and every layout
+compute the tp-shardable matmuls over the same fixed tiles (canonical_matmul.py), and a
+tp rank's partial sums over split tiles are exchanged and added in the same tree; the
+norm is over whole (tp-gathered) gradients.
+Covered: dp of any size, ZeRO 0-3, pp (every schedule), tp without SP, and their
+products, any micro-batch count, float64 and float32. Not yet covered (refused by
+train.py): sequence parallelism, cp and ep, whose sums across ranks run over other grains
+(positions, tokens routed to an expert from several samples), and pp with MoE.
 Communication: the nodes (at most about 2 log2(B) gradients per rank, all-gathered) plus
 the engine's usual reduction of one gradient; the reference pays it for exactness.
 Read next: canonical.py, then train.py (--deterministic).
@@ -52,11 +56,10 @@ import math
 
 import numpy as np
 
-from minidist import backend
 from minidist import collectives as C
-from minidist.canonical import Node, TreeSum, combine
-from minidist.optim import global_grad_norm
-from minidist.optim.clip import clip_to, wide
+from minidist.canonical import TreeSum, combine, gather_nodes
+from minidist.parallel.deterministic_tensor import square_sum, tile_model  # noqa: F401
+from minidist.optim.clip import clip_to
 
 
 def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
@@ -70,13 +73,14 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
         raise ValueError(f"--grain {grain}: each of the dp={plan.dp} ranks holds "
                          f"{global_batch // plan.dp} rows, not a whole number of grains; "
                          f"use a grain that divides {global_batch // plan.dp}.")
-    others = {k: getattr(plan, k) for k in ("tp", "cp", "ep") if getattr(plan, k) > 1}
+    others = {k: getattr(plan, k) for k in ("cp", "ep") if getattr(plan, k) > 1}
+    if plan.sequence_parallel:
+        others["tp with SP"] = plan.tp
     if plan.pp > 1 and cfg.moe_every:
         others["pp with MoE"] = plan.pp
     if others:
-        raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule) and any "
-                         f"micro-batch count; "
-                         f"not yet {', '.join(f'{k}={v}' for k, v in others.items())}, whose "
+        raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule), tp "
+                         f"and any micro-batch count; not yet {', '.join(f'{k}={v}' for k, v in others.items())}, whose "
                          f"sums across ranks run over other grains. Drop those axes, or "
                          f"run without --deterministic (equal within ~1e-12 in float64).")
     if guard is not None:
@@ -89,6 +93,11 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
         raise ValueError(f"--deterministic: a MoE routing group of {cfg.routing_group} "
                          f"tokens spans several grains of {grain} sample(s); use "
                          f"--moe-group-size <= {grain * cfg.block_size} or a larger --grain.")
+
+
+def _over(group):
+    """all_gather over group, for canonical.gather_nodes."""
+    return functools.partial(C.all_gather, group=group)
 
 
 def my_rows(rows, global_batch: int, dp: int, d: int) -> tuple[int, int]:
@@ -122,25 +131,13 @@ def local_views(engine, params: list) -> list[np.ndarray]:
     return [engine.local_grad(p) for p in params]
 
 
-def _gather_nodes(nodes: list[Node], size: int, dtype, group) -> list[Node]:
-    """Every rank's nodes (ranges and values of `size` elements), all-gathered over group."""
-    counts = C.all_gather(np.array([len(nodes)], np.int64), group=group).reshape(-1)
-    k = int(counts.max())
-    ranges = np.full((k, 2), -1, np.int64)
-    values = np.zeros((k, size), dtype)
-    for j, (lo, hi, v) in enumerate(nodes):
-        ranges[j], values[j] = (lo, hi), np.asarray(v).reshape(-1)
-    all_ranges = C.all_gather(ranges, group=group)                     # (W, k, 2)
-    all_values = C.all_gather(values, group=group)                     # (W, k, size)
-    return [(int(lo), int(hi), all_values[r, j]) for r in range(len(counts))
-            for j, (lo, hi) in enumerate(all_ranges[r][:counts[r]])]
-
-
-def step(engine, params: list, batches: list, first: int, leaves: int, n_tokens: int,
-         group, lr: float, clip_grad: float | None) -> tuple[float, float]:
+def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: int,
+         group, lr: float, clip_grad: float | None, tp_group=None) -> tuple[float, float]:
     """Steps 1-5 of the module docstring for this rank's one-grain micro-batches (the first
     of them is leaf `first` of the `leaves` of the global batch); returns (global loss or
-    0.0, gradient norm)."""
+    0.0, gradient norm). named: the model's (name, parameter) pairs; tp_group: the tensor-
+    parallel group when the parameters are tp shards (their norm is over whole ones)."""
+    params = [p for _, p in named]
     grads, losses = TreeSum(), TreeSum()
     for j, mb in enumerate(batches):
         with engine.no_sync():
@@ -154,13 +151,14 @@ def step(engine, params: list, batches: list, first: int, leaves: int, n_tokens:
             v[...] = 0
     dtype = params[0].data.dtype
     size = sum(p.data.size for p in params)
-    root = combine(_gather_nodes(grads.nodes(), size, dtype, group), leaves)
-    total = combine(_gather_nodes(losses.nodes(), 1, np.float64, group), leaves)
+    root = combine(gather_nodes(grads.nodes(), (size,), dtype, _over(group)), leaves)
+    total = combine(gather_nodes(losses.nodes(), (1,), np.float64, _over(group)), leaves)
     pieces, at = [], 0
     for p in params:                                  # the root, cut into parameters
         pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())
         at += p.data.size
-    norm = global_grad_norm(pieces)                   # as the single process computes it
+    norm = _global_norm([(n, g, p) for (n, p), g in zip(named, pieces)],  # as the single
+                        [n for n, _ in named], None, tp_group)            # process adds
     if clip_grad is not None:
         clip_to(pieces, norm, clip_grad)
     mine = group.rank == 0
@@ -170,14 +168,14 @@ def step(engine, params: list, batches: list, first: int, leaves: int, n_tokens:
     return (float(total[0]) if mine else 0.0), norm
 
 
-def _global_norm(named: list, order: list[str], pp_group) -> float:
+def _global_norm(named: list, order: list[str], pp_group, tp_group=None) -> float:
     """sqrt of the sum of each parameter's sum of squares, added in `order` (the single
-    process's parameter order) whichever stage holds it: as optim.global_grad_norm adds."""
+    process's parameter order) whichever stage holds it: as optim.global_grad_norm adds.
+    named: (name, gradient, parameter); a tp shard's square sum is the whole gradient's."""
     index = {n: i for i, n in enumerate(order)}
     mine = np.full(len(order), np.nan)
-    for name, g in named:
-        flat = wide(g.reshape(-1))
-        mine[index[name]] = float(backend.xp.dot(flat, flat))
+    for name, g, p in named:
+        mine[index[name]] = square_sum(g, p, tp_group)
     table = mine[None] if pp_group is None else C.all_gather(mine, group=pp_group)
     total = 0.0
     for column in table.T:                    # the first stage that holds the parameter
@@ -187,7 +185,7 @@ def _global_norm(named: list, order: list[str], pp_group) -> float:
 
 def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
                   n_tokens: int, group, pp_group, order: list[str], lr: float,
-                  clip_grad: float | None) -> tuple[float, float]:
+                  clip_grad: float | None, tp_group=None) -> tuple[float, float]:
     """step() for a pipeline stage (module docstring); returns (loss or 0.0, norm)."""
     named = list(stage.model.named_parameters())
     params = [p for _, p in named]
@@ -225,20 +223,21 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
     for m in sorted(per_sample):
         grads.push(first + m, per_sample[m])
     size = sum(p.data.size for p in params)
-    root = combine(_gather_nodes(grads.nodes(), size, params[0].data.dtype, group),
+    root = combine(gather_nodes(grads.nodes(), (size,), params[0].data.dtype, _over(group)),
                    leaves)
     total = 0.0
     if last:
         tree = TreeSum()
         for m in sorted(losses):
             tree.push(first + m, losses[m])
-        total = float(combine(_gather_nodes(tree.nodes(), 1, np.float64, group),
+        total = float(combine(gather_nodes(tree.nodes(), (1,), np.float64, _over(group)),
                               leaves)[0])
     pieces, at = [], 0
     for p in params:
         pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())
         at += p.data.size
-    norm = _global_norm([(name, g) for (name, _), g in zip(named, pieces)], order, pp_group)
+    norm = _global_norm([(name, g, p) for (name, p), g in zip(named, pieces)], order,
+                        pp_group, tp_group)
     if clip_grad is not None:
         clip_to(pieces, norm, clip_grad)
     mine = group.rank == 0

@@ -42,6 +42,7 @@ from minidist import backend
 from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
+from minidist.canonical_matmul import tiled_matmul
 from minidist.nn.attention import CausalSelfAttention
 from minidist.nn.gpt import GPTLayout
 from minidist.nn.layers import MLP, Linear
@@ -110,9 +111,14 @@ class TensorParallel:
         return sp.gather_from_sequence_region(x, self) if self.sequence_parallel \
             else copy_to_tensor_region(x, self)
 
-    def matmul(self, x: Tensor, w: Tensor) -> Tensor:
+    def matmul(self, x: Tensor, w: Tensor, tiles=None) -> Tensor:
         """A column-parallel matmul: f(x) @ w, or under SP the all-gather along T fused with
-        the matmul (sequence.AllGatherMatmul keeps only the shard for the backward)."""
+        the matmul (sequence.AllGatherMatmul keeps only the shard for the backward). tiles
+        (the deterministic mode): x @ w over those tiles, whose backward exchanges the
+        partial dx in place of f's all-reduce (canonical_matmul.py)."""
+        if tiles is not None:
+            pl.expect(x, "tp", pl.Replicate(), name="x", where="a tiled column-parallel matmul")
+            return pl.tag(tiled_matmul(x, w, tiles), "tp", pl.Shard(2))
         if self.sequence_parallel:
             return sp.all_gather_matmul(x, w, self)
         return pl.tag(self.enter(x) @ w, "tp", pl.Shard(2))
@@ -153,8 +159,10 @@ class ColumnParallelLinear(Module):
         self.bias = None if full.bias is None else shard_parameter(full.bias,
                                                                    pl.Shard(0, blocks), tp)
 
+    tiles = None             # deterministic mode: canonical_matmul.Tiles of my columns
+
     def forward(self, x: Tensor) -> Tensor:
-        y = self.tp.matmul(x, self.weight)                      # (B, T, C) @ (C, F_tp)
+        y = self.tp.matmul(x, self.weight, self.tiles)          # (B, T, C) @ (C, F_tp)
         y = y if self.bias is None else y + self.bias
         return pl.tag(y, "tp", pl.Shard(2))
 
@@ -171,9 +179,14 @@ class RowParallelLinear(Module):
         self.weight = shard_parameter(full.weight, pl.Shard(0), tp)
         self.bias = full.bias
 
+    tiles = None             # deterministic mode: canonical_matmul.Tiles of my rows
+
     def forward(self, x: Tensor) -> Tensor:
         pl.expect(x, "tp", pl.Shard(2), name="x", where="RowParallelLinear")
-        y = self.tp.exit(pl.tag(x @ self.weight, "tp", pl.Partial()))   # (B, T, C)
+        if self.tiles is not None:            # the sum over my rows' tiles is exchanged
+            y = pl.tag(tiled_matmul(x, self.weight, self.tiles), "tp", pl.Replicate())
+        else:                                 # inside: no g (canonical_matmul.py)
+            y = self.tp.exit(pl.tag(x @ self.weight, "tp", pl.Partial()))   # (B, T, C)
         return y if self.bias is None else y + self.tp.sum_grad(self.bias)
 
 
@@ -245,12 +258,13 @@ class TensorParallelLayout(GPTLayout):
                 f"{self.tp.prefix} the LM head weight is {pl.placement_of(self.head_param, 'tp')}"
                 " over tp, but a tensor-parallel GPT must shard it by vocabulary (Shard); an "
                 "unsharded head computes all V logits on every rank (picotron #23).")
-        return self.tp.matmul(x, w)                                # (B, T, C) @ (C, V_tp)
+        return self.tp.matmul(x, w, self.head_tiles)               # (B, T, C) @ (C, V_tp)
 
     def loss_sum(self, logits: Tensor, targets) -> Tensor:
         """The same scalar on every tp rank (the vocabulary-parallel loss all-reduces):
         Replicate, so that a MoE's auxiliary losses (Replicate too) may be added to it."""
-        loss = vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size,
+                                            tree=self.head_tiles is not None)
         return pl.tag(loss, "tp", pl.Replicate())
 
 

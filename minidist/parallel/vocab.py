@@ -42,6 +42,7 @@ from minidist import backend
 from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
+from minidist.canonical_matmul import tree_over_tiles
 from minidist.nn.layers import Embedding
 from minidist.nn.module import Parameter
 from minidist.parallel import placement as pl
@@ -89,13 +90,17 @@ class VocabParallelCrossEntropy(Function):
     """sum over counted tokens of CE, from vocabulary-sharded logits z (N, V_tp)."""
 
     @staticmethod
-    def forward(ctx, z, *, t, tp, lo: int, vocab_size: int):
+    def forward(ctx, z, *, t, tp, lo: int, vocab_size: int, tree: bool = False):
         xp, g = backend.xp, tp.group
         N, Vl = z.shape
         z = xp.where(lo + xp.arange(Vl) >= vocab_size, -math.inf, z)    # mask the padding
         m = C.all_reduce(z.max(axis=1), op="max", group=g, algo=tp.algo)          # (N,)
         e = xp.exp(z - m[:, None])                                       # (N, V_tp)
-        s = C.all_reduce(e.sum(axis=1), op="sum", group=g, algo=tp.algo)         # (N,)
+        if tree:             # the deterministic mode: the single process's tree over V
+            s = tree_over_tiles(e.T, tuple(range(lo, lo + Vl)), vocab_size,
+                                functools.partial(C.all_gather, group=g), vocab_size)
+        else:
+            s = C.all_reduce(e.sum(axis=1), op="sum", group=g, algo=tp.algo)     # (N,)
         counted = t != -100
         mine = counted & (t >= lo) & (t < lo + Vl)
         t_local = xp.where(mine, t - lo, 0)
@@ -115,9 +120,12 @@ class VocabParallelCrossEntropy(Function):
         return (dz,)
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int) -> Tensor:
+def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int,
+                                 tree: bool = False) -> Tensor:
     """sum over counted (b, t) of CE(logits, targets) for logits[B, T, V_tp] (this rank's
-    vocabulary shard); targets (B, T) with -100 = ignored. Refuses any other logits."""
+    vocabulary shard); targets (B, T) with -100 = ignored. Refuses any other logits.
+    tree: the exp-sum over V in canonical.py's fixed tree, the one the single process's
+    cross_entropy(tree=True) adds (the deterministic mode)."""
     lo, hi = vocab_range(vocab_size, tp)
     if logits.shape[-1] != hi - lo:
         raise ValueError(
@@ -129,4 +137,5 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int) -
     pl.expect(logits, "tp", pl.Shard(2), name="logits", where="vocab_parallel_cross_entropy")
     t = backend.xp.asarray(targets).reshape(-1)
     z = logits.reshape(-1, hi - lo)                                      # (B T, V_tp)
-    return VocabParallelCrossEntropy.apply(z, t=t, tp=tp, lo=lo, vocab_size=vocab_size)
+    return VocabParallelCrossEntropy.apply(z, t=t, tp=tp, lo=lo, vocab_size=vocab_size,
+                                           tree=tree)

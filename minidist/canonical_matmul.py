@@ -1,0 +1,162 @@
+"""Canonical matmuls: y = x @ W computed over fixed tiles of W, so that a tensor-parallel
+shard of W is whole tiles and computes exactly the single process's numbers.
+
+A BLAS matmul's bits depend on the shape of the call, not only on the numbers in it. On the
+OpenBLAS that NumPy ships, (x @ W)[:, j] and x @ W[:, j-range] differ in the last bit for
+about 40 % of shapes (measured over M, K, N up to 1000, float32 and float64): the kernel
+that computes an element, and how it splits the sum over K, depend on N and K and on where
+the column falls. A tensor-parallel rank multiplies by its columns or rows of W, so its
+matmuls have other shapes than the single process's, and the deterministic mode (parallel/
+deterministic.py) cannot get the same bits from them.
+
+The fix: cut W (K, N) into tiles of k x n elements, fixed by the model (not by the layout),
+with every tensor-parallel shard a set of whole tiles (a column-parallel W keeps some
+column tiles, a row-parallel W some row tiles). Every BLAS call then multiplies one tile,
+the same shape in every layout, and a batched matmul of contiguous tiles gives each tile
+the bits of a separate call (also measured). The sums over tiles use the aligned tree of
+canonical.py, over the global tile index:
+
+    y[:, J]      = tree over I of  x[:, I] @ W[I, J]          (I: K-tiles, J: N-tiles)
+    dx[:, I]     = tree over J of  g[:, J] @ W[I, J]^T
+    dW[I, J]     = x[:, I]^T @ g[:, J]                         (one call: the sum over M
+                                                               tokens, which no layout cuts)
+One rank's view (tensor parallelism): a column-parallel W holds N-tiles J_r: y[:, J_r]
+needs nothing from the others, dx is a sum over J that every rank holds a part of, so the
+ranks exchange the aligned nodes of their parts (canonical.gather_nodes) and each combines
+the same tree: what Megatron's f all-reduces. A row-parallel W holds K-tiles I_r and
+exchanges the nodes of y the same way (Megatron's g). The single process computes the same
+nodes itself. Padding tiles (a vocabulary padded to tp V_tp, parallel/vocab.py) are left
+out of the sums over N.
+
+Shapes: x (..., K_r), W (K_r, N_r) this rank's tiles; y (..., N_r). The tiles used by the
+GPT (parallel/deterministic.py's `tile_model`): head_dim columns for qkv (so a rank's heads
+are whole tiles), head_dim rows for the attention projection, F/H for the MLP, and one
+vocabulary column for the LM head (whose shards V_tp = ceil(V / tp) share no other unit).
+Cost: the same multiply-adds as x @ W in smaller calls, plus (K/k - 1) additions of an
+output per N-tile and a copy of each operand into tiles; the exchange replaces an
+all-reduce of the output by an all_gather of at most ~2 log2(K/k) nodes.
+Reference: the problem is the one of Demmel & Nguyen 2013 ("Fast reproducible
+    floating-point summation"); fixed-split reductions are also how cuBLAS/cuDNN's
+    deterministic modes are described (a fixed order per output element).
+Read next: parallel/deterministic.py (tile_model, where the GPT's tiles are chosen).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from minidist import backend
+from minidist.autograd.function import Context, Function
+from minidist.canonical import combine, gather_nodes, stacked_nodes
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The tiles of one weight W: k x n elements each, nk x nn of them in the full W. This
+    rank holds K-tiles k_index and N-tiles n_index (global indices, increasing); `exchange`
+    all-gathers an array over the other tiles' owners (None: the single process, or
+    nothing split). N-tiles at or past n_valid are padding, left out of sums over N."""
+
+    k: int
+    n: int
+    nk: int
+    nn: int
+    k_index: tuple[int, ...]
+    n_index: tuple[int, ...]
+    exchange: Callable | None = None
+    n_valid: int | None = None
+
+    @classmethod
+    def whole(cls, K: int, N: int, k: int, n: int) -> "Tiles":
+        """Every tile of a K x N weight, on this rank."""
+        if K % k or N % n:
+            raise ValueError(f"Tiles: a {K} x {N} weight is not cut into whole {k} x {n} "
+                             f"tiles.")
+        return cls(k, n, K // k, N // n, tuple(range(K // k)), tuple(range(N // n)))
+
+
+def tree_over_tiles(parts, index: tuple[int, ...], count: int, exchange=None, valid=None):
+    """The aligned-tree sum over axis 0 of parts (one entry per tile of global index
+    index[j]), those of index >= valid left out; the other tiles' nodes through `exchange`
+    (an all_gather over their owners) when this rank does not hold them all."""
+    keep = [j for j, i in enumerate(index) if valid is None or i < valid]
+    nodes = stacked_nodes(parts[keep] if len(keep) < len(index) else parts,
+                          [index[j] for j in keep])
+    if exchange is not None:
+        nodes = gather_nodes(nodes, parts.shape[1:], parts.dtype, exchange)
+    return combine(nodes, count if valid is None else valid)
+
+
+class TiledMatMul(Function):
+    """y = x @ W over the tiles of W (module docstring); x (..., K_r), W (K_r, N_r)."""
+
+    @staticmethod
+    def forward(ctx: Context, x, w, *, tiles: Tiles):
+        xp, t = backend.xp, tiles
+        kl, nl = len(t.k_index), len(t.n_index)
+        if w.shape != (kl * t.k, nl * t.n) or x.shape[-1] != kl * t.k:
+            raise ValueError(f"TiledMatMul: x {x.shape} @ W {w.shape} does not match {kl} x "
+                             f"{nl} tiles of {t.k} x {t.n}.")
+        M = math.prod(x.shape[:-1])
+        xt = xp.ascontiguousarray(x.reshape(M, kl, t.k).transpose(1, 0, 2))       # (kl, M, k)
+        wt = xp.ascontiguousarray(w.reshape(kl, t.k, nl, t.n).transpose(0, 2, 1, 3))
+        parts = xt[:, None] @ wt                                       # (kl, nl, M, n)
+        split = t.exchange if kl < t.nk else None
+        y = tree_over_tiles(parts, t.k_index, t.nk, split)             # (nl, M, n)
+        ctx.save_for_backward(xt, wt)
+        ctx.tiles, ctx.x_shape = t, x.shape
+        return y.transpose(1, 0, 2).reshape(x.shape[:-1] + (nl * t.n,))
+
+    @staticmethod
+    def backward(ctx: Context, g):
+        xp, t = backend.xp, ctx.tiles
+        xt, wt = ctx.saved_tensors
+        kl, nl, M = xt.shape[0], wt.shape[1], xt.shape[1]
+        gt = xp.ascontiguousarray(g.reshape(M, nl, t.n).transpose(1, 0, 2))       # (nl, M, n)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            wT = xp.ascontiguousarray(wt.swapaxes(-1, -2))             # (kl, nl, n, k)
+            parts = (gt[None] @ wT).swapaxes(0, 1)                     # (nl, kl, M, k)
+            split = t.exchange if nl < t.nn else None
+            d = tree_over_tiles(parts, t.n_index, t.nn, split, t.n_valid)   # (kl, M, k)
+            dx = d.transpose(1, 0, 2).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            xT = xp.ascontiguousarray(xt.swapaxes(-1, -2))             # (kl, k, M)
+            d = xT[:, None] @ gt[None]                                 # (kl, nl, k, n)
+            dw = d.transpose(0, 2, 1, 3).reshape(kl * t.k, nl * t.n)
+        return dx, dw
+
+
+def tiled_matmul(x, w, tiles: Tiles):
+    """x @ w over `tiles` (TiledMatMul), a Tensor."""
+    return TiledMatMul.apply(x, w, tiles=tiles)
+
+
+def gpt_tiles(cfg) -> dict[str, tuple[int, int]]:
+    """(k, n) of each tensor-parallel matmul of a GPT, by module name suffix: head_dim
+    columns of qkv and rows of the attention projection, F / H of the MLP's."""
+    C, H = cfg.n_embd, cfg.n_head
+    D, Fh = C // H, cfg.mlp_ratio * C // H
+    return {"attn.qkv": (C, D), "attn.proj": (D, C), "mlp.fc": (C, Fh), "mlp.proj": (Fh, C)}
+
+
+def _whole(p, k: int, n: int, transposed: bool = False, valid=None) -> Tiles:
+    K, N = p.shape[::-1] if transposed else p.shape
+    return Tiles.whole(K, N, k, n)
+
+
+def tile_model(model, tiles_of: Callable = _whole) -> None:
+    """Give a GPT's matmuls (gpt_tiles, and the LM head by single vocabulary columns)
+    their Tiles: tiles_of(weight, k, n, transposed, valid), all of each weight by
+    default; parallel/deterministic_tensor.py passes one that knows tp shards."""
+    cfg = model.cfg
+    for name, m in model.named_modules():
+        for suffix, (k, n) in gpt_tiles(cfg).items():
+            if name.endswith(suffix) and hasattr(m, "weight"):
+                m.tiles = tiles_of(m.weight, k, n)
+    head = getattr(model, "wte" if cfg.tie_weights else "lm_head", None)
+    if head is not None:                       # (a middle pipeline stage has no head)
+        model.layout.head_tiles = tiles_of(head.weight, cfg.n_embd, 1, cfg.tie_weights,
+                                           cfg.vocab_size)

@@ -1,0 +1,89 @@
+"""Deterministic mode under tensor parallelism: the GPT's matmuls over fixed tiles, and the
+gradient norm over whole parameters.
+
+A tensor-parallel rank holds columns (qkv, fc, the LM head) or rows (the two projections)
+of each weight, so its matmuls have other shapes than the single process's and its sums
+over a split dimension (Megatron's f and g) are all-reduces of partial sums: both change
+the last bits (canonical_matmul.py). `tile_model` gives every such matmul, in the single
+process and in every layout alike, tiles fixed by the model alone, each tp shard being a
+set of whole tiles:
+    attn.qkv    k = C,      n = D         a rank's heads are whole column tiles of q, k, v
+    attn.proj   k = D,      n = C         ... and whole row tiles of the projection
+    mlp.fc      k = C,      n = F / H     (F / H divides F / tp, since tp divides H)
+    mlp.proj    k = F / H,  n = C
+    LM head     k = C,      n = 1         V_tp = ceil(V / tp) shares no larger unit
+(D = C / H; F the MLP's hidden width). The softmax of the loss sums over V in the same
+tree (vocab.py, fused.CrossEntropy(tree=True)). Everything else a tp rank computes is whole
+(LayerNorms, attention per head, GELU per feature, the replicated parameters' gradients),
+or exact (the vocabulary-parallel embedding adds one row and zeros).
+
+The gradient norm adds each parameter's sum of squares over the WHOLE gradient, as the
+single process does: a sharded gradient is all-gathered over tp and unsharded first
+(`square_sum`); dot over a shard would sum in another grouping.
+
+One rank's view: tile_model(model) once after the model is built; the steps as
+parallel/deterministic.py describes, with square_sum in the norm.
+Communication: each tiled sum over tp is an all_gather of at most ~2 log2(tiles) partial
+outputs per rank in place of one all-reduce; the norm all-gathers every sharded gradient
+over tp once a step.
+Not covered: sequence parallelism (its LayerNorm and bias gradients are sums over
+position shards of the sequence; refused by deterministic.check).
+Read next: canonical_matmul.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from minidist import backend
+from minidist import collectives as C
+from minidist import canonical_matmul
+from minidist.canonical_matmul import Tiles
+from minidist.optim.clip import wide
+from minidist.parallel import placement as pl
+
+
+def _tiles(p, k: int, n: int, transposed: bool = False, valid: int | None = None, tp=None):
+    """The Tiles of weight p (K, N), or of p^T when transposed, on this tp rank."""
+    full = tuple(getattr(p, "full_shape", None) or p.shape)
+    full = full[::-1] if transposed else full
+    place = pl.placement_of(p, "tp")
+    if tp is None or not isinstance(place, pl.Shard):
+        return Tiles.whole(*full, k, n)
+    dim = place.dim % 2
+    dim = 1 - dim if transposed else dim                         # the dimension of W split
+    W, r = tp.group.size, tp.group.rank
+    held = pl.shard_indices(full[dim], W, r, place.blocks)       # padded indices, in order
+    size = (k, n)[dim]
+    index = tuple(int(i) for i in held[::size] // size)
+    tiled = np.repeat(np.array(index) * size, size) + np.tile(np.arange(size), len(index))
+    if full[0] % k or full[1] % n or not np.array_equal(held, tiled):
+        raise ValueError(f"deterministic tp: a {full} weight's shard over tp={W} is not "
+                         f"whole {k} x {n} tiles; use n_head divisible by tp.")
+    nk, nn = full[0] // k, full[1] // n
+    exchange = functools.partial(C.all_gather, group=tp.group)
+    if dim == 0:
+        return Tiles(k, n, nk, nn, index, tuple(range(nn)), exchange)
+    return Tiles(k, n, nk, nn, tuple(range(nk)), index, exchange, valid)
+
+
+def tile_model(model) -> None:
+    """canonical_matmul.tile_model with this rank's tp shards as whole tiles (module
+    docstring); the single process's tiles when the model is not tensor-parallel."""
+    tp = getattr(model.layout, "tp", None)
+    canonical_matmul.tile_model(model, functools.partial(_tiles, tp=tp))
+
+
+def square_sum(g, p, tp_group) -> float:
+    """The sum of squares of the whole gradient of p from this rank's g (its tp shard or all
+    of it), added as optim.global_grad_norm adds: one dot over the flat, unsharded array.
+    COLLECTIVE over tp_group when p is sharded over it."""
+    place = pl.placement_of(p, "tp")
+    if tp_group is not None and isinstance(place, pl.Shard):
+        pieces = C.all_gather(np.ascontiguousarray(backend.to_numpy(g)), group=tp_group)
+        full = getattr(p, "full_shape", None) or p.shape
+        g = pl.unshard(list(pieces), place, full[place.dim % len(full)])
+    flat = wide(backend.xp.asarray(g).reshape(-1))
+    return float(backend.xp.dot(flat, flat))

@@ -5,7 +5,8 @@
                              [--zero 1] [--check]    --check: against one process)
     python -m minidist demo [name]                   list the demos, or run one
     python -m minidist bench collectives|autograd|train|pipeline|checkpoint|throughput|
-                             recompute|observe|offload   benchmarks (medians, tables)
+                             recompute|observe|offload|determinism
+                                                     benchmarks (medians, tables)
     python -m minidist memory --model ... --plan dp=2,zero=1 [--measure] [--fit]
                                                      the memory budget per rank
     python -m minidist report RUN_DIR                 a run directory's summary (and plots)
@@ -34,7 +35,7 @@ import sys
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
 BENCHES = ("collectives", "autograd", "train", "pipeline", "checkpoint", "throughput",
-           "recompute", "observe", "offload")
+           "recompute", "observe", "offload", "determinism")
 INTERRUPTED = 128 + signal.SIGINT           # the shells' code for "ended by SIGINT"
 STDOUT_CLOSED = 128 + signal.SIGPIPE        # ... and for "ended by SIGPIPE"
 

@@ -56,6 +56,7 @@ from minidist.nn import GPTConfig
 from minidist.parallel import deterministic as determinism
 from minidist.parallel import placement, schedules
 from minidist.parallel.compose import Plan, build
+from minidist.parallel.deterministic_expert import ExpertGrains
 
 __all__ = ["Plan", "RankResult", "StepEnd", "train_on_rank", "main"]
 
@@ -174,6 +175,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     if deterministic:                          # the tp-shardable matmuls over fixed tiles
         determinism.tile_model(lay.model)
         named = list(lay.model.named_parameters())
+        experts = None if lay.ep_group is None else \
+            ExpertGrains(lay.model, lay.ep_group, lay.expert_group)
     canonical = "direct" if getattr(grad, "supports_shared", False) else "auto"  # MPI: no shm
     groups = {"dp": grad}                     # the gradient sync: dp (x cp)
     if lay.mesh is not None:
@@ -223,7 +226,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                     loss, norm = determinism.step(engine, named, batches, first // grain,
                                                   global_batch // grain, n_tokens,  # the
                                                   lay.dp_group, lr_s, clip_grad,    # update
-                                                  lay.tp_group)                     # too
+                                                  lay.tp_group, experts,            # too
+                                                  determinism.param_order(model_cfg))
                     norms.append(norm)
                     return loss
                 if stage is None:

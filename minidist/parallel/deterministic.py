@@ -40,10 +40,14 @@ Tensor parallelism (parallel/deterministic_tensor.py): the single process and ev
 compute the tp-shardable matmuls over the same fixed tiles (canonical_matmul.py), and a
 tp rank's partial sums over split tiles are exchanged and added in the same tree; the
 norm is over whole (tp-gathered) gradients.
-Covered: dp of any size, ZeRO 0-3, pp (every schedule), tp without SP, and their
-products, any micro-batch count, float64 and float32. Not yet covered (refused by
-train.py): sequence parallelism, cp and ep, whose sums across ranks run over other grains
-(positions, tokens routed to an expert from several samples), and pp with MoE.
+Expert parallelism (parallel/deterministic_expert.py): an expert runs each source grain's
+tokens in a call of its own, on an alias whose gradient is that grain's; the experts'
+grains are added in the same tree over their replicas (edp), and their roots replace the
+experts' slices of the dense root.
+Covered: dp of any size, ZeRO 0-3, pp (every schedule), tp without SP, ep (ZeRO 0-2), and
+their products, any micro-batch count, float64 and float32. Not yet covered (refused by
+train.py): sequence parallelism and cp, whose sums across ranks run over positions, ep
+with ZeRO-3, and pp with MoE.
 Communication: the nodes (at most about 2 log2(B) gradients per rank, all-gathered) plus
 the engine's usual reduction of one gradient; the reference pays it for exactness.
 Read next: canonical.py, then train.py (--deterministic).
@@ -73,14 +77,17 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
         raise ValueError(f"--grain {grain}: each of the dp={plan.dp} ranks holds "
                          f"{global_batch // plan.dp} rows, not a whole number of grains; "
                          f"use a grain that divides {global_batch // plan.dp}.")
-    others = {k: getattr(plan, k) for k in ("cp", "ep") if getattr(plan, k) > 1}
+    others = {k: getattr(plan, k) for k in ("cp",) if getattr(plan, k) > 1}
     if plan.sequence_parallel:
         others["tp with SP"] = plan.tp
     if plan.pp > 1 and cfg.moe_every:
         others["pp with MoE"] = plan.pp
+    if plan.ep > 1 and plan.zero == 3:
+        others["ep with ZeRO-3"] = plan.ep
     if others:
-        raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule), tp "
-                         f"and any micro-batch count; not yet {', '.join(f'{k}={v}' for k, v in others.items())}, whose "
+        raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule), tp, ep "
+                         f"and any micro-batch count; not yet "
+                         f"{', '.join(f'{k}={v}' for k, v in others.items())}, whose "
                          f"sums across ranks run over other grains. Drop those axes, or "
                          f"run without --deterministic (equal within ~1e-12 in float64).")
     if guard is not None:
@@ -132,18 +139,25 @@ def local_views(engine, params: list) -> list[np.ndarray]:
 
 
 def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: int,
-         group, lr: float, clip_grad: float | None, tp_group=None) -> tuple[float, float]:
+         group, lr: float, clip_grad: float | None, tp_group=None, experts=None,
+         order: list[str] | None = None) -> tuple[float, float]:
     """Steps 1-5 of the module docstring for this rank's one-grain micro-batches (the first
     of them is leaf `first` of the `leaves` of the global batch); returns (global loss or
     0.0, gradient norm). named: the model's (name, parameter) pairs; tp_group: the tensor-
-    parallel group when the parameters are tp shards (their norm is over whole ones)."""
+    parallel group when the parameters are tp shards (their norm is over whole ones);
+    experts: deterministic_expert.ExpertGrains under expert parallelism (the experts'
+    gradients come from it); order: the single process's parameter names (default: named's)."""
     params = [p for _, p in named]
     grads, losses = TreeSum(), TreeSum()
+    if experts is not None:
+        experts.begin(first)
     for j, mb in enumerate(batches):
         with engine.no_sync():
             _, loss = engine.forward(mb.x, mb.y, n_tokens=n_tokens, aux_weight=mb.aux_weight,
                                      dropout_key=mb.dropout_key)
             loss.backward()
+        if experts is not None:
+            experts.take(j)
         views = local_views(engine, params)
         grads.push(first + j, np.concatenate([v.reshape(-1) for v in views]))
         losses.push(first + j, np.asarray(loss.data, np.float64).reshape(1))
@@ -157,29 +171,41 @@ def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: 
     for p in params:                                  # the root, cut into parameters
         pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())
         at += p.data.size
+    owner = [group.rank == 0] * len(named)            # who hands each root to the engine
+    if experts is not None:                           # my experts: their own tree, over edp
+        mine = experts.roots(leaves)
+        for i, (name, _) in enumerate(named):
+            if name in mine:
+                pieces[i], owner[i] = mine[name], experts.edp.rank == 0
     norm = _global_norm([(n, g, p) for (n, p), g in zip(named, pieces)],  # as the single
-                        [n for n, _ in named], None, tp_group)            # process adds
+                        order or [n for n, _ in named],                   # process adds
+                        [None if experts is None else experts.ep], tp_group)
     if clip_grad is not None:
         clip_to(pieces, norm, clip_grad)
-    mine = group.rank == 0
-    for v, g in zip(local_views(engine, params), pieces):
-        v[...] = g if mine else 0
+    for v, g, own in zip(local_views(engine, params), pieces, owner):
+        v[...] = g if own else 0
     engine.step(lr, None)                             # root + zeros: the root, exactly
-    return (float(total[0]) if mine else 0.0), norm
+    return (float(total[0]) if group.rank == 0 else 0.0), norm
 
 
-def _global_norm(named: list, order: list[str], pp_group, tp_group=None) -> float:
+def _global_norm(named: list, order: list[str], groups: list, tp_group=None) -> float:
     """sqrt of the sum of each parameter's sum of squares, added in `order` (the single
-    process's parameter order) whichever stage holds it: as optim.global_grad_norm adds.
+    process's parameter order) whichever rank holds it (a pipeline stage, an expert's ep
+    rank: the table is all-gathered over each of `groups`), as optim.global_grad_norm adds.
     named: (name, gradient, parameter); a tp shard's square sum is the whole gradient's."""
     index = {n: i for i, n in enumerate(order)}
     mine = np.full(len(order), np.nan)
     for name, g, p in named:
         mine[index[name]] = square_sum(g, p, tp_group)
-    table = mine[None] if pp_group is None else C.all_gather(mine, group=pp_group)
+    for grp in groups:
+        if grp is not None:                   # the first rank that holds each parameter
+            table = C.all_gather(mine, group=grp)
+            held = ~np.isnan(table)
+            first = np.where(held.any(axis=0), held.argmax(axis=0), 0)
+            mine = table[first, np.arange(len(order))]
     total = 0.0
-    for column in table.T:                    # the first stage that holds the parameter
-        total += float(column[~np.isnan(column)][0])
+    for value in mine:
+        total += float(value)
     return math.sqrt(total)
 
 
@@ -237,7 +263,7 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
         pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())
         at += p.data.size
     norm = _global_norm([(name, g, p) for (name, p), g in zip(named, pieces)], order,
-                        pp_group, tp_group)
+                        [pp_group], tp_group)
     if clip_grad is not None:
         clip_to(pieces, norm, clip_grad)
     mine = group.rank == 0

@@ -55,6 +55,7 @@ from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
 from minidist.nn.moe import MoE, Routing
 from minidist.nn.module import ModuleSubset
+from minidist.parallel.deterministic_expert import alias
 
 
 class AllToAll(Function):
@@ -76,7 +77,11 @@ class AllToAll(Function):
 
 
 class ExpertParallelMoE(MoE):
-    """A MoE layer whose experts are split over `group`; the same numbers as MoE."""
+    """A MoE layer whose experts are split over `group`; the same numbers as MoE.
+    grain_aliases (the deterministic mode sets it to {}): each expert runs once per source
+    rank, on an alias whose gradient stays that grain's (parallel/deterministic_expert.py)."""
+
+    grain_aliases = None
 
     def __init__(self, moe: MoE, group) -> None:
         W, E = group.size, moe.n_experts
@@ -134,7 +139,12 @@ class ExpertParallelMoE(MoE):
         block = lambda s, j: np.arange(start[s * per + j], start[s * per + j + 1])  # noqa
         pieces: dict[tuple[int, int], Tensor] = {}
         first = self.group.rank * per
-        for j in range(per):
+        if self.grain_aliases is not None:     # deterministic mode: a call per source grain
+            for j in range(per):               # on an alias (parallel/deterministic_expert)
+                for s in range(W):
+                    self.grain_aliases[first + j, s] = alias(self.experts[first + j])
+                    pieces[s, j] = self.grain_aliases[first + j, s](received[block(s, j)])
+        for j in range(per if self.grain_aliases is None else 0):
             rows = np.concatenate([block(s, j) for s in range(W)]).astype(np.int64)
             y = self.experts[first + j](received[rows])                 # (n_j, C)
             at = 0

@@ -1,0 +1,109 @@
+"""Deterministic mode under expert parallelism: every expert computes each grain's tokens in
+a call of their own, and its gradient is summed over the grains in the fixed tree.
+
+Under expert parallelism (parallel/expert.py) a rank's experts receive, in one micro-batch,
+the tokens of one grain from EVERY rank of its ep group (the ranks run their micro-batches
+in lock step). Two things then differ from the single process, which runs each grain on
+its own (one sample per micro-batch, parallel/deterministic.py):
+    1. the expert's matmuls run on the tokens of W grains stacked, another shape than the
+       single process's call on one grain's tokens (and BLAS bits depend on the shape);
+    2. the expert's gradient is a sum over those W grains in whatever order the backward
+       reaches them, where the single process adds grains in the aligned tree over the
+       global batch.
+So, in the deterministic mode, ExpertParallelMoE runs its expert once per source grain, on
+an ALIAS of the expert: a copy of the module whose parameters are new leaf tensors sharing
+the expert's values (`alias`). The call has the single process's shape, and its
+gradient lands in that alias alone: one leaf per (expert, grain). `ExpertGrains` collects
+them after each micro-batch, keyed by the grain's global index (the source rank's first
+grain, all-gathered over ep once a step, plus the micro-batch index), and at the end of the
+step sums each expert's grains in the aligned tree: the nodes of the grains this rank's
+ep group ran, all-gathered over the expert's replicas (the expert-data-parallel group, which
+together ran every grain once), and combined. The result replaces the expert's slice of
+the dense root before the optimizer step.
+
+One rank's view (ep rank s of W, experts E/W, micro-batch j of M, one grain each):
+    begin: firsts = all_gather over ep of my first grain index
+    forward of micro-batch j: for my expert e and each source s', y = alias(e)(tokens
+        of grain firsts[s'] + j routed to e)   (0 rows still run, as in the single process)
+    after its backward: take(j): the aliases' gradients, one flat vector per source grain
+    end: root = combine(gather over edp of the nodes of my grains' vectors, B / grain)
+Communication: one all_gather of W ints per step, and the experts' nodes over edp (at most
+~2 log2(grains) flat vectors of this rank's expert parameters per rank).
+Not covered: ZeRO-3 (an alias would copy unmaterialised shards), full recomputation.
+Read next: parallel/expert.py (ExpertParallelMoE._compute).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from minidist import backend
+from minidist import collectives as C
+from minidist.autograd import Tensor
+from minidist.canonical import combine, gather_nodes, stacked_nodes
+from minidist.nn.module import Module, Parameter
+
+
+def alias(module: Module, prefix: str = "", leaves: dict | None = None) -> Module:
+    """A copy of module whose parameters are fresh leaf tensors sharing the original values
+    (its forward computes the same numbers; its gradients land on the copy only), listed by
+    name in the copy's `alias_leaves`."""
+    top, leaves = leaves is None, {} if leaves is None else leaves
+    new = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, Parameter):
+            leaves[prefix + key] = Tensor(value.data, requires_grad=True)
+            setattr(new, key, leaves[prefix + key])
+        elif isinstance(value, Module):
+            setattr(new, key, alias(value, f"{prefix}{key}.", leaves))
+    if top:
+        new.alias_leaves = leaves
+    return new
+
+
+class ExpertGrains:
+    """This rank's expert gradients per grain over one step (module docstring)."""
+
+    def __init__(self, model, ep_group, expert_group) -> None:
+        from minidist.parallel.expert import ExpertParallelMoE, is_expert_parameter
+        self.ep, self.edp = ep_group, expert_group
+        self.layers = {name: m for name, m in model.named_modules()
+                       if isinstance(m, ExpertParallelMoE)}
+        self.named = [(n, p) for n, p in model.named_parameters() if is_expert_parameter(n)]
+        for layer in self.layers.values():
+            layer.grain_aliases = {}                  # ExpertParallelMoE: one call per grain
+        self.leaves: dict[int, np.ndarray] = {}
+
+    def begin(self, first: int) -> None:
+        """COLLECTIVE over ep: the first grain index of every source rank of this step."""
+        self.firsts = C.all_gather(np.array([first], np.int64), group=self.ep).reshape(-1)
+        self.leaves = {}
+
+    def take(self, j: int) -> None:
+        """After micro-batch j's backward: each source's grain gradient of my experts."""
+        for s, first in enumerate(self.firsts):
+            parts = []
+            for name, p in self.named:               # "<layer>.experts.<e>.<param>"
+                layer, rest = name.split(".experts.", 1)
+                e, param = rest.split(".", 1)
+                g = self.layers[layer].grain_aliases[int(e), s].alias_leaves[param].grad
+                parts.append(np.zeros(p.data.size, p.data.dtype) if g is None
+                             else backend.to_numpy(g).reshape(-1))
+            self.leaves[int(first) + j] = np.concatenate(parts) if parts else np.zeros(0)
+
+    def roots(self, count: int) -> dict[str, np.ndarray]:
+        """COLLECTIVE over edp: each of my expert parameters' gradient, summed over all
+        `count` grains in the aligned tree; {name: array of the parameter's shape}."""
+        grains = sorted(self.leaves)
+        dtype = self.named[0][1].data.dtype
+        stack = np.stack([self.leaves[g] for g in grains]).astype(dtype, copy=False)
+        nodes = stacked_nodes(stack, grains)
+        nodes = gather_nodes(nodes, stack.shape[1:], dtype,
+                             lambda a: C.all_gather(a, group=self.edp))
+        flat, out, at = combine(nodes, count), {}, 0
+        for name, p in self.named:
+            out[name] = flat[at:at + p.data.size].reshape(p.data.shape).copy()
+            at += p.data.size
+        return out

@@ -35,6 +35,12 @@ vocabulary column for the LM head (whose shards V_tp = ceil(V / tp) share no oth
 Cost: the same multiply-adds as x @ W in smaller calls, plus (K/k - 1) additions of an
 output per N-tile and a copy of each operand into tiles; the exchange replaces an
 all-reduce of the output by an all_gather of at most ~2 log2(K/k) nodes.
+Sums over tokens: a LayerNorm's gain and shift and a Linear's bias get, as gradient, a
+sum over the tokens of the micro-batch, which sequence parallelism cuts (a rank holds some
+positions of every row). `Tokens` adds them in the aligned tree over the global token
+index b T + t (row b, global position t; one token per grain), and exchanges the nodes
+when other ranks hold the other positions; `tile_model` gives every LayerNorm and every
+tiled Linear one, in the single process (no exchange) and in every layout alike.
 Reference: the problem is the one of Demmel & Nguyen 2013 ("Fast reproducible
     floating-point summation"); fixed-split reductions are also how cuBLAS/cuDNN's
     deterministic modes are described (a fixed order per output element).
@@ -47,6 +53,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from minidist import backend
 from minidist.autograd.function import Context, Function
 from minidist.canonical import combine, gather_nodes, stacked_nodes
@@ -57,7 +65,8 @@ class Tiles:
     """The tiles of one weight W: k x n elements each, nk x nn of them in the full W. This
     rank holds K-tiles k_index and N-tiles n_index (global indices, increasing); `exchange`
     all-gathers an array over the other tiles' owners (None: the single process, or
-    nothing split). N-tiles at or past n_valid are padding, left out of sums over N."""
+    nothing split), each of whom holds as many tiles of the split dimension as this rank
+    (equal shards). N-tiles at or past n_valid are padding, left out of sums over N."""
 
     k: int
     n: int
@@ -85,7 +94,7 @@ def tree_over_tiles(parts, index: tuple[int, ...], count: int, exchange=None, va
     nodes = stacked_nodes(parts[keep] if len(keep) < len(index) else parts,
                           [index[j] for j in keep])
     if exchange is not None:
-        nodes = gather_nodes(nodes, parts.shape[1:], parts.dtype, exchange)
+        nodes = gather_nodes(nodes, parts.shape[1:], parts.dtype, exchange, len(index))
     return combine(nodes, count if valid is None else valid)
 
 
@@ -134,6 +143,46 @@ def tiled_matmul(x, w, tiles: Tiles):
     return TiledMatMul.apply(x, w, tiles=tiles)
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """The tokens of an activation (B, rows, ...) on this rank, for sums over them: token
+    b T + t is row b at global position t. positions(rows) -> (global positions, T) of
+    this rank's positions (None: it holds all T = rows of them); exchange all-gathers an
+    array over the ranks that hold the other positions (None: there are none)."""
+
+    positions: Callable | None = None
+    exchange: Callable | None = None
+
+    def sum(self, values):
+        """values (B, rows, ...) -> (...): the aligned-tree sum over all B T tokens (the
+        other ranks' positions through exchange), the same bits on every rank."""
+        B, rows = values.shape[:2]
+        pos, T = (np.arange(rows), rows) if self.positions is None else self.positions(rows)
+        index = (np.arange(B)[:, None] * T + np.asarray(pos)[None]).reshape(-1)
+        parts = values.reshape((B * rows,) + values.shape[2:])             # one per token
+        total = tree_over_tiles(parts, tuple(int(i) for i in index), B * T, self.exchange)
+        return total.copy()                      # (one token: a view of values)
+
+
+class BiasAdd(Function):
+    """y = x + b, x (B, rows, N), b (N,): db = tokens.sum(dy), the sum over tokens in the
+    aligned tree (Tokens), dx = dy."""
+
+    @staticmethod
+    def forward(ctx: Context, x, b, *, tokens: Tokens):
+        ctx.tokens = tokens
+        return x + b
+
+    @staticmethod
+    def backward(ctx: Context, g):
+        return g, (ctx.tokens.sum(g) if ctx.needs_input_grad[1] else None)
+
+
+def add_bias(x, b, tokens: Tokens | None):
+    """x + b, its bias gradient summed over `tokens` (BiasAdd); x + b as usual when None."""
+    return x + b if tokens is None else BiasAdd.apply(x, b, tokens=tokens)
+
+
 def gpt_tiles(cfg) -> dict[str, tuple[int, int]]:
     """(k, n) of each tensor-parallel matmul of a GPT, by module name suffix: head_dim
     columns of qkv and rows of the attention projection, F / H of the MLP's."""
@@ -147,15 +196,21 @@ def _whole(p, k: int, n: int, transposed: bool = False, valid=None) -> Tiles:
     return Tiles.whole(K, N, k, n)
 
 
-def tile_model(model, tiles_of: Callable = _whole) -> None:
+def tile_model(model, tiles_of: Callable = _whole,
+               tokens_of: Callable = lambda module: Tokens()) -> None:
     """Give a GPT's matmuls (gpt_tiles, and the LM head by single vocabulary columns)
     their Tiles: tiles_of(weight, k, n, transposed, valid), all of each weight by
-    default; parallel/deterministic_tensor.py passes one that knows tp shards."""
+    default; and every LayerNorm and tiled Linear its Tokens, tokens_of(module), all
+    positions here by default. parallel/deterministic_tensor.py passes ones that know
+    tp shards and sequence parallelism."""
+    from minidist.nn.layers import LayerNorm          # (nn/layers.py imports this module)
     cfg = model.cfg
     for name, m in model.named_modules():
+        if isinstance(m, LayerNorm):
+            m.tokens = tokens_of(m)
         for suffix, (k, n) in gpt_tiles(cfg).items():
             if name.endswith(suffix) and hasattr(m, "weight"):
-                m.tiles = tiles_of(m.weight, k, n)
+                m.tiles, m.tokens = tiles_of(m.weight, k, n), tokens_of(m)
     head = getattr(model, "wte" if cfg.tie_weights else "lm_head", None)
     if head is not None:                       # (a middle pipeline stage has no head)
         model.layout.head_tiles = tiles_of(head.weight, cfg.n_embd, 1, cfg.tie_weights,

@@ -252,11 +252,13 @@ def log_softmax(x: Any, axis: int = -1) -> Tensor:
     return fused.LogSoftmax.apply(x, axis=axis)
 
 
-def layer_norm(x: Any, weight: Any, bias: Any, eps: float = 1e-5) -> Tensor:
-    """Normalise over the last axis, then scale by weight and shift by bias (fused.LayerNorm)."""
+def layer_norm(x: Any, weight: Any, bias: Any, eps: float = 1e-5, tokens: Any = None
+               ) -> Tensor:
+    """Normalise over the last axis, then scale by weight and shift by bias (fused.LayerNorm);
+    tokens (canonical_matmul.Tokens): the weight and bias gradients in its fixed tree."""
     if precision is not None:
         x, weight, bias = (precision.upcast(v) for v in (x, weight, bias))
-    return fused.LayerNorm.apply(x, weight, bias, eps=eps)
+    return fused.LayerNorm.apply(x, weight, bias, eps=eps, tokens=tokens)
 
 
 def gelu(x: Any, approximate: str = "tanh") -> Tensor:

@@ -86,17 +86,21 @@ class LayerNorm(Function):
     Backward (with dxhat = g * w):
         dx = r * (dxhat - mean_j dxhat_j - xhat * mean_j (dxhat_j * xhat_j))
         dw = sum over all leading axes of g * xhat,   db = same sum of g.
-    Inputs: x (..., C); w, b (C,) or None (then that term is left out).
+    Inputs: x (..., C); w, b (C,) or None (then that term is left out). tokens: dw and
+    db summed over the tokens in the aligned tree of canonical.py (canonical_matmul.Tokens,
+    the deterministic mode's, which sequence-parallel ranks reproduce) instead of NumPy's.
     """
 
     @staticmethod
-    def forward(ctx: Context, x: Any, w: Any, b: Any, *, eps: float = 1e-5) -> Any:
+    def forward(ctx: Context, x: Any, w: Any, b: Any, *, eps: float = 1e-5,
+                tokens: Any = None) -> Any:
         xp = backend.xp
         xc = x - x.mean(axis=-1, keepdims=True)
         r = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)   # (..., 1)
         xhat = xc
         xhat *= r                                                          # in place: xc is ours
         ctx.save_for_backward(xhat, r, w)
+        ctx.tokens = tokens
         y = xhat if w is None else xhat * w
         return y if b is None else y + b
 
@@ -112,10 +116,12 @@ class LayerNorm(Function):
             dxhat_xhat = dxhat * xhat
             dx -= xhat * dxhat_xhat.mean(axis=-1, keepdims=True)
             dx *= r
+        sum_tokens = ctx.tokens.sum if ctx.tokens is not None else \
+            (lambda v: v.reshape(-1, C).sum(axis=0))
         if need_w:
-            dw = (g * xhat).reshape(-1, C).sum(axis=0)
+            dw = sum_tokens(g * xhat)
         if need_b:
-            db = g.reshape(-1, C).sum(axis=0)
+            db = sum_tokens(g)
         return dx, dw, db
 
 

@@ -25,7 +25,7 @@ from minidist import backend
 from minidist import seed as seeding
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
-from minidist.canonical_matmul import tiled_matmul
+from minidist.canonical_matmul import add_bias, tiled_matmul
 from minidist.nn.module import Module, Parameter
 
 STD = 0.02                                            # GPT-2's initialiser
@@ -42,9 +42,11 @@ class DropoutKey:
 
 class Linear(Module):
     """y = x @ W + b with W (in_features, out_features). `tiles` (canonical_matmul.Tiles,
-    set by the deterministic mode): x @ W over fixed tiles of W; None: one matmul."""
+    set by the deterministic mode): x @ W over fixed tiles of W; None: one matmul.
+    `tokens` (canonical_matmul.Tokens, idem): the bias gradient summed over the tokens in
+    a fixed tree; None: NumPy's sum."""
 
-    tiles = None
+    tiles = tokens = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dtype: str = "float64", std: float = STD) -> None:
@@ -54,7 +56,7 @@ class Linear(Module):
     def forward(self, x: Tensor) -> Tensor:
         y = x @ self.weight if self.tiles is None else \
             tiled_matmul(x, self.weight, self.tiles)     # (..., C) @ (C, F) -> (..., F)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else add_bias(y, self.bias, self.tokens)
 
 
 class Embedding(Module):
@@ -69,7 +71,11 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
-    """(x - mean) / sqrt(var + eps) * g + b over the last axis (biased variance)."""
+    """(x - mean) / sqrt(var + eps) * g + b over the last axis (biased variance). `tokens`
+    (canonical_matmul.Tokens, set by the deterministic mode): the gradients of g and b
+    summed over the tokens in a fixed tree; None: NumPy's sum."""
+
+    tokens = None
 
     def __init__(self, dim: int, bias: bool = True, dtype: str = "float64",
                  eps: float = 1e-5) -> None:
@@ -78,7 +84,7 @@ class LayerNorm(Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, self.weight, self.bias, eps=self.eps)
+        return F.layer_norm(x, self.weight, self.bias, eps=self.eps, tokens=self.tokens)
 
 
 class Dropout(Module):

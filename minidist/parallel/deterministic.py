@@ -39,15 +39,19 @@ micro-batch.
 Tensor parallelism (parallel/deterministic_tensor.py): the single process and every layout
 compute the tp-shardable matmuls over the same fixed tiles (canonical_matmul.py), and a
 tp rank's partial sums over split tiles are exchanged and added in the same tree; the
-norm is over whole (tp-gathered) gradients.
+LayerNorm and bias gradients are sums over tokens in a fixed tree, exchanged over tp when
+sequence parallelism cuts them; the norm is over whole (tp-gathered) gradients.
 Expert parallelism (parallel/deterministic_expert.py): an expert runs each source grain's
 tokens in a call of its own, on an alias whose gradient is that grain's; the experts'
 grains are added in the same tree over their replicas (edp), and their roots replace the
 experts' slices of the dense root.
-Covered: dp of any size, ZeRO 0-3, pp (every schedule), tp without SP, ep (ZeRO 0-2), and
-their products, any micro-batch count, float64 and float32. Not yet covered (refused by
-train.py): sequence parallelism and cp, whose sums across ranks run over positions, ep
-with ZeRO-3, and pp with MoE.
+Covered: dp of any size, ZeRO 0-3, pp (every schedule), tp with or without SP, ep (ZeRO
+0-2), and their products, any micro-batch count, float64 and float32. Not yet covered
+(refused by train.py): cp, ep with ZeRO-3, and pp with MoE. cp would need every sum over
+tokens cut into fixed token tiles: each weight's gradient per tile (x_i^T g_i, on an alias
+per tile as the experts do), the forward matmuls over tiles of rows (a BLAS result also
+depends on the number of rows), and attention over all-gathered keys with the queries in
+tiles and dK, dV added over them in the tree, where ring attention merges online.
 Communication: the nodes (at most about 2 log2(B) gradients per rank, all-gathered) plus
 the engine's usual reduction of one gradient; the reference pays it for exactness.
 Read next: canonical.py, then train.py (--deterministic).
@@ -78,15 +82,13 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
                          f"{global_batch // plan.dp} rows, not a whole number of grains; "
                          f"use a grain that divides {global_batch // plan.dp}.")
     others = {k: getattr(plan, k) for k in ("cp",) if getattr(plan, k) > 1}
-    if plan.sequence_parallel:
-        others["tp with SP"] = plan.tp
     if plan.pp > 1 and cfg.moe_every:
         others["pp with MoE"] = plan.pp
     if plan.ep > 1 and plan.zero == 3:
         others["ep with ZeRO-3"] = plan.ep
     if others:
-        raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule), tp, ep "
-                         f"and any micro-batch count; not yet "
+        raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule), tp "
+                         f"(+SP), ep and any micro-batch count; not yet "
                          f"{', '.join(f'{k}={v}' for k, v in others.items())}, whose "
                          f"sums across ranks run over other grains. Drop those axes, or "
                          f"run without --deterministic (equal within ~1e-12 in float64).")
@@ -165,8 +167,10 @@ def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: 
             v[...] = 0
     dtype = params[0].data.dtype
     size = sum(p.data.size for p in params)
-    root = combine(gather_nodes(grads.nodes(), (size,), dtype, _over(group)), leaves)
-    total = combine(gather_nodes(losses.nodes(), (1,), np.float64, _over(group)), leaves)
+    bound = len(batches)                              # every dp rank holds as many grains
+    root = combine(gather_nodes(grads.nodes(), (size,), dtype, _over(group), bound), leaves)
+    total = combine(gather_nodes(losses.nodes(), (1,), np.float64, _over(group), bound),
+                    leaves)
     pieces, at = [], 0
     for p in params:                                  # the root, cut into parameters
         pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())
@@ -249,15 +253,16 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
     for m in sorted(per_sample):
         grads.push(first + m, per_sample[m])
     size = sum(p.data.size for p in params)
-    root = combine(gather_nodes(grads.nodes(), (size,), params[0].data.dtype, _over(group)),
+    root = combine(gather_nodes(grads.nodes(), (size,), params[0].data.dtype, _over(group),
+                                len(batches)),
                    leaves)
     total = 0.0
     if last:
         tree = TreeSum()
         for m in sorted(losses):
             tree.push(first + m, losses[m])
-        total = float(combine(gather_nodes(tree.nodes(), (1,), np.float64, _over(group)),
-                              leaves)[0])
+        total = float(combine(gather_nodes(tree.nodes(), (1,), np.float64, _over(group),
+                                           len(batches)), leaves)[0])
     pieces, at = [], 0
     for p in params:
         pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())

@@ -21,13 +21,22 @@ The gradient norm adds each parameter's sum of squares over the WHOLE gradient, 
 single process does: a sharded gradient is all-gathered over tp and unsharded first
 (`square_sum`); dot over a shard would sum in another grouping.
 
+Sums over tokens: the gradients of every LayerNorm's gain and shift and of every tiled
+Linear's bias are added in the aligned tree over the micro-batch's global token index
+b T + t (canonical_matmul.Tokens), in the single process and in every layout alike.
+Sequence parallelism (parallel/sequence.py) cuts those sums: a SequenceParallelLayerNorm
+and a row-parallel bias see this rank's positions only, so their Tokens exchange the nodes
+over tp and every rank combines the whole sum, in place of Megatron's f. The edges of the
+tp regions become exact data movement (an all-gather of x before a column-parallel tiled
+matmul, my positions of a row-parallel one's whole y), and the position embedding keeps
+f (one nonzero summand per row).
+
 One rank's view: tile_model(model) once after the model is built; the steps as
 parallel/deterministic.py describes, with square_sum in the norm.
 Communication: each tiled sum over tp is an all_gather of at most ~2 log2(tiles) partial
-outputs per rank in place of one all-reduce; the norm all-gathers every sharded gradient
-over tp once a step.
-Not covered: sequence parallelism (its LayerNorm and bias gradients are sums over
-position shards of the sequence; refused by deterministic.check).
+outputs per rank in place of one all-reduce; under SP, each LayerNorm and row-parallel
+bias all-gathers its token nodes (at most ~2 log2(B T) vectors of C) per backward; the
+norm all-gathers every sharded gradient over tp once a step.
 Read next: canonical_matmul.py.
 """
 
@@ -40,9 +49,11 @@ import numpy as np
 from minidist import backend
 from minidist import collectives as C
 from minidist import canonical_matmul
-from minidist.canonical_matmul import Tiles
+from minidist.canonical_matmul import Tiles, Tokens
 from minidist.optim.clip import wide
 from minidist.parallel import placement as pl
+from minidist.parallel.sequence import SequenceParallelLayerNorm
+from minidist.parallel.tensor import RowParallelLinear
 
 
 def _tiles(p, k: int, n: int, transposed: bool = False, valid: int | None = None, tp=None):
@@ -69,11 +80,22 @@ def _tiles(p, k: int, n: int, transposed: bool = False, valid: int | None = None
     return Tiles(k, n, nk, nn, tuple(range(nk)), index, exchange, valid)
 
 
+def _tokens(module, tp=None) -> Tokens:
+    """The Tokens of a LayerNorm's or tiled Linear's gradient sums on this tp rank: under
+    SP, those on this rank's positions (the LayerNorms, the row-parallel biases) exchange
+    over tp; the others see every position."""
+    on_shard = isinstance(module, (SequenceParallelLayerNorm, RowParallelLinear))
+    if tp is None or not tp.sequence_parallel or not on_shard:
+        return Tokens()
+    return Tokens(tp.positions, functools.partial(C.all_gather, group=tp.group))
+
+
 def tile_model(model) -> None:
-    """canonical_matmul.tile_model with this rank's tp shards as whole tiles (module
-    docstring); the single process's tiles when the model is not tensor-parallel."""
+    """canonical_matmul.tile_model with this rank's tp shards as whole tiles and its SP
+    positions' Tokens (module docstring); the single process's when not tensor-parallel."""
     tp = getattr(model.layout, "tp", None)
-    canonical_matmul.tile_model(model, functools.partial(_tiles, tp=tp))
+    canonical_matmul.tile_model(model, functools.partial(_tiles, tp=tp),
+                                functools.partial(_tokens, tp=tp))
 
 
 def square_sum(g, p, tp_group) -> float:

@@ -32,6 +32,16 @@ into the computation, so their .grad arrives summed over tp. Forgetting that sum
 classic SP bug; check mode catches it (parallel/sharding.py compares the replicated
 gradients across tp).
 
+Deterministic mode (parallel/deterministic.py): a tiled matmul (canonical_matmul.py)
+already adds its split sums over tp in the single process's fixed tree, so the edges of a
+region only move data. A column-parallel layer all-gathers x along T and its backward keeps
+this rank's positions of dx, which the tiled matmul left whole on every rank; a row-parallel
+layer keeps its positions of the whole y and all-gathers dy (GatherWholeSequence,
+ScatterWholeSequence). The sums over positions skip f and add every token in one tree over
+the global token index, exchanged over tp (canonical_matmul.Tokens, set by tile_model on
+the LayerNorms and the row-parallel biases). The position embedding keeps f: each row of its
+gradient is nonzero on one rank only, and x + 0 = x exactly.
+
 One rank's view (tp rank r of W, T = W T_tp):
     1. the embedding's partial sums are reduce-scattered: x[B, T_tp, C], positions
        r T_tp .. (r+1) T_tp - 1;
@@ -101,6 +111,53 @@ class ReduceScatterToSequenceRegion(Function):
         return (all_gather_sequence(dy, ctx.tp),)
 
 
+def my_positions(x: np.ndarray, tp) -> np.ndarray:
+    """This rank's T_tp positions of a whole x[B, T, ...] (a copy): those all_gather_sequence
+    puts at r T_tp."""
+    Tl = x.shape[1] // tp.group.size
+    return x[:, tp.group.rank * Tl:(tp.group.rank + 1) * Tl].copy()
+
+
+class GatherWholeSequence(Function):
+    """Deterministic mode: forward all-gather along T; backward this rank's positions of dy,
+    which is whole on every rank (a tiled matmul's exchanged dx)."""
+
+    @staticmethod
+    def forward(ctx, x, *, tp):
+        ctx.tp = tp
+        return all_gather_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (my_positions(dy, ctx.tp),)
+
+
+class ScatterWholeSequence(Function):
+    """Deterministic mode: forward this rank's positions of a whole y (a tiled row-parallel
+    matmul's, the same on every rank); backward all-gather dy along T."""
+
+    @staticmethod
+    def forward(ctx, x, *, tp):
+        ctx.tp = tp
+        return my_positions(x, tp)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (all_gather_sequence(dy, ctx.tp),)
+
+
+def gather_whole_sequence(x: Tensor, tp) -> Tensor:
+    """x[B, T_tp, C] -> x[B, T, C] Replicate, into a tiled column-parallel matmul."""
+    pl.expect(x, "tp", pl.Shard(1), name="x", where="all-gather into a tiled matmul (SP)")
+    return pl.tag(GatherWholeSequence.apply(x, tp=tp), "tp", pl.Replicate())
+
+
+def scatter_whole_sequence(y: Tensor, tp) -> Tensor:
+    """y[B, T, C] Replicate -> y[B, T_tp, C], out of a tiled row-parallel matmul."""
+    pl.expect(y, "tp", pl.Replicate(), name="y", where="my positions of a tiled matmul (SP)")
+    return pl.tag(ScatterWholeSequence.apply(y, tp=tp), "tp", pl.Shard(1))
+
+
 class AllGatherMatmul(Function):
     """y = all_gather_T(x) @ w, keeping only this rank's x[B, T_tp, C] for the backward.
 
@@ -154,13 +211,17 @@ def reduce_scatter_to_sequence_region(x: Tensor, tp) -> Tensor:
 
 class SequenceParallelLayerNorm(LayerNorm):
     """LayerNorm on x[B, T_tp, C]; its gain and shift pass through f, so their gradient,
-    a partial sum over this rank's positions, is summed over tp in the backward."""
+    a partial sum over this rank's positions, is summed over tp in the backward. With
+    `tokens` (deterministic mode) no f: the sum over every token, exchanged over tp, is
+    added in the fixed tree (canonical_matmul.Tokens) and whole on every rank."""
 
     def __init__(self, full: LayerNorm, tp) -> None:
         self.weight, self.bias, self.eps, self.tp = full.weight, full.bias, full.eps, tp
 
     def forward(self, x: Tensor) -> Tensor:
         pl.expect(x, "tp", pl.Shard(1), name="x", where="SequenceParallelLayerNorm")
+        if self.tokens is not None:
+            return F.layer_norm(x, self.weight, self.bias, eps=self.eps, tokens=self.tokens)
         b = None if self.bias is None else self.tp.sum_grad(self.bias)
         return F.layer_norm(x, self.tp.sum_grad(self.weight), b, eps=self.eps)
 

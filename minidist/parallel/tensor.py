@@ -42,7 +42,7 @@ from minidist import backend
 from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
-from minidist.canonical_matmul import tiled_matmul
+from minidist.canonical_matmul import add_bias, tiled_matmul
 from minidist.nn.attention import CausalSelfAttention
 from minidist.nn.gpt import GPTLayout
 from minidist.nn.layers import MLP, Linear
@@ -115,8 +115,10 @@ class TensorParallel:
         """A column-parallel matmul: f(x) @ w, or under SP the all-gather along T fused with
         the matmul (sequence.AllGatherMatmul keeps only the shard for the backward). tiles
         (the deterministic mode): x @ w over those tiles, whose backward exchanges the
-        partial dx in place of f's all-reduce (canonical_matmul.py)."""
-        if tiles is not None:
+        partial dx in place of f's all-reduce (canonical_matmul.py); under SP x is
+        all-gathered first and dx, whole on every rank, cut back to my positions."""
+        if tiles is not None:                 # SP: the exact all-gather, then the tiles
+            x = sp.gather_whole_sequence(x, self) if self.sequence_parallel else x
             pl.expect(x, "tp", pl.Replicate(), name="x", where="a tiled column-parallel matmul")
             return pl.tag(tiled_matmul(x, w, tiles), "tp", pl.Shard(2))
         if self.sequence_parallel:
@@ -160,10 +162,11 @@ class ColumnParallelLinear(Module):
                                                                    pl.Shard(0, blocks), tp)
 
     tiles = None             # deterministic mode: canonical_matmul.Tiles of my columns
+    tokens = None            # ... and the Tokens of the bias gradient (every position)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.tp.matmul(x, self.weight, self.tiles)          # (B, T, C) @ (C, F_tp)
-        y = y if self.bias is None else y + self.bias
+        y = y if self.bias is None else add_bias(y, self.bias, self.tokens)
         return pl.tag(y, "tp", pl.Shard(2))
 
 
@@ -171,7 +174,8 @@ class RowParallelLinear(Module):
     """y[B, T, C] = g(x[B, T, F_tp] @ W[F_tp, C]) + b: input features split over tp.
 
     The matmul gives a partial sum {U_tp}; g all-reduces it (SP: reduce-scatter along T);
-    the replicated bias is added once, after the reduction.
+    the replicated bias is added once, after the reduction. With tiles (deterministic
+    mode) the tiled matmul exchanges the sum itself: no g (SP: keep my positions).
     """
 
     def __init__(self, full: Linear, tp: TensorParallel) -> None:
@@ -180,14 +184,22 @@ class RowParallelLinear(Module):
         self.bias = full.bias
 
     tiles = None             # deterministic mode: canonical_matmul.Tiles of my rows
+    tokens = None            # ... and the Tokens of the bias gradient (SP: exchanged)
 
     def forward(self, x: Tensor) -> Tensor:
         pl.expect(x, "tp", pl.Shard(2), name="x", where="RowParallelLinear")
-        if self.tiles is not None:            # the sum over my rows' tiles is exchanged
-            y = pl.tag(tiled_matmul(x, self.weight, self.tiles), "tp", pl.Replicate())
-        else:                                 # inside: no g (canonical_matmul.py)
+        if self.tiles is None:
             y = self.tp.exit(pl.tag(x @ self.weight, "tp", pl.Partial()))   # (B, T, C)
-        return y if self.bias is None else y + self.tp.sum_grad(self.bias)
+            return y if self.bias is None else y + self.tp.sum_grad(self.bias)
+        # the sum over my rows' tiles is exchanged inside: no g (canonical_matmul.py)
+        y = pl.tag(tiled_matmul(x, self.weight, self.tiles), "tp", pl.Replicate())
+        if self.tp.sequence_parallel:         # the whole y on every rank: keep my positions
+            y = sp.scatter_whole_sequence(y, self.tp)                       # (B, T_tp, C)
+        if self.bias is None:
+            return y
+        if self.tokens is None:               # no tree: f sums the partial bias gradients
+            return y + self.tp.sum_grad(self.bias)
+        return add_bias(y, self.bias, self.tokens)      # the tree over every token: no f
 
 
 class TensorParallelAttention(CausalSelfAttention):

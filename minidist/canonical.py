@@ -132,19 +132,26 @@ def stacked_nodes(values: Any, index: Sequence[int]) -> list[Node]:
 
 
 def gather_nodes(nodes: list[Node], shape: tuple, dtype,
-                 all_gather: Callable[[np.ndarray], np.ndarray]) -> list[Node]:
+                 all_gather: Callable[[np.ndarray], np.ndarray], bound: int) -> list[Node]:
     """Every rank's nodes (values of `shape`), through all_gather(array) -> (W, *shape): a
     collective over the group that holds the other grains (parallel/ passes one, so that
-    this module needs no runtime). The node counts first (they differ between ranks), then
-    the ranges and the values, padded to the largest count."""
-    size = int(np.prod(shape, dtype=np.int64))
-    counts = all_gather(np.array([len(nodes)], np.int64)).reshape(-1)
-    k = int(counts.max())
-    ranges = np.full((k, 2), -1, np.int64)
-    values = np.zeros((k, size), dtype)
+    this module needs no runtime). bound: the most nodes any rank of the group has (the
+    callers' ranks hold equally many grains, and a rank's nodes are at most its grains).
+    One collective: each rank's ranges (int64, [-1, -1] past its count) and values, padded
+    to `bound` nodes, travel as the bytes of one buffer."""
+    if len(nodes) > bound:
+        raise ValueError(f"gather_nodes: {len(nodes)} nodes, more than bound={bound}")
+    size, dtype = int(np.prod(shape, dtype=np.int64)), np.dtype(dtype)
+    ranges = np.full((bound, 2), -1, np.int64)
+    values = np.zeros((bound, size), dtype)
     for j, (lo, hi, v) in enumerate(nodes):
         ranges[j], values[j] = (lo, hi), np.asarray(v).reshape(-1)
-    all_ranges = all_gather(ranges)                                    # (W, k, 2)
-    all_values = all_gather(values)                                    # (W, k, size)
-    return [(int(lo), int(hi), all_values[r, j].reshape(shape)) for r in range(len(counts))
-            for j, (lo, hi) in enumerate(all_ranges[r][:counts[r]])]
+    buf = np.concatenate([ranges.view(np.uint8).reshape(-1), values.view(np.uint8).reshape(-1)])
+    head = ranges.nbytes
+    out = []
+    for row in all_gather(buf):                                        # (W, bytes)
+        theirs = row[:head].view(np.int64).reshape(bound, 2)
+        vals = row[head:].view(dtype).reshape(bound, size)
+        out += [(int(lo), int(hi), vals[j].reshape(shape))
+                for j, (lo, hi) in enumerate(theirs) if lo >= 0]
+    return out

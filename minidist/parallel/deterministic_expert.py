@@ -101,7 +101,7 @@ class ExpertGrains:
         stack = np.stack([self.leaves[g] for g in grains]).astype(dtype, copy=False)
         nodes = stacked_nodes(stack, grains)
         nodes = gather_nodes(nodes, stack.shape[1:], dtype,
-                             lambda a: C.all_gather(a, group=self.edp))
+                             lambda a: C.all_gather(a, group=self.edp), len(grains))
         flat, out, at = combine(nodes, count), {}, 0
         for name, p in self.named:
             out[name] = flat[at:at + p.data.size].reshape(p.data.shape).copy()

@@ -1,17 +1,20 @@
 """Determinism: the same training run under several layouts, bit for bit.
 
 What you will see: a small GPT (dropout on, gradient clipping) trained for a few steps by
-the single process and by several layouts (dp = 2 and 3, ZeRO-1 and -3, a 2-stage
-pipeline, dp x pp with ZeRO-2), first as usual and then with --deterministic. For each run
+the single process and by several layouts (dp = 2 and 3, ZeRO-1 and -3, pipelines with
+three schedules, tensor parallelism alone and with dp and pp), first as usual and then
+with --deterministic; then a MoE GPT under expert parallelism the same way. For each run
 the sha256 of its final parameters (in name order, as `params sha256:` prints it). As
-usual, the layouts agree to ~1e-15 but their hashes differ: each groups the sum over
-samples differently. Deterministic, every hash is the same, and equal to the
-deterministic single process's: each sample is its own micro-batch and the samples'
-gradients are added in one fixed tree over their global indices, whoever holds them.
-The step times (information only) show what that costs.
+usual, the layouts agree to ~1e-15 but their hashes differ: each groups its sums
+differently. Deterministic, every hash is the same, and equal to the deterministic single
+process's: each sample is its own micro-batch and the samples' gradients are added in one
+fixed tree over their global indices, whoever holds them; tensor-parallel matmuls run
+over fixed tiles of the weights (minidist/canonical_matmul.py); experts run each sample's
+tokens in a call of their own. The step times (information only) show what that costs.
 
 Run:       python demos/23_determinism.py [--steps 3 --batch 12 --dtype float32]
-Read with: minidist/canonical.py, minidist/parallel/deterministic.py, minidist/baseline.py
+Read with: minidist/canonical.py, minidist/parallel/deterministic.py,
+           minidist/canonical_matmul.py, minidist/parallel/deterministic_expert.py
 Paper:     Demmel & Nguyen 2013, "Fast reproducible floating-point summation" (the
            problem); Higham 1993 (pairwise summation)
 """
@@ -33,8 +36,13 @@ STEPS, BATCH, DTYPE, SEED = 3, 12, "float64", 0
 LAYOUTS = [("dp=2", dict(dp=2)), ("dp=3 ZeRO-1", dict(dp=3, zero=1)),
            ("dp=2 ZeRO-3 M=2", dict(dp=2, zero=3, micro_batches=2)),
            ("pp=2 1f1b", dict(pp=2, micro_batches=2)),
-           ("dp=2 x pp=2 ZeRO-2 gpipe", dict(dp=2, pp=2, zero=2, micro_batches=2,
-                                             schedule="gpipe"))]
+           ("pp=2 interleaved", dict(pp=2, micro_batches=2, schedule="interleaved")),
+           ("dp=2 x pp=2 ZeRO-2 zb-h1", dict(dp=2, pp=2, zero=2, micro_batches=2,
+                                             schedule="zb-h1")),
+           ("tp=2", dict(tp=2)), ("dp=2 x tp=2 ZeRO-3", dict(dp=2, tp=2, zero=3)),
+           ("pp=2 x tp=2 gpipe", dict(pp=2, tp=2, micro_batches=2, schedule="gpipe"))]
+MOE_LAYOUTS = [("dp=2 ep=2", dict(dp=2, ep=2)), ("dp=4 ep=2 ZeRO-1", dict(dp=4, ep=2, zero=1)),
+               ("dp=2 ep=2 x tp=2", dict(dp=2, ep=2, tp=2))]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,31 +80,37 @@ def run(name, cfg, data, a, deterministic, kwargs=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     data = DataConfig("sort", length=4)
-    cfg = GPTConfig(vocab_size=11, block_size=9, n_layer=2, n_head=2, n_embd=16,
-                    dropout=0.1, dtype=a.dtype)
-    print(f"demo 23 · determinism · GPT 2 layers, C=16, {a.dtype}, dropout 0.1, clip 0.5 · "
+    dense = GPTConfig(vocab_size=11, block_size=9, n_layer=4, n_head=2, n_embd=16,
+                      dropout=0.1, dtype=a.dtype)
+    moe = GPTConfig(**{**dense.__dict__, "n_layer": 2, "moe_every": 1, "n_experts": 4,
+                       "moe_group_size": 8})
+    print(f"demo 23 · determinism · GPT 4 layers, C=16, {a.dtype}, dropout 0.1, clip 0.5 · "
           f"batch {a.batch}, {a.steps} steps")
-    table = {}
-    for det in (False, True):
-        rows = [run("single process", cfg, data, a, det)]
-        rows += [run(name, cfg, data, a, det, kw) for name, kw in LAYOUTS]
-        table[det] = rows
-        print(f"\n== {'--deterministic' if det else 'as usual'} ==")
-        print(f"  {'layout':<26} {'params sha256':<20} {'s per step (information)':>24}")
-        ref = rows[0][1]
-        for name, digest, sec in rows:
-            mark = "=" if digest == ref else "≠"
-            print(f"  {name:<26} {digest[:16]}... {mark} {sec:>12.3f}")
-    usual = {d for _, d, _ in table[False]}
-    same = {d for _, d, _ in table[True]}
-    print(f"\n  as usual: {len(usual)} different hashes over {len(table[False])} runs "
-          f"(the same numbers to ~1e-15, summed in other orders)")
-    print(f"  deterministic: {len(same)} hash over {len(table[True])} runs")
-    if len(same) != 1:
-        print(f"MISMATCH: --deterministic gave {len(same)} different parameter hashes")
-        return 1
-    print(f"OK: {len(table[True])} layouts' parameters match the deterministic single "
-          f"process bit for bit (params sha256 {same.pop()[:16]}...)")
+    runs = same = 0
+    for title, cfg, layouts in (("GPT", dense, LAYOUTS), ("MoE GPT, 4 experts", moe,
+                                                          MOE_LAYOUTS)):
+        table = {}
+        for det in (False, True):
+            rows = [run("single process", cfg, data, a, det)]
+            rows += [run(name, cfg, data, a, det, kw) for name, kw in layouts]
+            table[det] = rows
+            print(f"\n== {title}, {'--deterministic' if det else 'as usual'} ==")
+            print(f"  {'layout':<26} {'params sha256':<20} {'s per step (information)':>24}")
+            for name, digest, sec in rows:
+                mark = "=" if digest == rows[0][1] else "≠"
+                print(f"  {name:<26} {digest[:16]}... {mark} {sec:>12.3f}")
+        usual = {d for _, d, _ in table[False]}
+        hashes = {d for _, d, _ in table[True]}
+        print(f"\n  as usual: {len(usual)} different hashes over {len(table[False])} runs "
+              f"(the same numbers to ~1e-15, summed in other orders)")
+        print(f"  deterministic: {len(hashes)} hash over {len(table[True])} runs")
+        if len(hashes) != 1:
+            print(f"MISMATCH: --deterministic gave {len(hashes)} different parameter hashes "
+                  f"for the {title}")
+            return 1
+        runs, same = runs + len(table[True]), same + 1
+    print(f"OK: {runs} layouts' parameters match their deterministic single process bit "
+          f"for bit ({same} models)")
     return 0
 
 

@@ -66,7 +66,7 @@ import numpy as np
 
 from minidist import collectives as C
 from minidist.canonical import TreeSum, combine, gather_nodes
-from minidist.parallel.deterministic_tensor import square_sum, tile_model  # noqa: F401
+from minidist.parallel.deterministic_tensor import square_sums, tile_model  # noqa: F401
 from minidist.optim.clip import clip_to
 
 
@@ -106,7 +106,7 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
 
 def _over(group):
     """all_gather over group, for canonical.gather_nodes."""
-    return functools.partial(C.all_gather, group=group)
+    return functools.partial(C.all_gather, group=group, algo="ring")
 
 
 def my_rows(rows, global_batch: int, dp: int, d: int) -> tuple[int, int]:
@@ -199,8 +199,8 @@ def _global_norm(named: list, order: list[str], groups: list, tp_group=None) -> 
     named: (name, gradient, parameter); a tp shard's square sum is the whole gradient's."""
     index = {n: i for i, n in enumerate(order)}
     mine = np.full(len(order), np.nan)
-    for name, g, p in named:
-        mine[index[name]] = square_sum(g, p, tp_group)
+    for (name, _, _), sq in zip(named, square_sums(named, tp_group)):
+        mine[index[name]] = sq
     for grp in groups:
         if grp is not None:                   # the first rank that holds each parameter
             table = C.all_gather(mine, group=grp)

@@ -276,7 +276,8 @@ class TensorParallelLayout(GPTLayout):
         """The same scalar on every tp rank (the vocabulary-parallel loss all-reduces):
         Replicate, so that a MoE's auxiliary losses (Replicate too) may be added to it."""
         loss = vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size,
-                                            tree=self.head_tiles is not None)
+                                            exchange=None if self.head_tiles is None
+                                            else self.head_tiles.exchange)
         return pl.tag(loss, "tp", pl.Replicate())
 
 

@@ -90,15 +90,15 @@ class VocabParallelCrossEntropy(Function):
     """sum over counted tokens of CE, from vocabulary-sharded logits z (N, V_tp)."""
 
     @staticmethod
-    def forward(ctx, z, *, t, tp, lo: int, vocab_size: int, tree: bool = False):
+    def forward(ctx, z, *, t, tp, lo: int, vocab_size: int, exchange=None):
         xp, g = backend.xp, tp.group
         N, Vl = z.shape
         z = xp.where(lo + xp.arange(Vl) >= vocab_size, -math.inf, z)    # mask the padding
         m = C.all_reduce(z.max(axis=1), op="max", group=g, algo=tp.algo)          # (N,)
         e = xp.exp(z - m[:, None])                                       # (N, V_tp)
-        if tree:             # the deterministic mode: the single process's tree over V
-            s = tree_over_tiles(e.T, tuple(range(lo, lo + Vl)), vocab_size,
-                                functools.partial(C.all_gather, group=g), vocab_size)
+        if exchange is not None:      # deterministic mode: the single process's tree over V
+            s = tree_over_tiles(e.T, tuple(range(lo, lo + Vl)), vocab_size, exchange,
+                                vocab_size)
         else:
             s = C.all_reduce(e.sum(axis=1), op="sum", group=g, algo=tp.algo)     # (N,)
         counted = t != -100
@@ -121,11 +121,12 @@ class VocabParallelCrossEntropy(Function):
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int,
-                                 tree: bool = False) -> Tensor:
+                                 exchange=None) -> Tensor:
     """sum over counted (b, t) of CE(logits, targets) for logits[B, T, V_tp] (this rank's
     vocabulary shard); targets (B, T) with -100 = ignored. Refuses any other logits.
-    tree: the exp-sum over V in canonical.py's fixed tree, the one the single process's
-    cross_entropy(tree=True) adds (the deterministic mode)."""
+    exchange (the deterministic mode's all_gather over tp, canonical_matmul.Tiles.exchange):
+    the exp-sum over V in canonical.py's fixed tree, the one the single process's
+    cross_entropy(tree=True) adds, the other ranks' nodes through exchange."""
     lo, hi = vocab_range(vocab_size, tp)
     if logits.shape[-1] != hi - lo:
         raise ValueError(
@@ -138,4 +139,4 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int,
     t = backend.xp.asarray(targets).reshape(-1)
     z = logits.reshape(-1, hi - lo)                                      # (B T, V_tp)
     return VocabParallelCrossEntropy.apply(z, t=t, tp=tp, lo=lo, vocab_size=vocab_size,
-                                           tree=tree)
+                                           exchange=exchange)

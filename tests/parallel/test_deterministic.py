@@ -142,8 +142,8 @@ def test_two_runs_of_one_layout_are_bitwise_equal():
 
 
 def factorisations(limit: int = 8) -> list[Plan]:
-    """Every dp x pp x tp = W <= limit with tp | 4 heads and pp | 4 layers; ZeRO stages and
-    pipeline schedules rotate over the list."""
+    """Every dp x pp x tp = W <= limit with tp | 4 heads and pp | 4 layers; ZeRO stages,
+    pipeline schedules and sequence parallelism (every other tp > 1) rotate over the list."""
     plans, schedules = [], ["1f1b", "gpipe", "zb-h1", "interleaved"]
     for W in range(1, limit + 1):
         for pp in (1, 2, 4):
@@ -153,7 +153,8 @@ def factorisations(limit: int = 8) -> list[Plan]:
                 dp, i = W // (pp * tp), len(plans)
                 kw = {} if pp == 1 else {"schedule": schedules[i % (3 if pp == 4 else 4)],
                                          "micro_batches": 2}
-                plans.append(Plan(dp=dp, pp=pp, tp=tp, zero=i % (4 if pp == 1 else 3), **kw))
+                plans.append(Plan(dp=dp, pp=pp, tp=tp, zero=i % (4 if pp == 1 else 3),
+                                  sequence_parallel=tp > 1 and i % 2 == 1, **kw))
     return plans
 
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from minidist import backend, optim
 from minidist.canonical import TreeSum, combine
-from minidist.canonical_matmul import tile_model
+from minidist.canonical_matmul import Tokens, tile_model
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPT, DropoutKey, GPTConfig
 
@@ -89,7 +89,8 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
                          clip_grad: float | None = None, warmup_steps: int = 0,
                          lr_schedule: str = "constant", min_lr: float = 0.0,
                          on_step: Callable[[int, float, GPT], None] | None = None,
-                         deterministic: bool = False, grain: int = 1) -> TrainResult:
+                         deterministic: bool = False, grain: int = 1,
+                         token_tiles: int | None = None) -> TrainResult:
     """Train GPT(model_cfg, seed) on `steps` global batches of `data_cfg`; the ground truth.
 
     lr_schedule "constant" keeps lr; "cosine" uses optim.lr_at (linear warm-up over
@@ -99,7 +100,9 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     minidist/canonical.py, so the bits depend on no grouping: grad_accum changes nothing,
     and the layouts that do the same (train.py --deterministic) equal this run bit for bit.
     grain (deterministic only): samples per micro-batch (the leaves of the tree are runs of
-    `grain` consecutive rows); every layout compared must use the same grain.
+    `grain` consecutive rows); every layout compared must use the same grain. token_tiles
+    (deterministic only): every sum over positions is a tree over runs of T / token_tiles
+    of them (what context-parallel layouts need; canonical_attention.py).
     """
     check_compatible(model_cfg, data_cfg)
     if steps < 0 or grad_accum < 1 or global_batch % grad_accum:
@@ -112,7 +115,8 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
         raise ValueError(f"lr_schedule={lr_schedule!r} is unknown; use 'constant' or 'cosine'.")
     model, data = GPT(model_cfg, seed), SyntheticData(data_cfg)
     if deterministic:                        # matmuls over the tiles every layout uses
-        tile_model(model)
+        tile_model(model, rows=None if token_tiles is None else
+                   Tokens(per_sequence=token_tiles))
     opt = make_optimizer(optimizer, model.parameters(), lr, weight_decay, betas, momentum)
     losses, norms, lrs = [], [], []
     for step in range(steps):
@@ -262,6 +266,10 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--grain", type=int, default=1,
                     help="--deterministic: samples per leaf of the tree (default 1); larger "
                          "is faster, and runs compare bitwise only at the same grain")
+    ap.add_argument("--token-tiles", type=int, default=None,
+                    help="--deterministic: every sum over positions in a tree over this "
+                         "many runs per sequence (context parallelism needs it; runs "
+                         "compare bitwise only at the same value)")
     ap.add_argument("--device", type=_device, default=os.environ.get(backend.DEVICE_ENV, ""),
                     help="cpu (NumPy) or gpu (CuPy; needs the 'gpu' extra and a CUDA "
                          f"device); default ${backend.DEVICE_ENV}, else cpu")
@@ -354,7 +362,7 @@ def run(a: argparse.Namespace) -> int:
     result = train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.batch, lr=a.lr,
                                   seed=a.seed, grad_accum=a.grad_accum, optimizer=a.optimizer,
                                   on_step=progress, deterministic=a.deterministic,
-                                  grain=a.grain)
+                                  grain=a.grain, token_tiles=a.token_tiles)
     print(bar.summary(time.perf_counter() - t0))
     show_samples(cfg, data_cfg, result.params)
     print(f"params sha256: {params_digest(result.params)}")

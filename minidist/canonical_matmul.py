@@ -99,48 +99,59 @@ def tree_over_tiles(parts, index: tuple[int, ...], count: int, exchange=None, va
 
 
 class TiledMatMul(Function):
-    """y = x @ W over the tiles of W (module docstring); x (..., K_r), W (K_r, N_r)."""
+    """y = x @ W over the tiles of W (module docstring); x (..., K_r), W (K_r, N_r).
+    rows (a Tokens with `per_sequence` leaves, the deterministic mode under context
+    parallelism): x (B, T_r, K_r) is cut into runs of T / per_sequence positions too, each
+    BLAS call multiplies one run (a result depends on the number of rows as well), and
+    dW is summed over the runs in the aligned tree (exchanged when other ranks hold other
+    positions); None: all the rows in one call."""
 
     @staticmethod
-    def forward(ctx: Context, x, w, *, tiles: Tiles):
+    def forward(ctx: Context, x, w, *, tiles: Tiles, rows: "Tokens | None" = None):
         xp, t = backend.xp, tiles
         kl, nl = len(t.k_index), len(t.n_index)
         if w.shape != (kl * t.k, nl * t.n) or x.shape[-1] != kl * t.k:
             raise ValueError(f"TiledMatMul: x {x.shape} @ W {w.shape} does not match {kl} x "
                              f"{nl} tiles of {t.k} x {t.n}.")
         M = math.prod(x.shape[:-1])
-        xt = xp.ascontiguousarray(x.reshape(M, kl, t.k).transpose(1, 0, 2))       # (kl, M, k)
+        mt = 1 if rows is None else len(rows.leaves(x.shape)[0])       # runs of rows
+        xt = xp.ascontiguousarray(x.reshape(mt, M // mt, kl, t.k).transpose(2, 0, 1, 3))
         wt = xp.ascontiguousarray(w.reshape(kl, t.k, nl, t.n).transpose(0, 2, 1, 3))
-        parts = xt[:, None] @ wt                                       # (kl, nl, M, n)
+        parts = xt[:, None] @ wt[:, :, None]                           # (kl, nl, mt, m, n)
         split = t.exchange if kl < t.nk else None
-        y = tree_over_tiles(parts, t.k_index, t.nk, split)             # (nl, M, n)
+        y = tree_over_tiles(parts, t.k_index, t.nk, split)             # (nl, mt, m, n)
         ctx.save_for_backward(xt, wt)
-        ctx.tiles, ctx.x_shape = t, x.shape
-        return y.transpose(1, 0, 2).reshape(x.shape[:-1] + (nl * t.n,))
+        ctx.tiles, ctx.rows, ctx.x_shape = t, rows, x.shape
+        return y.transpose(1, 2, 0, 3).reshape(x.shape[:-1] + (nl * t.n,))
 
     @staticmethod
     def backward(ctx: Context, g):
-        xp, t = backend.xp, ctx.tiles
-        xt, wt = ctx.saved_tensors
-        kl, nl, M = xt.shape[0], wt.shape[1], xt.shape[1]
-        gt = xp.ascontiguousarray(g.reshape(M, nl, t.n).transpose(1, 0, 2))       # (nl, M, n)
+        xp, t, rows = backend.xp, ctx.tiles, ctx.rows
+        xt, wt = ctx.saved_tensors                                     # (kl, mt, m, k)
+        kl, mt, m, nl = xt.shape[0], xt.shape[1], xt.shape[2], wt.shape[1]
+        gt = xp.ascontiguousarray(g.reshape(mt, m, nl, t.n).transpose(2, 0, 1, 3))
         dx = dw = None
         if ctx.needs_input_grad[0]:
             wT = xp.ascontiguousarray(wt.swapaxes(-1, -2))             # (kl, nl, n, k)
-            parts = (gt[None] @ wT).swapaxes(0, 1)                     # (nl, kl, M, k)
+            parts = (gt[None] @ wT[:, :, None]).swapaxes(0, 1)         # (nl, kl, mt, m, k)
             split = t.exchange if nl < t.nn else None
-            d = tree_over_tiles(parts, t.n_index, t.nn, split, t.n_valid)   # (kl, M, k)
-            dx = d.transpose(1, 0, 2).reshape(ctx.x_shape)
+            d = tree_over_tiles(parts, t.n_index, t.nn, split, t.n_valid)   # (kl, mt, m, k)
+            dx = d.transpose(1, 2, 0, 3).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            xT = xp.ascontiguousarray(xt.swapaxes(-1, -2))             # (kl, k, M)
-            d = xT[:, None] @ gt[None]                                 # (kl, nl, k, n)
+            xT = xp.ascontiguousarray(xt.swapaxes(-1, -2))             # (kl, mt, k, m)
+            d = xT[:, None] @ gt[None]                                 # (kl, nl, mt, k, n)
+            if rows is None:
+                d = d[:, :, 0]
+            else:                                 # the sum over runs of rows: the tree
+                index, count = rows.leaves(ctx.x_shape)
+                d = tree_over_tiles(d.transpose(2, 0, 1, 3, 4), index, count, rows.exchange)
             dw = d.transpose(0, 2, 1, 3).reshape(kl * t.k, nl * t.n)
         return dx, dw
 
 
-def tiled_matmul(x, w, tiles: Tiles):
-    """x @ w over `tiles` (TiledMatMul), a Tensor."""
-    return TiledMatMul.apply(x, w, tiles=tiles)
+def tiled_matmul(x, w, tiles: Tiles, rows: "Tokens | None" = None):
+    """x @ w over `tiles` (and runs of `rows`: TiledMatMul), a Tensor."""
+    return TiledMatMul.apply(x, w, tiles=tiles, rows=rows)
 
 
 @dataclass(frozen=True)
@@ -148,20 +159,38 @@ class Tokens:
     """The tokens of an activation (B, rows, ...) on this rank, for sums over them: token
     b T + t is row b at global position t. positions(rows) -> (global positions, T) of
     this rank's positions (None: it holds all T = rows of them); exchange all-gathers an
-    array over the ranks that hold the other positions (None: there are none)."""
+    array over the ranks that hold the other positions (None: there are none).
+    per_sequence: leaves per sequence, each a run of T / per_sequence positions (None: one
+    token per leaf); this rank's positions must be whole runs."""
 
     positions: Callable | None = None
     exchange: Callable | None = None
+    per_sequence: int | None = None
+
+    def leaves(self, shape: tuple) -> tuple[tuple[int, ...], int]:
+        """(global index of each of my leaves, in the order of my rows; number of leaves
+        in the B sequences) for an activation of `shape` (B, rows, ...)."""
+        B, rows = shape[:2]
+        pos, T = (np.arange(rows), rows) if self.positions is None else self.positions(rows)
+        pos = np.asarray(pos)
+        per = T if self.per_sequence is None else self.per_sequence
+        run = T // per
+        if T % per or rows % run or np.any(pos.reshape(-1, run) - pos[::run, None]
+                                           != np.arange(run)) or np.any(pos[::run] % run):
+            raise ValueError(f"Tokens: {rows} positions of T={T} are not whole runs of "
+                             f"{run} (T / {per}); use a token tile count that the layout's "
+                             f"position shards hold whole.")
+        index = (np.arange(B)[:, None] * per + pos[::run][None] // run).reshape(-1)
+        return tuple(int(i) for i in index), B * per
 
     def sum(self, values):
         """values (B, rows, ...) -> (...): the aligned-tree sum over all B T tokens (the
-        other ranks' positions through exchange), the same bits on every rank."""
-        B, rows = values.shape[:2]
-        pos, T = (np.arange(rows), rows) if self.positions is None else self.positions(rows)
-        index = (np.arange(B)[:, None] * T + np.asarray(pos)[None]).reshape(-1)
-        parts = values.reshape((B * rows,) + values.shape[2:])             # one per token
-        total = tree_over_tiles(parts, tuple(int(i) for i in index), B * T, self.exchange)
-        return total.copy()                      # (one token: a view of values)
+        other ranks' positions through exchange), the same bits on every rank; a leaf of
+        several positions adds them first (NumPy's sum over the run)."""
+        index, count = self.leaves(values.shape)
+        parts = values.reshape((len(index), -1) + values.shape[2:])
+        parts = parts[:, 0] if parts.shape[1] == 1 else parts.sum(axis=1)
+        return tree_over_tiles(parts, index, count, self.exchange).copy()
 
 
 class BiasAdd(Function):
@@ -197,20 +226,32 @@ def _whole(p, k: int, n: int, transposed: bool = False, valid=None) -> Tiles:
 
 
 def tile_model(model, tiles_of: Callable = _whole,
-               tokens_of: Callable = lambda module: Tokens()) -> None:
+               tokens_of: Callable = lambda module: Tokens(), rows: Tokens | None = None
+               ) -> None:
     """Give a GPT's matmuls (gpt_tiles, and the LM head by single vocabulary columns)
     their Tiles: tiles_of(weight, k, n, transposed, valid), all of each weight by
     default; and every LayerNorm and tiled Linear its Tokens, tokens_of(module), all
     positions here by default. parallel/deterministic_tensor.py passes ones that know
-    tp shards and sequence parallelism."""
-    from minidist.nn.layers import LayerNorm          # (nn/layers.py imports this module)
+    tp shards and sequence parallelism. rows (Tokens with per_sequence runs; the
+    deterministic mode's token tiles, which context parallelism needs): the tiled
+    matmuls' runs of rows, the attention's query runs (canonical_attention.py), the
+    embeddings' and the loss's sums over positions."""
+    from minidist.nn.attention import CausalSelfAttention      # (they import this module)
+    from minidist.nn.layers import Embedding, LayerNorm
     cfg = model.cfg
     for name, m in model.named_modules():
         if isinstance(m, LayerNorm):
             m.tokens = tokens_of(m)
         for suffix, (k, n) in gpt_tiles(cfg).items():
             if name.endswith(suffix) and hasattr(m, "weight"):
-                m.tiles, m.tokens = tiles_of(m.weight, k, n), tokens_of(m)
+                m.tiles, m.tokens, m.rows = tiles_of(m.weight, k, n), tokens_of(m), rows
+        if rows is not None and isinstance(m, CausalSelfAttention):
+            m.canonical = rows
+        if rows is not None and isinstance(m, Embedding):
+            m.tokens = rows
+    if rows is not None:
+        model.layout.rows = rows
+        model.layout.loss_tokens = Tokens(rows.positions, rows.exchange)
     head = getattr(model, "wte" if cfg.tie_weights else "lm_head", None)
     if head is not None:                       # (a middle pipeline stage has no head)
         model.layout.head_tiles = tiles_of(head.weight, cfg.n_embd, 1, cfg.tie_weights,

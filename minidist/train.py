@@ -115,7 +115,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                   straggler=None, observer=None,
                   device_memory: int | str | None = None,
                   memory_ledger: bool = False, deterministic: bool = False,
-                  grain: int = 1) -> RankResult:
+                  grain: int = 1, token_tiles: int | None = None) -> RankResult:
     """Train GPT(model_cfg, seed) on this rank's share of `steps` global batches.
 
     Same arguments as baseline.train_single_process (grad_accum is plan.micro_batches)
@@ -148,12 +148,14 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     the same without a budget. RankResult.memory["ledger"] is then its summary() (peaks).
     deterministic (parallel/deterministic.py): bitwise train_single_process(deterministic=
     True, grain=grain); every micro-batch is one grain of `grain` rows, whatever
-    plan.micro_batches says, so each dp rank's rows must be a multiple of grain.
+    plan.micro_batches says, so each dp rank's rows must be a multiple of grain;
+    token_tiles: runs of T / token_tiles positions summed in the tree too (context
+    parallelism needs them; bitwise train_single_process(..., token_tiles=token_tiles)).
     """
     check_compatible(model_cfg, data_cfg)
     plan.validate(model_cfg, global_batch, data_cfg.block_size)
     if deterministic:                  # a grain per micro-batch: the grain decides, not M
-        determinism.check(plan, model_cfg, guard, straggler, grain, global_batch)
+        determinism.check(plan, model_cfg, guard, straggler, grain, global_batch, token_tiles)
         plan = replace(plan, micro_batches=global_batch // (plan.dp * grain))
     if not isinstance(steps, int) or steps < 0 or lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"train_on_rank: steps={steps!r} must be an int >= 0 and "
@@ -173,7 +175,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         lay.engine.load_full_state(*initial_state)
     engine, grad, data = lay.engine, lay.grad_group, SyntheticData(data_cfg)
     if deterministic:                          # the tp-shardable matmuls over fixed tiles
-        determinism.tile_model(lay.model)
+        determinism.tile_model(lay.model, token_tiles)
         named = list(lay.model.named_parameters())
         experts = None if lay.ep_group is None else \
             ExpertGrains(lay.model, lay.ep_group, lay.expert_group)
@@ -227,7 +229,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                                                   global_batch // grain, n_tokens,  # the
                                                   lay.dp_group, lr_s, clip_grad,    # update
                                                   lay.tp_group, experts,            # too
-                                                  determinism.param_order(model_cfg))
+                                                  determinism.param_order(model_cfg), grad)
                     norms.append(norm)
                     return loss
                 if stage is None:
@@ -237,7 +239,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                         engine, stage, batches, first // grain, global_batch // grain,
                         n_tokens, lay.dp_group,
                         lay.pp_group, determinism.param_order(model_cfg), lr_s, clip_grad,
-                        lay.tp_group)
+                        lay.tp_group, grad)
                     norms.append(norm)
                 else:
                     loss = stage.step(engine, batches, n_tokens)

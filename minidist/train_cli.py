@@ -230,7 +230,8 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
                            straggler=stragglers.for_rank(ctx, a, plan, cfg), observer=observer,
                            device_memory=getattr(a, "device_memory", None),
                            deterministic=getattr(a, "deterministic", False),
-                           grain=getattr(a, "grain", 1), **resume)
+                           grain=getattr(a, "grain", 1),
+                           token_tiles=getattr(a, "token_tiles", None), **resume)
     if saver is not None:
         saver.close()
     if observer is not None:
@@ -266,7 +267,8 @@ def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str
                                         lr=a.lr, seed=a.seed, grad_accum=a.grad_accum,
                                         optimizer=a.optimizer,
                                         deterministic=getattr(a, "deterministic", False),
-                                        grain=getattr(a, "grain", 1))
+                                        grain=getattr(a, "grain", 1),
+                                        token_tiles=getattr(a, "token_tiles", None))
     if getattr(a, "deterministic", False):       # the same bits, or a mismatch
         same = run.losses == ref.losses and all(np.array_equal(run.params[k], v)
                                                 for k, v in ref.params.items())

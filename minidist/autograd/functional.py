@@ -157,25 +157,38 @@ class Embedding(Function):
 
     Backward: the same row may be picked many times, so the rows of g are
     summed into dw with add.at:  dw[v] = sum of g[n] over all n with ids[n] = v.
+
+    tokens (canonical_matmul.Tokens, the deterministic mode): each run of positions adds
+    into a table of its own, and the tables are summed in the aligned tree over the runs'
+    global index (exchanged when other ranks hold other positions).
     """
 
     @staticmethod
-    def forward(ctx: Context, w: Any, ids: Any) -> Any:
+    def forward(ctx: Context, w: Any, ids: Any, *, tokens: Any = None) -> Any:
         ctx.save_for_backward(ids)
-        ctx.shape = w.shape
+        ctx.shape, ctx.tokens = w.shape, tokens
         return w[ids]
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         xp = backend.xp
         (ids,) = ctx.saved_tensors
-        dw = xp.zeros(ctx.shape, dtype=g.dtype)
-        xp.add.at(dw, ids.reshape(-1), g.reshape(-1, ctx.shape[1]))
-        return dw, None
+        if ctx.tokens is None:
+            dw = xp.zeros(ctx.shape, dtype=g.dtype)
+            xp.add.at(dw, ids.reshape(-1), g.reshape(-1, ctx.shape[1]))
+            return dw, None
+        from minidist.canonical_matmul import tree_over_tiles
+        rows = ids.reshape(-1, ids.shape[-1])                          # (B, T_r)
+        index, count = ctx.tokens.leaves(rows.shape)
+        leaf = xp.repeat(xp.arange(len(index)), rows.size // len(index))
+        parts = xp.zeros((len(index),) + tuple(ctx.shape), dtype=g.dtype)
+        xp.add.at(parts, (leaf, rows.reshape(-1)), g.reshape(-1, ctx.shape[1]))
+        return tree_over_tiles(parts, index, count, ctx.tokens.exchange), None
 
 
-def embedding(weight: Tensor, ids: Any) -> Tensor:
-    """Look up rows of `weight` (V, C) for integer `ids` (...) -> (..., C)."""
+def embedding(weight: Tensor, ids: Any, tokens: Any = None) -> Tensor:
+    """Look up rows of `weight` (V, C) for integer `ids` (...) -> (..., C); tokens: the
+    deterministic mode's sum of the gradient over runs of positions (Embedding)."""
     ids = ids.data if isinstance(ids, Tensor) else backend.xp.asarray(ids)
     V = weight.shape[0]
     if ids.dtype.kind not in "iu":
@@ -185,7 +198,7 @@ def embedding(weight: Tensor, ids: Any) -> Tensor:
             f"embedding: ids range over [{int(ids.min())}, {int(ids.max())}] but the table "
             f"has {V} rows; every id must lie in [0, {V - 1}]. Check the vocabulary size."
         )
-    return Embedding.apply(weight, ids)
+    return Embedding.apply(weight, ids, tokens=tokens)
 
 
 def dropout(x: Any, p: float, rng: Any, training: bool = True) -> Tensor:
@@ -269,12 +282,13 @@ def gelu(x: Any, approximate: str = "tanh") -> Tensor:
 
 
 def cross_entropy(logits: Tensor, targets: Any, ignore_index: int = -100,
-                  reduction: str = "mean", tree: bool = False) -> Tensor:
+                  reduction: str = "mean", tree: bool = False, tokens: Any = None) -> Tensor:
     """Softmax cross-entropy of logits (..., V) against integer targets (...).
 
     reduction: "mean" over targets != ignore_index (0 if there are none), "sum",
     or "none" (a loss per position, shape of targets, 0 where ignored). tree: the
-    softmax's sum over V in canonical.py's fixed tree (the deterministic mode).
+    softmax's sum over V in canonical.py's fixed tree (the deterministic mode); tokens:
+    the sum over positions in one too (canonical_matmul.Tokens; reduction "sum").
     """
     xp = backend.xp
     t = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
@@ -294,7 +308,8 @@ def cross_entropy(logits: Tensor, targets: Any, ignore_index: int = -100,
         logits = precision.upcast(logits)
     z = logits if logits.ndim == 2 else ops.reshape(logits, -1, V)
     loss = fused.CrossEntropy.apply(z, t=t.reshape(-1), ignore_index=ignore_index,
-                                    reduction=reduction, tree=tree)
+                                    reduction=reduction, tree=tree, tokens=tokens,
+                                    shape=tuple(t.shape))
     return ops.reshape(loss, t.shape) if reduction == "none" else loss
 
 

@@ -135,12 +135,14 @@ class CrossEntropy(Function):
         dz_n = w_n * (softmax(z_n) - onehot(t_n)).
     The softmax is computed once, in the forward, and reused. tree: the sum over V in
     the aligned tree of canonical.py (the deterministic mode's, which vocabulary-parallel
-    ranks reproduce: parallel/vocab.py) instead of NumPy's.
+    ranks reproduce: parallel/vocab.py) instead of NumPy's. tokens (canonical_matmul.Tokens,
+    with shape the targets' (B, T_r)): the sum over tokens in the same kind of tree,
+    exchanged when other ranks hold other positions (context parallelism).
     """
 
     @staticmethod
     def forward(ctx: Context, z: Any, *, t: Any, ignore_index: int, reduction: str,
-                tree: bool = False) -> Any:
+                tree: bool = False, tokens: Any = None, shape: tuple = ()) -> Any:
         xp = backend.xp
         N = z.shape[0]
         rows = xp.arange(N)
@@ -162,7 +164,7 @@ class CrossEntropy(Function):
         ctx.reduction, ctx.count = reduction, int(keep.sum())
         if reduction == "none":
             return losses
-        total = losses.sum()
+        total = losses.sum() if tokens is None else tokens.sum(losses.reshape(shape))
         return total if reduction == "sum" else total / max(ctx.count, 1)
 
     @staticmethod

@@ -37,6 +37,7 @@ import numpy as np
 from minidist import backend
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
+from minidist.canonical_attention import canonical_attention
 from minidist.memory import recompute as recomputation
 from minidist.nn.layers import STD, Dropout, DropoutKey, Linear
 from minidist.nn.module import Module
@@ -84,6 +85,7 @@ class CausalSelfAttention(Module):
 
     context = None
     selective = False
+    canonical = None       # deterministic mode: canonical_matmul.Tokens of the query runs
 
     def __init__(self, n_embd: int, n_head: int, bias: bool = True, dropout: float = 0.0,
                  dtype: str = "float64", proj_std: float = STD) -> None:
@@ -112,7 +114,10 @@ class CausalSelfAttention(Module):
         q = q.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
         k = k.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
         v = v.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
-        if self.context is None:
+        if self.canonical is not None:                     # canonical_attention.py
+            y = canonical_attention(q, k, v, self.canonical, self.attn_drop, key,
+                                    first_head, self.n_head)
+        elif self.context is None:
             pos = np.arange(T)
             args = (pos, pos, self.attn_drop, key, first_head, self.n_head, T)
             y = recomputation.selective_attention(attention_weights, q, k, v, *args) \

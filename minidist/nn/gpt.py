@@ -167,6 +167,7 @@ class GPTLayout:
     """
 
     head_tiles = None
+    rows = loss_tokens = None       # ... and under context parallelism (canonical_matmul)
 
     def positions(self, T: int):
         return backend.xp.arange(T)
@@ -176,12 +177,12 @@ class GPTLayout:
 
     def logits(self, x: Tensor, w: Tensor) -> Tensor:
         if self.head_tiles is not None:
-            return tiled_matmul(x, w, self.head_tiles)
+            return tiled_matmul(x, w, self.head_tiles, self.rows)
         return x @ w                                             # (B, T, C) @ (C, V)
 
     def loss_sum(self, logits: Tensor, targets) -> Tensor:
         return F.cross_entropy(logits, backend.xp.asarray(targets), reduction="sum",
-                               tree=self.head_tiles is not None)
+                               tree=self.head_tiles is not None, tokens=self.loss_tokens)
 
 
 class GPT(Module):

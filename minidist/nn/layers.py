@@ -46,7 +46,7 @@ class Linear(Module):
     `tokens` (canonical_matmul.Tokens, idem): the bias gradient summed over the tokens in
     a fixed tree; None: NumPy's sum."""
 
-    tiles = tokens = None
+    tiles = tokens = rows = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dtype: str = "float64", std: float = STD) -> None:
@@ -55,7 +55,7 @@ class Linear(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = x @ self.weight if self.tiles is None else \
-            tiled_matmul(x, self.weight, self.tiles)     # (..., C) @ (C, F) -> (..., F)
+            tiled_matmul(x, self.weight, self.tiles, self.rows)   # (..., C) @ (C, F)
         return y if self.bias is None else add_bias(y, self.bias, self.tokens)
 
 
@@ -66,8 +66,10 @@ class Embedding(Module):
                  std: float = STD) -> None:
         self.weight = Parameter((num_embeddings, dim), seeding.normal(std), dtype)
 
+    tokens = None          # deterministic mode: the gradient summed over runs in a tree
+
     def forward(self, ids) -> Tensor:
-        return F.embedding(self.weight, ids)           # (...) -> (..., C)
+        return F.embedding(self.weight, ids, self.tokens)   # (...) -> (..., C)
 
 
 class LayerNorm(Module):

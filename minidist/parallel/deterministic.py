@@ -45,13 +45,13 @@ Expert parallelism (parallel/deterministic_expert.py): an expert runs each sourc
 tokens in a call of its own, on an alias whose gradient is that grain's; the experts'
 grains are added in the same tree over their replicas (edp), and their roots replace the
 experts' slices of the dense root.
+Context parallelism (parallel/deterministic_context.py, with token_tiles): every sum over
+positions is a tree over fixed runs of positions, exchanged over cp, and attention runs
+over all-gathered K and V with the queries in runs (canonical_attention.py).
 Covered: dp of any size, ZeRO 0-3, pp (every schedule), tp with or without SP, ep (ZeRO
-0-2), and their products, any micro-batch count, float64 and float32. Not yet covered
-(refused by train.py): cp, ep with ZeRO-3, and pp with MoE. cp would need every sum over
-tokens cut into fixed token tiles: each weight's gradient per tile (x_i^T g_i, on an alias
-per tile as the experts do), the forward matmuls over tiles of rows (a BLAS result also
-depends on the number of rows), and attention over all-gathered keys with the queries in
-tiles and dK, dV added over them in the tree, where ring attention merges online.
+0-2), cp (ring or Ulysses layouts, zig-zag or contiguous, with --token-tiles), and their
+products, any micro-batch count, float64 and float32. Not covered (refused by train.py):
+ep with ZeRO-3, pp with MoE, cp with SP or MoE.
 Communication: the nodes (at most about 2 log2(B) gradients per rank, all-gathered) plus
 the engine's usual reduction of one gradient; the reference pays it for exactness.
 Read next: canonical.py, then train.py (--deterministic).
@@ -71,7 +71,7 @@ from minidist.optim.clip import clip_to
 
 
 def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
-          global_batch: int | None = None) -> None:
+          global_batch: int | None = None, token_tiles: int | None = None) -> None:
     """ValueError unless the deterministic mode covers this layout (module docstring) with
     micro-batches of `grain` rows on every dp rank."""
     if not isinstance(grain, int) or isinstance(grain, bool) or grain < 1:
@@ -81,14 +81,21 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
         raise ValueError(f"--grain {grain}: each of the dp={plan.dp} ranks holds "
                          f"{global_batch // plan.dp} rows, not a whole number of grains; "
                          f"use a grain that divides {global_batch // plan.dp}.")
-    others = {k: getattr(plan, k) for k in ("cp",) if getattr(plan, k) > 1}
+    if token_tiles is not None and (isinstance(token_tiles, bool) or not
+                                    isinstance(token_tiles, int) or token_tiles < 1):
+        raise ValueError(f"--token-tiles {token_tiles!r}: an int >= 1 (runs per sequence).")
+    others = {}
+    if plan.cp > 1 and token_tiles is None:
+        others["cp without --token-tiles"] = plan.cp
+    if plan.cp > 1 and (plan.sequence_parallel or cfg.moe_every):
+        others["cp with SP or MoE"] = plan.cp
     if plan.pp > 1 and cfg.moe_every:
         others["pp with MoE"] = plan.pp
     if plan.ep > 1 and plan.zero == 3:
         others["ep with ZeRO-3"] = plan.ep
     if others:
         raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule), tp "
-                         f"(+SP), ep and any micro-batch count; not yet "
+                         f"(+SP), ep, cp and any micro-batch count; not yet "
                          f"{', '.join(f'{k}={v}' for k, v in others.items())}, whose "
                          f"sums across ranks run over other grains. Drop those axes, or "
                          f"run without --deterministic (equal within ~1e-12 in float64).")
@@ -142,13 +149,16 @@ def local_views(engine, params: list) -> list[np.ndarray]:
 
 def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: int,
          group, lr: float, clip_grad: float | None, tp_group=None, experts=None,
-         order: list[str] | None = None) -> tuple[float, float]:
+         order: list[str] | None = None, owners=None) -> tuple[float, float]:
     """Steps 1-5 of the module docstring for this rank's one-grain micro-batches (the first
     of them is leaf `first` of the `leaves` of the global batch); returns (global loss or
     0.0, gradient norm). named: the model's (name, parameter) pairs; tp_group: the tensor-
     parallel group when the parameters are tp shards (their norm is over whole ones);
     experts: deterministic_expert.ExpertGrains under expert parallelism (the experts'
-    gradients come from it); order: the single process's parameter names (default: named's)."""
+    gradients come from it); order: the single process's parameter names (default: named's);
+    owners: the engine's gradient group when it is more than `group` (dp x cp: its rank 0
+    hands the root over, since every cp rank holds the whole root)."""
+    owners = group if owners is None else owners
     params = [p for _, p in named]
     grads, losses = TreeSum(), TreeSum()
     if experts is not None:
@@ -175,7 +185,7 @@ def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: 
     for p in params:                                  # the root, cut into parameters
         pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())
         at += p.data.size
-    owner = [group.rank == 0] * len(named)            # who hands each root to the engine
+    owner = [owners.rank == 0] * len(named)           # who hands each root to the engine
     if experts is not None:                           # my experts: their own tree, over edp
         mine = experts.roots(leaves)
         for i, (name, _) in enumerate(named):
@@ -189,7 +199,7 @@ def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: 
     for v, g, own in zip(local_views(engine, params), pieces, owner):
         v[...] = g if own else 0
     engine.step(lr, None)                             # root + zeros: the root, exactly
-    return (float(total[0]) if group.rank == 0 else 0.0), norm
+    return (float(total[0]) if owners.rank == 0 else 0.0), norm
 
 
 def _global_norm(named: list, order: list[str], groups: list, tp_group=None) -> float:
@@ -215,8 +225,10 @@ def _global_norm(named: list, order: list[str], groups: list, tp_group=None) -> 
 
 def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
                   n_tokens: int, group, pp_group, order: list[str], lr: float,
-                  clip_grad: float | None, tp_group=None) -> tuple[float, float]:
+                  clip_grad: float | None, tp_group=None, owners=None
+                  ) -> tuple[float, float]:
     """step() for a pipeline stage (module docstring); returns (loss or 0.0, norm)."""
+    owners = group if owners is None else owners
     named = list(stage.model.named_parameters())
     params = [p for _, p in named]
     last = stage.cut.stage == stage.cut.stages - 1
@@ -271,7 +283,7 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
                         [pp_group], tp_group)
     if clip_grad is not None:
         clip_to(pieces, norm, clip_grad)
-    mine = group.rank == 0
+    mine = owners.rank == 0
     for v, g in zip(local_views(engine, params), pieces):
         v[...] = g if mine else 0
     engine.step(lr, None)

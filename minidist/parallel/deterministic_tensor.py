@@ -52,6 +52,7 @@ from minidist import canonical_matmul
 from minidist.canonical_matmul import Tiles, Tokens
 from minidist.optim.clip import wide
 from minidist.parallel import placement as pl
+from minidist.parallel.deterministic_context import context_tokens
 from minidist.parallel.sequence import SequenceParallelLayerNorm
 from minidist.parallel.tensor import RowParallelLinear
 
@@ -97,12 +98,20 @@ def _tokens(module, tp=None) -> Tokens:
     return Tokens(tp.positions, exchange_over(tp))
 
 
-def tile_model(model) -> None:
+def tile_model(model, token_tiles: int | None = None) -> None:
     """canonical_matmul.tile_model with this rank's tp shards as whole tiles and its SP
-    positions' Tokens (module docstring); the single process's when not tensor-parallel."""
+    positions' Tokens (module docstring); the single process's when not tensor-parallel.
+    token_tiles: runs of T / token_tiles positions for the matmuls' rows, the attention's
+    queries and the sums over positions (context parallelism needs them: a cp rank's
+    sums over its positions are exchanged over cp, parallel/deterministic_context.py)."""
     tp = getattr(model.layout, "tp", None)
-    canonical_matmul.tile_model(model, functools.partial(_tiles, tp=tp),
-                                functools.partial(_tokens, tp=tp))
+    context = getattr(model.layout, "context", None) if tp is None else tp.context
+    if context is not None and context.group.size > 1:
+        tokens_of, rows = context_tokens(context, token_tiles)
+    else:
+        tokens_of = functools.partial(_tokens, tp=tp)
+        rows = None if token_tiles is None else Tokens(per_sequence=token_tiles)
+    canonical_matmul.tile_model(model, functools.partial(_tiles, tp=tp), tokens_of, rows)
 
 
 def square_sums(named: list, tp_group) -> list[float]:

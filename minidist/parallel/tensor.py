@@ -111,7 +111,7 @@ class TensorParallel:
         return sp.gather_from_sequence_region(x, self) if self.sequence_parallel \
             else copy_to_tensor_region(x, self)
 
-    def matmul(self, x: Tensor, w: Tensor, tiles=None) -> Tensor:
+    def matmul(self, x: Tensor, w: Tensor, tiles=None, rows=None) -> Tensor:
         """A column-parallel matmul: f(x) @ w, or under SP the all-gather along T fused with
         the matmul (sequence.AllGatherMatmul keeps only the shard for the backward). tiles
         (the deterministic mode): x @ w over those tiles, whose backward exchanges the
@@ -120,7 +120,7 @@ class TensorParallel:
         if tiles is not None:                 # SP: the exact all-gather, then the tiles
             x = sp.gather_whole_sequence(x, self) if self.sequence_parallel else x
             pl.expect(x, "tp", pl.Replicate(), name="x", where="a tiled column-parallel matmul")
-            return pl.tag(tiled_matmul(x, w, tiles), "tp", pl.Shard(2))
+            return pl.tag(tiled_matmul(x, w, tiles, rows), "tp", pl.Shard(2))
         if self.sequence_parallel:
             return sp.all_gather_matmul(x, w, self)
         return pl.tag(self.enter(x) @ w, "tp", pl.Shard(2))
@@ -163,9 +163,10 @@ class ColumnParallelLinear(Module):
 
     tiles = None             # deterministic mode: canonical_matmul.Tiles of my columns
     tokens = None            # ... and the Tokens of the bias gradient (every position)
+    rows = None              # ... and the runs of rows (--token-tiles)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.tp.matmul(x, self.weight, self.tiles)          # (B, T, C) @ (C, F_tp)
+        y = self.tp.matmul(x, self.weight, self.tiles, self.rows)   # (B, T, C) @ (C, F_tp)
         y = y if self.bias is None else add_bias(y, self.bias, self.tokens)
         return pl.tag(y, "tp", pl.Shard(2))
 
@@ -185,6 +186,7 @@ class RowParallelLinear(Module):
 
     tiles = None             # deterministic mode: canonical_matmul.Tiles of my rows
     tokens = None            # ... and the Tokens of the bias gradient (SP: exchanged)
+    rows = None              # ... and the runs of rows (--token-tiles)
 
     def forward(self, x: Tensor) -> Tensor:
         pl.expect(x, "tp", pl.Shard(2), name="x", where="RowParallelLinear")
@@ -192,7 +194,7 @@ class RowParallelLinear(Module):
             y = self.tp.exit(pl.tag(x @ self.weight, "tp", pl.Partial()))   # (B, T, C)
             return y if self.bias is None else y + self.tp.sum_grad(self.bias)
         # the sum over my rows' tiles is exchanged inside: no g (canonical_matmul.py)
-        y = pl.tag(tiled_matmul(x, self.weight, self.tiles), "tp", pl.Replicate())
+        y = pl.tag(tiled_matmul(x, self.weight, self.tiles, self.rows), "tp", pl.Replicate())
         if self.tp.sequence_parallel:         # the whole y on every rank: keep my positions
             y = sp.scatter_whole_sequence(y, self.tp)                       # (B, T_tp, C)
         if self.bias is None:
@@ -270,14 +272,15 @@ class TensorParallelLayout(GPTLayout):
                 f"{self.tp.prefix} the LM head weight is {pl.placement_of(self.head_param, 'tp')}"
                 " over tp, but a tensor-parallel GPT must shard it by vocabulary (Shard); an "
                 "unsharded head computes all V logits on every rank (picotron #23).")
-        return self.tp.matmul(x, w, self.head_tiles)               # (B, T, C) @ (C, V_tp)
+        return self.tp.matmul(x, w, self.head_tiles, self.rows)    # (B, T, C) @ (C, V_tp)
 
     def loss_sum(self, logits: Tensor, targets) -> Tensor:
         """The same scalar on every tp rank (the vocabulary-parallel loss all-reduces):
         Replicate, so that a MoE's auxiliary losses (Replicate too) may be added to it."""
         loss = vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size,
                                             exchange=None if self.head_tiles is None
-                                            else self.head_tiles.exchange)
+                                            else self.head_tiles.exchange,
+                                            tokens=self.loss_tokens)
         return pl.tag(loss, "tp", pl.Replicate())
 
 

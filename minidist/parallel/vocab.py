@@ -82,7 +82,8 @@ class VocabParallelEmbedding(Embedding):
         ids = xp.asarray(ids)
         mine = (ids >= lo) & (ids < hi)                                  # (B, T)
         local = xp.where(mine, ids - lo, 0)
-        rows = F.embedding(self.weight, local) * mine[..., None].astype(self.weight.dtype)
+        rows = F.embedding(self.weight, local, self.tokens) * \
+            mine[..., None].astype(self.weight.dtype)
         return self.tp.exit(pl.tag(rows, "tp", pl.Partial()))           # all-reduce or RS
 
 
@@ -90,7 +91,8 @@ class VocabParallelCrossEntropy(Function):
     """sum over counted tokens of CE, from vocabulary-sharded logits z (N, V_tp)."""
 
     @staticmethod
-    def forward(ctx, z, *, t, tp, lo: int, vocab_size: int, exchange=None):
+    def forward(ctx, z, *, t, tp, lo: int, vocab_size: int, exchange=None, tokens=None,
+                shape: tuple = ()):
         xp, g = backend.xp, tp.group
         N, Vl = z.shape
         z = xp.where(lo + xp.arange(Vl) >= vocab_size, -math.inf, z)    # mask the padding
@@ -109,7 +111,7 @@ class VocabParallelCrossEntropy(Function):
         losses = (xp.log(s) + m - zt) * counted
         e /= s[:, None]                                                  # softmax (N, V_tp)
         ctx.save_for_backward(e, t_local, mine, counted)
-        return losses.sum()
+        return losses.sum() if tokens is None else tokens.sum(losses.reshape(shape))
 
     @staticmethod
     def backward(ctx, g):
@@ -121,12 +123,13 @@ class VocabParallelCrossEntropy(Function):
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int,
-                                 exchange=None) -> Tensor:
+                                 exchange=None, tokens=None) -> Tensor:
     """sum over counted (b, t) of CE(logits, targets) for logits[B, T, V_tp] (this rank's
     vocabulary shard); targets (B, T) with -100 = ignored. Refuses any other logits.
     exchange (the deterministic mode's all_gather over tp, canonical_matmul.Tiles.exchange):
     the exp-sum over V in canonical.py's fixed tree, the one the single process's
-    cross_entropy(tree=True) adds, the other ranks' nodes through exchange."""
+    cross_entropy(tree=True) adds, the other ranks' nodes through exchange; tokens
+    (canonical_matmul.Tokens, --token-tiles): the sum over positions in a tree as well."""
     lo, hi = vocab_range(vocab_size, tp)
     if logits.shape[-1] != hi - lo:
         raise ValueError(
@@ -136,7 +139,9 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int,
             f"logits would count every class {tp.group.size} times (loss off by "
             f"log {tp.group.size}).")
     pl.expect(logits, "tp", pl.Shard(2), name="logits", where="vocab_parallel_cross_entropy")
+    t_shape = backend.xp.asarray(targets).shape
     t = backend.xp.asarray(targets).reshape(-1)
     z = logits.reshape(-1, hi - lo)                                      # (B T, V_tp)
     return VocabParallelCrossEntropy.apply(z, t=t, tp=tp, lo=lo, vocab_size=vocab_size,
-                                           exchange=exchange)
+                                           exchange=exchange, tokens=tokens,
+                                           shape=tuple(t_shape))

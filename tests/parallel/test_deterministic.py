@@ -1,7 +1,8 @@
 """Deterministic mode (parallel/deterministic.py): every dp size, ZeRO stage, pipeline
-schedule, tensor-parallel size and micro-batch count, float64 and float32, trains the same
-bits as the deterministic single process: losses, gradient norms and every parameter,
-compared with ==, not a tolerance. The sweep over every factorisation of W <= 8 is slow."""
+schedule, tensor-parallel size (with and without SP), expert and context parallelism and
+micro-batch count, float64 and float32, trains the same bits as the deterministic single
+process: losses, gradient norms and every parameter, compared with ==, not a tolerance.
+The sweeps over every factorisation of W <= 8 are slow."""
 
 import functools
 
@@ -52,8 +53,10 @@ def test_every_dp_and_zero_layout_equals_the_single_process_bit_for_bit(dtype, d
 
 def test_the_layouts_it_does_not_cover_are_refused_by_name():
     cfg = _cfg("float64")
-    with pytest.raises(Exception, match="not yet cp=2"):
+    with pytest.raises(Exception, match="not yet cp without --token-tiles=2"):
         spawn(2, _rank, cfg, Plan(cp=2))
+    with pytest.raises(Exception, match="not yet cp with SP or MoE=2"):
+        spawn(4, _rank_tt, cfg, Plan(cp=2, tp=2, sequence_parallel=True), 8)
     with pytest.raises(Exception, match="not yet pp with MoE=2"):
         moe = cfg.__class__(**{**cfg.__dict__, "moe_every": 1, "n_experts": 2,
                                 "moe_group_size": 8})
@@ -228,3 +231,76 @@ def test_every_moe_factorisation_of_w_up_to_8_equals_the_single_process(dtype, p
     batch = _batch(plan)
     for r, run in enumerate(spawn(plan.world_size, _rank_b, _moe(dtype), plan, batch)):
         _same(run, _moe_reference(dtype, batch), f"{plan.describe()} ZeRO-{plan.zero} rank {r}")
+
+
+def _rank_tt(ctx, cfg, plan, token_tiles, batch=B):
+    return train_on_rank(ctx, cfg, DATA, plan, steps=STEPS, global_batch=batch, lr=LR,
+                         clip_grad=CLIP, deterministic=True, token_tiles=token_tiles)
+
+
+@functools.lru_cache(maxsize=16)
+def _tiled_reference(dtype: str, batch: int, token_tiles: int):
+    return train_single_process(_cfg4(dtype), DATA, steps=STEPS, global_batch=batch, lr=LR,
+                                clip_grad=CLIP, deterministic=True, token_tiles=token_tiles)
+
+
+CP_PLANS = [Plan(cp=2), Plan(cp=2, cp_layout="contiguous"), Plan(cp=4, cp_algo="ulysses"),
+            Plan(dp=2, cp=2, zero=1), Plan(cp=2, zero=3), Plan(cp=2, tp=2),
+            Plan(cp=2, pp=2, micro_batches=2, schedule="zb-h1")]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("plan", CP_PLANS, ids=[f"{p.describe()}-{p.cp_layout}-zero{p.zero}"
+                                                for p in CP_PLANS])
+def test_context_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, plan):
+    """--token-tiles 8 (one position per run here, T = 8): every sum over positions is a
+    tree over the runs, exchanged over cp; attention over all-gathered K and V."""
+    for r, run in enumerate(spawn(plan.world_size, _rank_tt, _cfg4(dtype), plan, 8)):
+        _same(run, _tiled_reference(dtype, B, 8), f"{plan.describe()} rank {r}")
+
+
+def test_token_tiles_change_no_layout_s_agreement_and_runs_must_be_whole():
+    """token_tiles=4 (runs of 2 positions): dp, tp (+SP) and the contiguous cp=2 layout
+    hold whole runs and agree; zig-zag cp=4 (one position per chunk) is refused."""
+    ref = _tiled_reference("float64", B, 4)
+    for plan in (Plan(dp=2), Plan(tp=2, sequence_parallel=True),
+                 Plan(cp=2, cp_layout="contiguous")):
+        for r, run in enumerate(spawn(plan.world_size, _rank_tt, _cfg4("float64"), plan, 4)):
+            _same(run, ref, f"{plan.describe()} token_tiles=4 rank {r}")
+    with pytest.raises(Exception, match="not whole runs of 2"):
+        spawn(4, _rank_tt, _cfg4("float64"), Plan(cp=4), 4)
+
+
+def cp_factorisations(limit: int = 8) -> list[Plan]:
+    """Every dp x cp x tp x pp = W <= limit with cp > 1 (cp | 4: zig-zag runs of one
+    position; tp | 4 heads, pp | 4 layers); layouts, algorithms and ZeRO rotate."""
+    plans = []
+    for W in range(2, limit + 1):
+        for cp in (2, 4):
+            for tp in (1, 2, 4):
+                for pp in (1, 2, 4):
+                    if W % (cp * tp * pp):
+                        continue
+                    i = len(plans)
+                    kw = {} if pp == 1 else {"micro_batches": 2, "schedule": "1f1b"}
+                    plans.append(Plan(dp=W // (cp * tp * pp), cp=cp, tp=tp, pp=pp,
+                                      zero=i % (4 if pp == 1 else 3),
+                                      cp_algo="ulysses" if i % 3 == 2 and 4 % (cp * tp) == 0
+                                      else "ring",
+                                      cp_layout="contiguous" if i % 2 else "zigzag", **kw))
+    return plans
+
+
+CP_SWEEP = cp_factorisations()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("plan", CP_SWEEP, ids=[f"{p.describe()}-{p.cp_layout}-zero{p.zero}"
+                                                for p in CP_SWEEP])
+def test_every_context_parallel_factorisation_of_w_up_to_8_equals_the_single_process(dtype,
+                                                                                    plan):
+    batch = _batch(plan)
+    for r, run in enumerate(spawn(plan.world_size, _rank_tt, _cfg4(dtype), plan, 8, batch)):
+        _same(run, _tiled_reference(dtype, batch, 8),
+              f"{plan.describe()} {plan.cp_layout} ZeRO-{plan.zero} rank {r}")

@@ -2,15 +2,18 @@
 
 What you will see: a small GPT (dropout on, gradient clipping) trained for a few steps by
 the single process and by several layouts (dp = 2 and 3, ZeRO-1 and -3, pipelines with
-three schedules, tensor parallelism alone and with dp and pp), first as usual and then
+three schedules, tensor parallelism alone, with SP and with dp and pp, context
+parallelism by ring and Ulysses, alone and with tp), first as usual and then
 with --deterministic; then a MoE GPT under expert parallelism the same way. For each run
 the sha256 of its final parameters (in name order, as `params sha256:` prints it). As
 usual, the layouts agree to ~1e-15 but their hashes differ: each groups its sums
 differently. Deterministic, every hash is the same, and equal to the deterministic single
 process's: each sample is its own micro-batch and the samples' gradients are added in one
 fixed tree over their global indices, whoever holds them; tensor-parallel matmuls run
-over fixed tiles of the weights (minidist/canonical_matmul.py); experts run each sample's
-tokens in a call of their own. The step times (information only) show what that costs.
+over fixed tiles of the weights (minidist/canonical_matmul.py); every sum over positions
+runs over fixed runs of positions (--token-tiles, what context parallelism needs); experts
+run each sample's tokens in a call of their own. The step times (information only) show
+what that costs.
 
 Run:       python demos/23_determinism.py [--steps 3 --batch 12 --dtype float32]
 Read with: minidist/canonical.py, minidist/parallel/deterministic.py,
@@ -40,9 +43,16 @@ LAYOUTS = [("dp=2", dict(dp=2)), ("dp=3 ZeRO-1", dict(dp=3, zero=1)),
            ("dp=2 x pp=2 ZeRO-2 zb-h1", dict(dp=2, pp=2, zero=2, micro_batches=2,
                                              schedule="zb-h1")),
            ("tp=2", dict(tp=2)), ("dp=2 x tp=2 ZeRO-3", dict(dp=2, tp=2, zero=3)),
-           ("pp=2 x tp=2 gpipe", dict(pp=2, tp=2, micro_batches=2, schedule="gpipe"))]
+           ("pp=2 x tp=2 gpipe", dict(pp=2, tp=2, micro_batches=2, schedule="gpipe")),
+           ("tp=2 SP", dict(tp=2, sequence_parallel=True)),
+           ("cp=2 ring zig-zag", dict(cp=2)),
+           ("dp=2 x cp=2 ulysses ZeRO-1", dict(dp=2, cp=2, cp_algo="ulysses", zero=1)),
+           ("cp=2 x tp=2", dict(cp=2, tp=2))]
 MOE_LAYOUTS = [("dp=2 ep=2", dict(dp=2, ep=2)), ("dp=4 ep=2 ZeRO-1", dict(dp=4, ep=2, zero=1)),
-               ("dp=2 ep=2 x tp=2", dict(dp=2, ep=2, tp=2))]
+               ("dp=2 ep=2 ZeRO-3", dict(dp=2, ep=2, zero=3)),
+               ("dp=2 ep=2 x tp=2", dict(dp=2, ep=2, tp=2)),
+               ("pp=2 1f1b", dict(pp=2, micro_batches=2))]
+TOKEN_TILES = 8      # --deterministic: sums over positions in runs of T / 8 (cp needs them)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def rank_main(ctx, cfg, data, plan, a, deterministic):
     return train_on_rank(ctx, cfg, data, plan, steps=a.steps, global_batch=a.batch, lr=1e-2,
-                         seed=a.seed, clip_grad=0.5, deterministic=deterministic)
+                         seed=a.seed, clip_grad=0.5, deterministic=deterministic,
+                         token_tiles=TOKEN_TILES if deterministic else None)
 
 
 def run(name, cfg, data, a, deterministic, kwargs=None):
@@ -67,7 +78,8 @@ def run(name, cfg, data, a, deterministic, kwargs=None):
     t0 = time.perf_counter()
     if kwargs is None:
         res = train_single_process(cfg, data, steps=a.steps, global_batch=a.batch, lr=1e-2,
-                                   seed=a.seed, clip_grad=0.5, deterministic=deterministic)
+                                   seed=a.seed, clip_grad=0.5, deterministic=deterministic,
+                                   token_tiles=TOKEN_TILES if deterministic else None)
         digests = {params_digest(res.params)}
     else:
         plan = Plan(**kwargs)

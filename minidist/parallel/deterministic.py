@@ -48,10 +48,12 @@ experts' slices of the dense root.
 Context parallelism (parallel/deterministic_context.py, with token_tiles): every sum over
 positions is a tree over fixed runs of positions, exchanged over cp, and attention runs
 over all-gathered K and V with the queries in runs (canonical_attention.py).
-Covered: dp of any size, ZeRO 0-3, pp (every schedule), tp with or without SP, ep (ZeRO
-0-2), cp (ring or Ulysses layouts, zig-zag or contiguous, with --token-tiles), and their
-products, any micro-batch count, float64 and float32. Not covered (refused by train.py):
-ep with ZeRO-3, pp with MoE, cp with SP or MoE.
+Covered: dp of any size, ZeRO 0-3, pp (every schedule; MoE blocks too, whose aux terms
+the stages gather to add them in the model's order), tp with or without SP, ep, cp (ring
+or Ulysses layouts, zig-zag or contiguous, with --token-tiles), and their products, any
+micro-batch count, float64 and float32. Not covered (refused by train.py): pp with ep
+(several micro-batches are in flight, and the expert aliases are per micro-batch) and cp
+with SP or MoE.
 Communication: the nodes (at most about 2 log2(B) gradients per rank, all-gathered) plus
 the engine's usual reduction of one gradient; the reference pays it for exactness.
 Read next: canonical.py, then train.py (--deterministic).
@@ -87,12 +89,10 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
     others = {}
     if plan.cp > 1 and token_tiles is None:
         others["cp without --token-tiles"] = plan.cp
+    if plan.pp > 1 and plan.ep > 1:
+        others["pp with ep"] = plan.pp
     if plan.cp > 1 and (plan.sequence_parallel or cfg.moe_every):
         others["cp with SP or MoE"] = plan.cp
-    if plan.pp > 1 and cfg.moe_every:
-        others["pp with MoE"] = plan.pp
-    if plan.ep > 1 and plan.zero == 3:
-        others["ep with ZeRO-3"] = plan.ep
     if others:
         raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule), tp "
                          f"(+SP), ep, cp and any micro-batch count; not yet "
@@ -223,6 +223,26 @@ def _global_norm(named: list, order: list[str], groups: list, tp_group=None) -> 
     return math.sqrt(total)
 
 
+def _with_aux_terms(ce: dict, stage, batches: list, pp_group) -> dict:
+    """{m: the grain's loss (float64, (1,))} on the last stage: its cross-entropy part plus
+    every MoE layer's aux term, whichever stage computed it, added in layer order in the
+    model's dtype, as GPT.loss adds them. COLLECTIVE over pp for a MoE model: each stage's
+    terms (float64 holds them exactly) are summed with the others' zeros, which is exact."""
+    cfg = stage.model.cfg
+    moe = [i for i in range(cfg.n_layer) if cfg.is_moe(i)]
+    terms = np.zeros((len(batches), cfg.n_layer))
+    for (m, i), v in stage.aux_values.items():
+        terms[m, i] = float(v)
+    if moe and pp_group is not None:
+        terms = C.all_gather(terms, group=pp_group).sum(axis=0)
+    out = {}
+    for m, total in ce.items():
+        for i in moe:
+            total = total + np.asarray(terms[m, i], total.dtype) * batches[m].aux_weight
+        out[m] = np.asarray(total, np.float64).reshape(1)
+    return out
+
+
 def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
                   n_tokens: int, group, pp_group, order: list[str], lr: float,
                   clip_grad: float | None, tp_group=None, owners=None
@@ -239,9 +259,8 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
         for a in stage.schedule.actions[stage.cut.stage]:
             stage.run(a)
             if a.kind == "F" and stage.cut.vstage(a.chunk) == stage.last_vstage:
-                # the sample's loss, before B drops the graph
-                y = stage.live[a.micro_batch, a.chunk]["y"]
-                losses[a.micro_batch] = np.asarray(y.data, np.float64).reshape(1)
+                # the sample's loss without the MoE terms, before B drops the graph
+                losses[a.micro_batch] = stage.live[a.micro_batch, a.chunk]["ce"].data
             elif a.kind == grads_at:          # this chunk's share of the sample's gradient
                 views = local_views(engine, params)
                 part = np.concatenate([v.reshape(-1) for v in views])
@@ -250,6 +269,7 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
                 for v in views:
                     v[...] = 0
     stage.finish()
+    losses = _with_aux_terms(losses, stage, batches, pp_group)
     if stage.embed_group is not None:         # the tied wte: embedding share + head share
         at = 0
         for name, p in named:

@@ -29,7 +29,11 @@ One rank's view (ep rank s of W, experts E/W, micro-batch j of M, one grain each
     end: root = combine(gather over edp of the nodes of my grains' vectors, B / grain)
 Communication: one all_gather of W ints per step, and the experts' nodes over edp (at most
 ~2 log2(grains) flat vectors of this rank's expert parameters per rank).
-Not covered: ZeRO-3 (an alias would copy unmaterialised shards), full recomputation.
+ZeRO-3 works too: the alias is made inside the forward, after the experts' unit is gathered,
+and keeps the gathered values. Full recomputation makes new aliases when it runs the block
+again; the recomputed ones are those the backward reaches, and the ones read.
+Not covered: pipeline parallelism (refused: several micro-batches are in flight there, and
+the aliases are kept per expert and source, not per micro-batch).
 Read next: parallel/expert.py (ExpertParallelMoE._compute).
 """
 

@@ -256,6 +256,7 @@ class PipelineStage:
         self.batches, self.n_tokens = batches, n_tokens
         self.live: dict[tuple[int, int], dict] = {}     # (m, c) -> what B and W need
         self.loss, self.record = 0.0, []
+        self.aux_values: dict[tuple[int, int], object] = {}   # (m, layer) -> MoE aux term
 
     def run(self, a: Action) -> None:
         """Run one action; its (start, end) is recorded after its receive has arrived, so
@@ -283,21 +284,23 @@ class PipelineStage:
             t0 = time.perf_counter()
             x = Tensor(backend.xp.asarray(buf), requires_grad=True)
             pl.tag(x, "tp", pl.Shard(1) if self.sequence else pl.Replicate())
-        y, aux_terms, aux = x, [], None
+        y, aux_terms, aux, ce = x, [], None, None
         for i in self.cut.layers(a.chunk):
             y, term = self.model.blocks[i](y, mb.dropout_key)            # (B, T, C)
             if term is not None:                                     # a MoE block's
                 aux_terms.append(term)
+                self.aux_values[a.micro_batch, i] = term.data        # (deterministic.py)
         if k == self.last_vstage:      # outputs and labels of the same micro-batch, a.m
-            y = self.model.loss(self.model.head(y), mb.y, self.n_tokens, aux_terms,
-                                mb.aux_weight)
+            y = ce = self.model.loss(self.model.head(y), mb.y, self.n_tokens)
+            for term in aux_terms:     # GPT.loss's sum of its aux terms, in order
+                y = y + term * mb.aux_weight
             self.loss += float(y.item())
         else:
             self.links.send("act", self.schedule.place(k + 1)[0], y.data, a.micro_batch)
             if aux_terms:              # this chunk's MoE losses: a term of the loss here
                 aux = sum(aux_terms[1:], aux_terms[0]) * mb.aux_weight
                 self.loss += float(aux.item())
-        self.live[a.micro_batch, a.chunk] = {"x": x, "y": y, "h0": h0, "aux": aux}
+        self.live[a.micro_batch, a.chunk] = {"x": x, "y": y, "h0": h0, "aux": aux, "ce": ce}
         self._held()
         self.record.append((a, t0, time.perf_counter()))
 

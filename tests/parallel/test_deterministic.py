@@ -57,10 +57,10 @@ def test_the_layouts_it_does_not_cover_are_refused_by_name():
         spawn(2, _rank, cfg, Plan(cp=2))
     with pytest.raises(Exception, match="not yet cp with SP or MoE=2"):
         spawn(4, _rank_tt, cfg, Plan(cp=2, tp=2, sequence_parallel=True), 8)
-    with pytest.raises(Exception, match="not yet pp with MoE=2"):
+    with pytest.raises(Exception, match="not yet cp with SP or MoE=2"):
         moe = cfg.__class__(**{**cfg.__dict__, "moe_every": 1, "n_experts": 2,
-                                "moe_group_size": 8})
-        spawn(2, _rank, moe, Plan(pp=2, micro_batches=2))
+                                "moe_group_size": 2})
+        spawn(2, _rank_tt, moe, Plan(cp=2), 8)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -191,7 +191,7 @@ def _moe_reference(dtype: str, batch: int):
 
 
 EP_PLANS = [Plan(dp=2, ep=2), Plan(dp=4, ep=2, zero=1), Plan(dp=4, ep=4, zero=2),
-            Plan(dp=2, ep=2, tp=2)]
+            Plan(dp=2, ep=2, tp=2), Plan(dp=2, ep=2, zero=3)]
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -203,20 +203,25 @@ def test_expert_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, pla
         _same(run, _moe_reference(dtype, B), f"{plan.describe()} rank {r}")
 
 
-def test_expert_parallelism_with_zero_3_is_refused_by_name():
-    with pytest.raises(Exception, match="not yet ep with ZeRO-3=2"):
-        spawn(2, _rank_b, _moe("float64"), Plan(dp=2, ep=2, zero=3), B)
+def test_pipelines_of_moe_blocks_add_every_stage_s_aux_terms_in_the_model_s_order():
+    """pp with MoE (no ep): each stage's aux terms are gathered to the last stage and added
+    as GPT.loss adds them; pp with ep is refused by name."""
+    for plan in (Plan(pp=2, micro_batches=2), Plan(dp=2, pp=2, zero=1, schedule="zb-h1")):
+        for r, run in enumerate(spawn(plan.world_size, _rank_b, _moe("float32"), plan, B)):
+            _same(run, _moe_reference("float32", B), f"{plan.describe()} rank {r}")
+    with pytest.raises(Exception, match="not yet pp with ep=2"):
+        spawn(4, _rank_b, _moe("float64"), Plan(dp=2, ep=2, pp=2, micro_batches=2), B)
 
 
 def moe_factorisations(limit: int = 8) -> list[Plan]:
-    """Every dp x tp = W <= limit with ep | dp, ep | 4 experts, tp | 4 heads (ZeRO 0-2)."""
+    """Every dp x tp = W <= limit with ep | dp, ep | 4 experts, tp | 4 heads (ZeRO 0-3)."""
     plans = []
     for W in range(1, limit + 1):
         for tp in (1, 2, 4):
             for ep in (1, 2, 4):
                 dp = W // tp
                 if W % tp == 0 and dp % ep == 0:
-                    plans.append(Plan(dp=dp, tp=tp, ep=ep, zero=len(plans) % 3))
+                    plans.append(Plan(dp=dp, tp=tp, ep=ep, zero=len(plans) % 4))
     return plans
 
 

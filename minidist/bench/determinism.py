@@ -39,7 +39,7 @@ H = 4, T = 128, float32), global batch 8, AdamW lr 1e-3. BLAS: one thread per ra
 
 Run:  python -m minidist bench determinism [--layouts dp=2,tp=2] [--grains 1,max]
       [--repeats 3] [--steps 3] [--warmup 1] [--batch 8] [--n-layer 4] [--n-embd 256]
-      [--n-head 4] [--length 64] [--dtype float32]                (about a minute)
+      [--n-head 4] [--length 64] [--dtype float32] [--token-tiles N]  (about a minute)
       A layout is a Plan: key=value items joined by ':', e.g. dp=2:zero=1, pp=2,
       pp=2:schedule=gpipe, dp=2:tp=2 (keys: see LAYOUT_KEYS).
 Read next: parallel/deterministic.py, canonical.py
@@ -132,9 +132,11 @@ def parse_grains(text: str) -> list[int | str]:
     return out
 
 
-def _on_rank(ctx, cfg, data_cfg, plan: Plan, steps: int, batch: int, grain: int | None):
+def _on_rank(ctx, cfg, data_cfg, plan: Plan, steps: int, batch: int, grain: int | None,
+             token_tiles: int | None):
     r = train_on_rank(ctx, cfg, data_cfg, plan, steps=steps, global_batch=batch, lr=LR,
-                      deterministic=grain is not None, grain=grain or 1)
+                      deterministic=grain is not None, grain=grain or 1,
+                      token_tiles=token_tiles if grain is not None else None)
     return r.timing["step"], params_digest(r.params)
 
 
@@ -145,16 +147,18 @@ def refusal(e: RankFailure) -> str | None:
         if not text.startswith("ValueError: "):
             continue
         message = text[len("ValueError: "):].splitlines()[0].strip()
-        if message.startswith(("--deterministic", "--grain")) or _CHECK_FRAME.search(str(e)):
+        if message.startswith(("--deterministic", "--grain", "--token-tiles")) or \
+                _CHECK_FRAME.search(str(e)):
             return message
     return None
 
 
 def measure(cfg, data_cfg, plan: Plan, grain: int | None, steps: int, warmup: int,
-            batch: int) -> tuple[float, str]:
+            batch: int, token_tiles: int | None = None) -> tuple[float, str]:
     """(median over the measured steps of the slowest rank's step time, digest) of one run
     of warmup + steps steps. Raises RankFailure as spawn does (a refusal included)."""
-    runs = spawn(plan.world_size, _on_rank, cfg, data_cfg, plan, warmup + steps, batch, grain)
+    runs = spawn(plan.world_size, _on_rank, cfg, data_cfg, plan, warmup + steps, batch, grain,
+                 token_tiles)
     keep = slice(warmup, warmup + steps)
     slowest = [max(t) for t in zip(*(times[keep] for times, _ in runs))]
     digests = {d for _, d in runs}
@@ -171,7 +175,7 @@ def run_rows(rows: list[Row], cfg, data_cfg, a: argparse.Namespace) -> None:
                 continue
             try:
                 step, digest = measure(cfg, data_cfg, row.plan, row.grain, a.steps,
-                                       a.warmup, a.batch)
+                                       a.warmup, a.batch, a.token_tiles)
             except RankFailure as e:
                 row.refused = refusal(e) if row.grain is not None else None
                 if row.refused is None:
@@ -206,7 +210,7 @@ def verdicts(rows: list[Row], cfg, data_cfg, a: argparse.Namespace) -> list[str]
             continue
         ref = params_digest(train_single_process(
             cfg, data_cfg, steps=a.warmup + a.steps, global_batch=a.batch, lr=LR,
-            deterministic=True, grain=g).params)[:DIGITS]
+            deterministic=True, grain=g, token_tiles=a.token_tiles).params)[:DIGITS]
         names = ", ".join(r.layout for r in ran)
         if all(r.digest == ref for r in ran):
             lines.append(f"OK: grain {g}: {names} end bitwise equal to the single process "
@@ -256,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=at_least(1), default=64,
                    help="sort task's prompt length, T = 2 x length (default 64)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--token-tiles", type=at_least(1), default=None,
+                   help="the deterministic runs' --token-tiles (context parallelism needs "
+                        "it, e.g. --layouts cp=2 --token-tiles 8)")
     a = p.parse_args(argv)
     data_cfg = DataConfig(task="sort", length=a.length)
     cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
@@ -280,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.warmup} warm-up; median of {a.repeats} interleaved runs; "
           f"{os.cpu_count()} CPU cores")
     print("normal: one micro-batch of B/dp rows per dp rank; det grain=G: B/(dp G) "
-          "micro-batches of G rows per dp rank, added in the fixed tree")
+          "micro-batches of G rows per dp rank, added in the fixed tree"
+          + ("" if a.token_tiles is None else
+             f"; sums over positions in {a.token_tiles} runs per sequence (--token-tiles)"))
     run_rows(rows, cfg, data_cfg, a)
     print(render(rows))
     print(target_line(rows))

@@ -85,32 +85,6 @@ def reduce_scatter_sequence(x: np.ndarray, tp) -> np.ndarray:
     return mine.reshape((B, T // W) + x.shape[2:])
 
 
-class GatherFromSequenceRegion(Function):
-    """Forward all-gather along T; backward reduce-scatter along T (Korthikanti's g)."""
-
-    @staticmethod
-    def forward(ctx, x, *, tp):
-        ctx.tp = tp
-        return all_gather_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return (reduce_scatter_sequence(dy, ctx.tp),)
-
-
-class ReduceScatterToSequenceRegion(Function):
-    """Forward reduce-scatter along T; backward all-gather along T (Korthikanti's g-bar)."""
-
-    @staticmethod
-    def forward(ctx, x, *, tp):
-        ctx.tp = tp
-        return reduce_scatter_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return (all_gather_sequence(dy, ctx.tp),)
-
-
 def my_positions(x: np.ndarray, tp) -> np.ndarray:
     """This rank's T_tp positions of a whole x[B, T, ...] (a copy): those all_gather_sequence
     puts at r T_tp."""
@@ -118,32 +92,33 @@ def my_positions(x: np.ndarray, tp) -> np.ndarray:
     return x[:, tp.group.rank * Tl:(tp.group.rank + 1) * Tl].copy()
 
 
-class GatherWholeSequence(Function):
-    """Deterministic mode: forward all-gather along T; backward this rank's positions of dy,
-    which is whole on every rank (a tiled matmul's exchanged dx)."""
-
-    @staticmethod
-    def forward(ctx, x, *, tp):
+def _conjugates(name: str, doc: str, forward, backward) -> type:
+    """An autograd Function that moves x by forward(x, tp) and its gradient by
+    backward(dy, tp): the four data movements at the edges of the SP regions."""
+    def fwd(ctx, x, *, tp):
         ctx.tp = tp
-        return all_gather_sequence(x, tp)
+        return forward(x, tp)
 
-    @staticmethod
-    def backward(ctx, dy):
-        return (my_positions(dy, ctx.tp),)
+    def bwd(ctx, dy):
+        return (backward(dy, ctx.tp),)
+    return type(name, (Function,), {"__doc__": doc, "forward": staticmethod(fwd),
+                                    "backward": staticmethod(bwd)})
 
 
-class ScatterWholeSequence(Function):
-    """Deterministic mode: forward this rank's positions of a whole y (a tiled row-parallel
-    matmul's, the same on every rank); backward all-gather dy along T."""
-
-    @staticmethod
-    def forward(ctx, x, *, tp):
-        ctx.tp = tp
-        return my_positions(x, tp)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return (all_gather_sequence(dy, ctx.tp),)
+GatherFromSequenceRegion = _conjugates(
+    "GatherFromSequenceRegion", "Forward all-gather along T; backward reduce-scatter along "
+    "T (Korthikanti's g).", all_gather_sequence, reduce_scatter_sequence)
+ReduceScatterToSequenceRegion = _conjugates(
+    "ReduceScatterToSequenceRegion", "Forward reduce-scatter along T; backward all-gather "
+    "along T (Korthikanti's g-bar).", reduce_scatter_sequence, all_gather_sequence)
+GatherWholeSequence = _conjugates(
+    "GatherWholeSequence", "Deterministic mode: forward all-gather along T; backward this "
+    "rank's positions of dy, which is whole on every rank (a tiled matmul's exchanged dx).",
+    all_gather_sequence, my_positions)
+ScatterWholeSequence = _conjugates(
+    "ScatterWholeSequence", "Deterministic mode: forward this rank's positions of a whole y "
+    "(a tiled row-parallel matmul's, the same on every rank); backward all-gather dy along "
+    "T.", my_positions, all_gather_sequence)
 
 
 def gather_whole_sequence(x: Tensor, tp) -> Tensor:

@@ -53,7 +53,7 @@ def test_tiny_run_prints_costs_and_equal_digests(capsys):
     assert float(rows["cp=2", "normal"].split()[0]) > 0
     for g in (1, 2):
         assert rows["cp=2", f"det grain={g}"].startswith("refused: --deterministic")
-        assert "cp=2" in rows["cp=2", f"det grain={g}"]
+        assert "not yet cp without --token-tiles=2" in rows["cp=2", f"det grain={g}"]
     assert "target: deterministic step time <= 1.5x the normal mode's" in out
     assert "MISMATCH" not in out
 

@@ -174,8 +174,11 @@ class Tokens:
         pos, T = (np.arange(rows), rows) if self.positions is None else self.positions(rows)
         pos = np.asarray(pos)
         per = T if self.per_sequence is None else self.per_sequence
+        if T % per:
+            raise ValueError(f"Tokens: T={T} positions do not cut into {per} equal runs; "
+                             f"use a token tile count that divides {T}.")
         run = T // per
-        if T % per or rows % run or np.any(pos.reshape(-1, run) - pos[::run, None]
+        if rows % run or np.any(pos.reshape(-1, run) - pos[::run, None]
                                            != np.arange(run)) or np.any(pos[::run] % run):
             raise ValueError(f"Tokens: {rows} positions of T={T} are not whole runs of "
                              f"{run} (T / {per}); use a token tile count that the layout's "

@@ -86,9 +86,13 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
     if token_tiles is not None and (isinstance(token_tiles, bool) or not
                                     isinstance(token_tiles, int) or token_tiles < 1):
         raise ValueError(f"--token-tiles {token_tiles!r}: an int >= 1 (runs per sequence).")
-    others = {}
     if plan.cp > 1 and token_tiles is None:
-        others["cp without --token-tiles"] = plan.cp
+        chunks = 2 * plan.cp if plan.cp_layout == "zigzag" else plan.cp
+        raise ValueError(f"--deterministic with cp={plan.cp} needs --token-tiles N: every "
+                         f"sum over positions then runs over N runs of T / N positions, "
+                         f"and each cp rank must hold whole runs (N a multiple of {chunks} "
+                         f"for the {plan.cp_layout} layout that divides T).")
+    others = {}
     if plan.pp > 1 and plan.ep > 1:
         others["pp with ep"] = plan.pp
     if plan.cp > 1 and (plan.sequence_parallel or cfg.moe_every):

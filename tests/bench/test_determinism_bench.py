@@ -52,8 +52,8 @@ def test_tiny_run_prints_costs_and_equal_digests(capsys):
     # cp: the normal row runs, the deterministic rows carry deterministic.check's message
     assert float(rows["cp=2", "normal"].split()[0]) > 0
     for g in (1, 2):
-        assert rows["cp=2", f"det grain={g}"].startswith("refused: --deterministic")
-        assert "not yet cp without --token-tiles=2" in rows["cp=2", f"det grain={g}"]
+        assert rows["cp=2", f"det grain={g}"].startswith(
+            "refused: --deterministic with cp=2 needs --token-tiles N")
     assert "target: deterministic step time <= 1.5x the normal mode's" in out
     assert "MISMATCH" not in out
 

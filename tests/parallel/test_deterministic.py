@@ -53,7 +53,7 @@ def test_every_dp_and_zero_layout_equals_the_single_process_bit_for_bit(dtype, d
 
 def test_the_layouts_it_does_not_cover_are_refused_by_name():
     cfg = _cfg("float64")
-    with pytest.raises(Exception, match="not yet cp without --token-tiles=2"):
+    with pytest.raises(Exception, match="cp=2 needs --token-tiles N"):
         spawn(2, _rank, cfg, Plan(cp=2))
     with pytest.raises(Exception, match="not yet cp with SP or MoE=2"):
         spawn(4, _rank_tt, cfg, Plan(cp=2, tp=2, sequence_parallel=True), 8)

@@ -5,9 +5,10 @@ main() parses the options (baseline's, and the layout's: --dp, --tp, --cp, --pp,
 memory's --recompute, --precision, --offload, --device-memory; --deterministic (--grain,
 --token-tiles); the run directory's --run-dir, --trace-steps), builds the job (GPTConfig,
 DataConfig, Plan), runs a single process through baseline.run when nothing asks for more,
-and otherwise spawns the ranks through reliability/recovery.py (restarts, elastic), each running _rank_main:
-train_on_rank with its checkpoints, faults, straggler handling and run-directory observer,
-rank 0 printing the progress line of observe/progress.py. At the end: held-out samples,
+and otherwise spawns the ranks through reliability/recovery.py (restarts, elastic), each
+running _rank_main: train_on_rank with its checkpoints, faults, straggler handling and
+run-directory observer, rank 0 printing the progress line of observe/progress.py. At the
+end: held-out samples,
 `params sha256: <hex>`, the run directory, and with --check the verdict against the
 single process (bitwise under --deterministic).
 Read next: train.py (train_on_rank), reliability/recovery.py, observe/progress.py.

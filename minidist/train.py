@@ -239,7 +239,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                         engine, stage, batches, first // grain, global_batch // grain,
                         n_tokens, lay.dp_group,
                         lay.pp_group, determinism.param_order(model_cfg), lr_s, clip_grad,
-                        lay.tp_group, grad)
+                        lay.tp_group, grad, experts)
                     norms.append(norm)
                 else:
                     loss = stage.step(engine, batches, n_tokens)

@@ -23,9 +23,11 @@ here for a grain of one sample):
        root (or its shard of it) and the optimizer runs on it unchanged
     5. the step's loss: combine of the loss nodes, kept by rank 0 only (the others add 0)
 Pipeline stages (`pipeline_step`, every schedule): each stage runs its schedule on the
-one-grain micro-batches; a sample's share of the stage's parameters is complete after its
-last backward action there (B, or W when zero bubble splits the backward), and an
-interleaved stage adds its chunks' parts, which touch disjoint parameters (x + 0 = x). The
+one-grain micro-batches; the gradient each backward action (B, and W when zero bubble
+splits the backward) adds to the stage's parameters is taken after it and added to its
+sample's share. Each parameter gets a sample's gradient from one action only (a chunk's
+W, or its B when full recomputation runs the block's whole backward there), so adding the
+actions' parts is exact (x + 0 = x), interleaved chunks' included. The
 tied wte has two shares, the embedding's on the first stage and the head's on the last:
 the two exchange them per grain over the embedding group and add them (a + b = b + a
 exactly, as the single process's leaf adds them), so both stages push the same wte
@@ -49,11 +51,12 @@ Context parallelism (parallel/deterministic_context.py, with token_tiles): every
 positions is a tree over fixed runs of positions, exchanged over cp, and attention runs
 over all-gathered K and V with the queries in runs (canonical_attention.py).
 Covered: dp of any size, ZeRO 0-3, pp (every schedule; MoE blocks too, whose aux terms
-the stages gather to add them in the model's order), tp with or without SP, ep, cp (ring
+the stages gather to add them in the model's order), tp with or without SP, ep (with pp
+too), cp (ring
 or Ulysses layouts, zig-zag or contiguous, with --token-tiles), and their products, any
-micro-batch count, float64 and float32. Not covered (refused by train.py): pp with ep
-(several micro-batches are in flight, and the expert aliases are per micro-batch) and cp
-with SP or MoE.
+micro-batch count, with any activation recomputation, float64 and float32. Not covered
+(refused by train.py): cp with MoE (a rank's experts would run on its positions' tokens
+only, and their gradients would need the position runs too).
 Communication: the nodes (at most about 2 log2(B) gradients per rank, all-gathered) plus
 the engine's usual reduction of one gradient; the reference pays it for exactness.
 Read next: canonical.py, then train.py (--deterministic).
@@ -93,10 +96,8 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
                          f"and each cp rank must hold whole runs (N a multiple of {chunks} "
                          f"for the {plan.cp_layout} layout that divides T).")
     others = {}
-    if plan.pp > 1 and plan.ep > 1:
-        others["pp with ep"] = plan.pp
-    if plan.cp > 1 and (plan.sequence_parallel or cfg.moe_every):
-        others["cp with SP or MoE"] = plan.cp
+    if plan.cp > 1 and cfg.moe_every:
+        others["cp with MoE"] = plan.cp
     if others:
         raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule), tp "
                          f"(+SP), ep, cp and any micro-batch count; not yet "
@@ -168,6 +169,8 @@ def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: 
     if experts is not None:
         experts.begin(first)
     for j, mb in enumerate(batches):
+        if experts is not None:
+            experts.at(j)
         with engine.no_sync():
             _, loss = engine.forward(mb.x, mb.y, n_tokens=n_tokens, aux_weight=mb.aux_weight,
                                      dropout_key=mb.dropout_key)
@@ -249,30 +252,36 @@ def _with_aux_terms(ce: dict, stage, batches: list, pp_group) -> dict:
 
 def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
                   n_tokens: int, group, pp_group, order: list[str], lr: float,
-                  clip_grad: float | None, tp_group=None, owners=None
+                  clip_grad: float | None, tp_group=None, owners=None, experts=None
                   ) -> tuple[float, float]:
-    """step() for a pipeline stage (module docstring); returns (loss or 0.0, norm)."""
+    """step() for a pipeline stage (module docstring); returns (loss or 0.0, norm).
+    experts: as step()'s, its aliases kept per micro-batch until the schedule ends."""
     owners = group if owners is None else owners
+    if experts is not None:
+        experts.begin(first)
     named = list(stage.model.named_parameters())
     params = [p for _, p in named]
     last = stage.cut.stage == stage.cut.stages - 1
     per_sample, losses = {}, {}
-    grads_at = "W" if stage.schedule.split_backward else "B"    # zero bubble: W, else B
     stage.begin(batches, n_tokens)
     with engine.no_sync():
         for a in stage.schedule.actions[stage.cut.stage]:
+            if experts is not None:           # (a recomputing B makes new aliases: kept)
+                experts.at(a.micro_batch)
             stage.run(a)
             if a.kind == "F" and stage.cut.vstage(a.chunk) == stage.last_vstage:
                 # the sample's loss without the MoE terms, before B drops the graph
                 losses[a.micro_batch] = stage.live[a.micro_batch, a.chunk]["ce"].data
-            elif a.kind == grads_at:          # this chunk's share of the sample's gradient
+            elif a.kind in ("B", "W"):        # this action's share of the sample's gradient
                 views = local_views(engine, params)
                 part = np.concatenate([v.reshape(-1) for v in views])
-                m = a.micro_batch             # chunks own disjoint parameters: x + 0 = x
+                m = a.micro_batch             # each parameter's from one action: x + 0 = x
                 per_sample[m] = part if m not in per_sample else per_sample[m] + part
                 for v in views:
                     v[...] = 0
     stage.finish()
+    for m in range(len(batches) if experts is not None else 0):
+        experts.take(m)
     losses = _with_aux_terms(losses, stage, batches, pp_group)
     if stage.embed_group is not None:         # the tied wte: embedding share + head share
         at = 0
@@ -303,12 +312,17 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
     for p in params:
         pieces.append(root[at:at + p.data.size].reshape(p.data.shape).copy())
         at += p.data.size
+    owner = [owners.rank == 0] * len(named)
+    if experts is not None:                           # my experts: their own tree, over edp
+        roots = experts.roots(leaves)
+        for i, (name, _) in enumerate(named):
+            if name in roots:
+                pieces[i], owner[i] = roots[name], experts.edp.rank == 0
     norm = _global_norm([(name, g, p) for (name, p), g in zip(named, pieces)], order,
-                        [pp_group], tp_group)
+                        [None if experts is None else experts.ep, pp_group], tp_group)
     if clip_grad is not None:
         clip_to(pieces, norm, clip_grad)
-    mine = owners.rank == 0
-    for v, g in zip(local_views(engine, params), pieces):
-        v[...] = g if mine else 0
+    for v, g, own in zip(local_views(engine, params), pieces, owner):
+        v[...] = g if own else 0
     engine.step(lr, None)
-    return (total if mine and last else 0.0), norm
+    return (total if owners.rank == 0 and last else 0.0), norm

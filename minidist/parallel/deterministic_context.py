@@ -26,7 +26,10 @@ my runs -> all_gather over cp -> combine: the whole sum.
 Communication: per layer and grain, the nodes of every weight's gradient (at most
 ~2 log2(N) copies per rank, all-gathered over cp) and of dK, dV: much more than the plain
 mode's one reduction per step; the reference pays it for exactness.
-Not covered: cp with sequence parallelism or MoE (refused by deterministic.check).
+Under SP too: a SequenceParallelLayerNorm's, a row-parallel bias's and the position
+embedding's sums run over this tp rank's slice of my positions and exchange over tp, then
+over cp (parallel/deterministic_tensor.py).
+Not covered: cp with MoE (refused by deterministic.check).
 Read next: canonical_attention.py.
 """
 
@@ -39,15 +42,13 @@ from minidist.canonical_matmul import Tokens
 from minidist.parallel.context import sequence_positions
 
 
-def context_tokens(context, token_tiles: int | None):
-    """(tokens_of(module), rows) for canonical_matmul.tile_model on this cp rank: single-token
-    leaves for LayerNorms and biases, runs of T / token_tiles positions for the rest; both
-    on my positions and exchanged over the cp group."""
+def context_tokens(context, token_tiles: int | None) -> tuple[Tokens, Tokens]:
+    """(tokens, rows) on this cp rank's positions, exchanged over the cp group: single-token
+    leaves for LayerNorms and biases, runs of T / token_tiles positions for the rest."""
     if token_tiles is None:
         raise ValueError("--deterministic with context parallelism needs --token-tiles N "
                          "(runs of T / N positions that every cp rank holds whole: N a "
                          f"multiple of {2 * context.group.size} for the zig-zag layout).")
     positions = functools.partial(sequence_positions, context=context)
     exchange = functools.partial(C.all_gather, group=context.group, algo="ring")
-    return (lambda module: Tokens(positions, exchange)), Tokens(positions, exchange,
-                                                                token_tiles)
+    return Tokens(positions, exchange), Tokens(positions, exchange, token_tiles)

@@ -32,8 +32,9 @@ Communication: one all_gather of W ints per step, and the experts' nodes over ed
 ZeRO-3 works too: the alias is made inside the forward, after the experts' unit is gathered,
 and keeps the gathered values. Full recomputation makes new aliases when it runs the block
 again; the recomputed ones are those the backward reaches, and the ones read.
-Not covered: pipeline parallelism (refused: several micro-batches are in flight there, and
-the aliases are kept per expert and source, not per micro-batch).
+Under pipeline parallelism several micro-batches are in flight: the aliases are kept per
+(micro-batch, expert, source), `at(j)` naming the micro-batch before each action, and
+taken when the stage's schedule ends.
 Read next: parallel/expert.py (ExpertParallelMoE._compute).
 """
 
@@ -81,25 +82,41 @@ class ExpertGrains:
         self.leaves: dict[int, np.ndarray] = {}
 
     def begin(self, first: int) -> None:
-        """COLLECTIVE over ep: the first grain index of every source rank of this step."""
-        self.firsts = C.all_gather(np.array([first], np.int64), group=self.ep).reshape(-1)
+        """COLLECTIVE over ep: the first grain index of every source rank of this step (none
+        on a pipeline stage without MoE blocks, like every rank of its ep group)."""
         self.leaves = {}
+        if not self.named:
+            return
+        self.firsts = C.all_gather(np.array([first], np.int64), group=self.ep).reshape(-1)
+
+    def at(self, j: int) -> None:
+        """Before micro-batch j's forward (or its recomputation): the aliases it makes are
+        kept under j (a pipeline has several micro-batches in flight)."""
+        for layer in self.layers.values():
+            layer.micro_batch = j
 
     def take(self, j: int) -> None:
         """After micro-batch j's backward: each source's grain gradient of my experts."""
+        if not self.named:
+            return
         for s, first in enumerate(self.firsts):
             parts = []
             for name, p in self.named:               # "<layer>.experts.<e>.<param>"
                 layer, rest = name.split(".experts.", 1)
                 e, param = rest.split(".", 1)
-                g = self.layers[layer].grain_aliases[int(e), s].alias_leaves[param].grad
+                g = self.layers[layer].grain_aliases[j, int(e), s].alias_leaves[param].grad
                 parts.append(np.zeros(p.data.size, p.data.dtype) if g is None
                              else backend.to_numpy(g).reshape(-1))
             self.leaves[int(first) + j] = np.concatenate(parts) if parts else np.zeros(0)
+        for layer in self.layers.values():            # micro-batch j's aliases are done
+            for key in [k for k in layer.grain_aliases if k[0] == j]:
+                del layer.grain_aliases[key]
 
     def roots(self, count: int) -> dict[str, np.ndarray]:
         """COLLECTIVE over edp: each of my expert parameters' gradient, summed over all
         `count` grains in the aligned tree; {name: array of the parameter's shape}."""
+        if not self.named:
+            return {}
         grains = sorted(self.leaves)
         dtype = self.named[0][1].data.dtype
         stack = np.stack([self.leaves[g] for g in grains]).astype(dtype, copy=False)

@@ -88,14 +88,24 @@ def _tiles(p, k: int, n: int, transposed: bool = False, valid: int | None = None
     return Tiles(k, n, nk, nn, tuple(range(nk)), index, exchange, valid)
 
 
-def _tokens(module, tp=None) -> Tokens:
+def _tokens(module, tp=None, whole: Tokens = Tokens(), exchange=None) -> Tokens:
     """The Tokens of a LayerNorm's or tiled Linear's gradient sums on this tp rank: under
     SP, those on this rank's positions (the LayerNorms, the row-parallel biases) exchange
-    over tp; the others see every position."""
+    (over tp, or `exchange`); the others see `whole`: every position, or under cp those of
+    this cp rank."""
     on_shard = isinstance(module, (SequenceParallelLayerNorm, RowParallelLinear))
     if tp is None or not tp.sequence_parallel or not on_shard:
-        return Tokens()
-    return Tokens(tp.positions, exchange_over(tp))
+        return whole
+    return Tokens(tp.positions, exchange or exchange_over(tp))
+
+
+def _then(first, second):
+    """An all_gather over two groups, one after the other (tp, then cp): every rank's
+    array, one row each, for canonical.gather_nodes."""
+    def both(x):
+        rows = second(first(x))                                    # (W2, W1, ...)
+        return rows.reshape((-1,) + x.shape)
+    return both
 
 
 def tile_model(model, token_tiles: int | None = None) -> None:
@@ -107,11 +117,17 @@ def tile_model(model, token_tiles: int | None = None) -> None:
     tp = getattr(model.layout, "tp", None)
     context = getattr(model.layout, "context", None) if tp is None else tp.context
     if context is not None and context.group.size > 1:
-        tokens_of, rows = context_tokens(context, token_tiles)
+        mine, rows = context_tokens(context, token_tiles)     # this cp rank's positions
+        exchange = None if tp is None else _then(exchange_over(tp), rows.exchange)
+        tokens_of = functools.partial(_tokens, tp=tp, whole=mine, exchange=exchange)
     else:
+        exchange = None if tp is None else exchange_over(tp)
         tokens_of = functools.partial(_tokens, tp=tp)
         rows = None if token_tiles is None else Tokens(per_sequence=token_tiles)
     canonical_matmul.tile_model(model, functools.partial(_tiles, tp=tp), tokens_of, rows)
+    if rows is not None and tp is not None and tp.sequence_parallel \
+            and getattr(model, "wpe", None) is not None:   # its SP positions, exchanged
+        model.wpe.tokens = Tokens(tp.positions, exchange, token_tiles)
 
 
 def square_sums(named: list, tp_group) -> list[float]:

@@ -79,9 +79,11 @@ class AllToAll(Function):
 class ExpertParallelMoE(MoE):
     """A MoE layer whose experts are split over `group`; the same numbers as MoE.
     grain_aliases (the deterministic mode sets it to {}): each expert runs once per source
-    rank, on an alias whose gradient stays that grain's (parallel/deterministic_expert.py)."""
+    rank, on an alias whose gradient stays that grain's (parallel/deterministic_expert.py),
+    kept under (micro_batch, expert, source): micro_batch is set before each forward."""
 
     grain_aliases = None
+    micro_batch = 0
 
     def __init__(self, moe: MoE, group) -> None:
         W, E = group.size, moe.n_experts
@@ -142,8 +144,9 @@ class ExpertParallelMoE(MoE):
         if self.grain_aliases is not None:     # deterministic mode: a call per source grain
             for j in range(per):               # on an alias (parallel/deterministic_expert)
                 for s in range(W):
-                    self.grain_aliases[first + j, s] = alias(self.experts[first + j])
-                    pieces[s, j] = self.grain_aliases[first + j, s](received[block(s, j)])
+                    key = self.micro_batch, first + j, s
+                    self.grain_aliases[key] = alias(self.experts[first + j])
+                    pieces[s, j] = self.grain_aliases[key](received[block(s, j)])
         for j in range(per if self.grain_aliases is None else 0):
             rows = np.concatenate([block(s, j) for s in range(W)]).astype(np.int64)
             y = self.experts[first + j](received[rows])                 # (n_j, C)

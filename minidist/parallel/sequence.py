@@ -202,10 +202,15 @@ class SequenceParallelLayerNorm(LayerNorm):
 
 
 class SequenceParallelPositions(Embedding):
-    """The position embedding on this rank's positions; its gradient is summed over tp."""
+    """The position embedding on this rank's positions; its gradient is summed over tp
+    (with `tokens`, the deterministic mode's token tiles: in their tree, exchanged)."""
+
+    tokens = None
 
     def __init__(self, full: Embedding, tp) -> None:
         self.weight, self.tp = full.weight, tp
 
     def forward(self, ids) -> Tensor:
+        if self.tokens is not None:
+            return F.embedding(self.weight, ids, self.tokens)
         return F.embedding(self.tp.sum_grad(self.weight), ids)

@@ -55,9 +55,7 @@ def test_the_layouts_it_does_not_cover_are_refused_by_name():
     cfg = _cfg("float64")
     with pytest.raises(Exception, match="cp=2 needs --token-tiles N"):
         spawn(2, _rank, cfg, Plan(cp=2))
-    with pytest.raises(Exception, match="not yet cp with SP or MoE=2"):
-        spawn(4, _rank_tt, cfg, Plan(cp=2, tp=2, sequence_parallel=True), 8)
-    with pytest.raises(Exception, match="not yet cp with SP or MoE=2"):
+    with pytest.raises(Exception, match="not yet cp with MoE=2"):
         moe = cfg.__class__(**{**cfg.__dict__, "moe_every": 1, "n_experts": 2,
                                 "moe_group_size": 2})
         spawn(2, _rank_tt, moe, Plan(cp=2), 8)
@@ -203,25 +201,50 @@ def test_expert_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, pla
         _same(run, _moe_reference(dtype, B), f"{plan.describe()} rank {r}")
 
 
-def test_pipelines_of_moe_blocks_add_every_stage_s_aux_terms_in_the_model_s_order():
-    """pp with MoE (no ep): each stage's aux terms are gathered to the last stage and added
-    as GPT.loss adds them; pp with ep is refused by name."""
-    for plan in (Plan(pp=2, micro_batches=2), Plan(dp=2, pp=2, zero=1, schedule="zb-h1")):
-        for r, run in enumerate(spawn(plan.world_size, _rank_b, _moe("float32"), plan, B)):
-            _same(run, _moe_reference("float32", B), f"{plan.describe()} rank {r}")
-    with pytest.raises(Exception, match="not yet pp with ep=2"):
-        spawn(4, _rank_b, _moe("float64"), Plan(dp=2, ep=2, pp=2, micro_batches=2), B)
+PP_MOE_PLANS = [Plan(pp=2, micro_batches=2), Plan(dp=2, pp=2, zero=1, schedule="zb-h1"),
+                Plan(dp=2, ep=2, pp=2, micro_batches=2),
+                Plan(dp=2, ep=2, pp=2, micro_batches=2, schedule="interleaved")]
+
+
+@pytest.mark.parametrize("plan", PP_MOE_PLANS, ids=[p.describe() for p in PP_MOE_PLANS])
+def test_pipelines_of_moe_blocks_equal_the_single_process_bit_for_bit(plan):
+    """Each stage's aux terms are gathered to the last stage and added as GPT.loss adds
+    them; under ep the expert aliases are kept per micro-batch in flight (an interleaved
+    stage may hold no MoE block at all: 4 layers, every second one a MoE)."""
+    cfg = _moe("float32").__class__(**{**_moe("float32").__dict__, "n_layer": 4,
+                                       "moe_every": 2})
+    ref = train_single_process(cfg, DATA, steps=STEPS, global_batch=B, lr=LR,
+                               clip_grad=CLIP, deterministic=True)
+    for r, run in enumerate(spawn(plan.world_size, _rank_b, cfg, plan, B)):
+        _same(run, ref, f"{plan.describe()} rank {r}")
+
+
+def test_full_recomputation_under_zero_bubble_takes_each_action_s_gradient():
+    """With full recomputation a block's weight gradients arrive in B (its whole backward
+    runs there), not in W: each action's part is taken after it."""
+    cfg = _cfg4("float32").__class__(**{**_cfg4("float32").__dict__, "recompute": "full"})
+    ref = train_single_process(cfg, DATA, steps=STEPS, global_batch=B, lr=LR,
+                               clip_grad=CLIP, deterministic=True)
+    plan = Plan(pp=2, micro_batches=2, schedule="zb-h1")
+    for r, run in enumerate(spawn(2, _rank_b, cfg, plan, B)):
+        _same(run, ref, f"zb-h1 with full recomputation rank {r}")
 
 
 def moe_factorisations(limit: int = 8) -> list[Plan]:
-    """Every dp x tp = W <= limit with ep | dp, ep | 4 experts, tp | 4 heads (ZeRO 0-3)."""
+    """Every dp x tp x pp = W <= limit with ep | dp, ep | 4 experts, tp | 4 heads, pp | 2
+    layers (ZeRO 0-3; 0-2 with pp)."""
     plans = []
     for W in range(1, limit + 1):
-        for tp in (1, 2, 4):
-            for ep in (1, 2, 4):
-                dp = W // tp
-                if W % tp == 0 and dp % ep == 0:
-                    plans.append(Plan(dp=dp, tp=tp, ep=ep, zero=len(plans) % 4))
+        for pp in (1, 2):
+            for tp in (1, 2, 4):
+                for ep in (1, 2, 4):
+                    dp, i = W // (tp * pp), len(plans)
+                    if W % (tp * pp) or dp % ep:
+                        continue
+                    kw = {} if pp == 1 else {"pp": 2, "micro_batches": 2,
+                                             "schedule": ("1f1b", "zb-h1")[i % 2]}
+                    plans.append(Plan(dp=dp, tp=tp, ep=ep, zero=i % (4 if pp == 1 else 3),
+                                      **kw))
     return plans
 
 
@@ -251,6 +274,7 @@ def _tiled_reference(dtype: str, batch: int, token_tiles: int):
 
 CP_PLANS = [Plan(cp=2), Plan(cp=2, cp_layout="contiguous"), Plan(cp=4, cp_algo="ulysses"),
             Plan(dp=2, cp=2, zero=1), Plan(cp=2, zero=3), Plan(cp=2, tp=2),
+            Plan(dp=2, cp=2, tp=2, sequence_parallel=True, cp_layout="contiguous"),
             Plan(cp=2, pp=2, micro_batches=2, schedule="zb-h1")]
 
 
@@ -278,7 +302,7 @@ def test_token_tiles_change_no_layout_s_agreement_and_runs_must_be_whole():
 
 def cp_factorisations(limit: int = 8) -> list[Plan]:
     """Every dp x cp x tp x pp = W <= limit with cp > 1 (cp | 4: zig-zag runs of one
-    position; tp | 4 heads, pp | 4 layers); layouts, algorithms and ZeRO rotate."""
+    position; tp | 4 heads, pp | 4 layers); layouts, algorithms, SP and ZeRO rotate."""
     plans = []
     for W in range(2, limit + 1):
         for cp in (2, 4):
@@ -292,7 +316,8 @@ def cp_factorisations(limit: int = 8) -> list[Plan]:
                                       zero=i % (4 if pp == 1 else 3),
                                       cp_algo="ulysses" if i % 3 == 2 and 4 % (cp * tp) == 0
                                       else "ring",
-                                      cp_layout="contiguous" if i % 2 else "zigzag", **kw))
+                                      cp_layout="contiguous" if i % 2 else "zigzag",
+                                      sequence_parallel=tp > 1 and i % 2 == 0, **kw))
     return plans
 
 

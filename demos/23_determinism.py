@@ -3,8 +3,8 @@
 What you will see: a small GPT (dropout on, gradient clipping) trained for a few steps by
 the single process and by several layouts (dp = 2 and 3, ZeRO-1 and -3, pipelines with
 three schedules, tensor parallelism alone, with SP and with dp and pp, context
-parallelism by ring and Ulysses, alone and with tp), first as usual and then
-with --deterministic; then a MoE GPT under expert parallelism the same way. For each run
+parallelism by ring and Ulysses, alone and with tp and SP), first as usual and then
+with --deterministic; then a MoE GPT under expert and pipeline parallelism the same way. For each run
 the sha256 of its final parameters (in name order, as `params sha256:` prints it). As
 usual, the layouts agree to ~1e-15 but their hashes differ: each groups its sums
 differently. Deterministic, every hash is the same, and equal to the deterministic single
@@ -47,11 +47,12 @@ LAYOUTS = [("dp=2", dict(dp=2)), ("dp=3 ZeRO-1", dict(dp=3, zero=1)),
            ("tp=2 SP", dict(tp=2, sequence_parallel=True)),
            ("cp=2 ring zig-zag", dict(cp=2)),
            ("dp=2 x cp=2 ulysses ZeRO-1", dict(dp=2, cp=2, cp_algo="ulysses", zero=1)),
-           ("cp=2 x tp=2", dict(cp=2, tp=2))]
+           ("cp=2 x tp=2 SP", dict(cp=2, tp=2, sequence_parallel=True))]
 MOE_LAYOUTS = [("dp=2 ep=2", dict(dp=2, ep=2)), ("dp=4 ep=2 ZeRO-1", dict(dp=4, ep=2, zero=1)),
                ("dp=2 ep=2 ZeRO-3", dict(dp=2, ep=2, zero=3)),
                ("dp=2 ep=2 x tp=2", dict(dp=2, ep=2, tp=2)),
-               ("pp=2 1f1b", dict(pp=2, micro_batches=2))]
+               ("pp=2 1f1b", dict(pp=2, micro_batches=2)),
+               ("dp=2 ep=2 x pp=2", dict(dp=2, ep=2, pp=2, micro_batches=2))]
 TOKEN_TILES = 8      # --deterministic: sums over positions in runs of T / 8 (cp needs them)
 
 

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.multiproc
 def test_determinism_demo_prints_one_hash_for_every_layout():
     rc, out = run_demo("23_determinism.py")
     text = "\n".join(out)
-    assert rc == 0 and out[-1].startswith("OK: 20 layouts' parameters match"), text
+    assert rc == 0 and out[-1].startswith("OK: 21 layouts' parameters match"), text
     usual = text.split("== GPT, --deterministic ==")[0]
     assert usual.count(" ≠ ") >= 6, usual                  # rounding shows in the bits
     assert "deterministic: 1 hash over 14 runs" in text
-    assert "deterministic: 1 hash over 6 runs" in text
+    assert "deterministic: 1 hash over 7 runs" in text

@@ -19,7 +19,7 @@ canonical.py, over the global tile index:
     y[:, J]      = tree over I of  x[:, I] @ W[I, J]          (I: K-tiles, J: N-tiles)
     dx[:, I]     = tree over J of  g[:, J] @ W[I, J]^T
     dW[I, J]     = x[:, I]^T @ g[:, J]                         (one call: the sum over M
-                                                               tokens, which no layout cuts)
+                                                               tokens; see `rows` below)
 One rank's view (tensor parallelism): a column-parallel W holds N-tiles J_r: y[:, J_r]
 needs nothing from the others, dx is a sum over J that every rank holds a part of, so the
 ranks exchange the aligned nodes of their parts (canonical.gather_nodes) and each combines
@@ -29,7 +29,7 @@ nodes itself. Padding tiles (a vocabulary padded to tp V_tp, parallel/vocab.py) 
 out of the sums over N.
 
 Shapes: x (..., K_r), W (K_r, N_r) this rank's tiles; y (..., N_r). The tiles used by the
-GPT (parallel/deterministic.py's `tile_model`): head_dim columns for qkv (so a rank's heads
+GPT (`tile_model`, `gpt_tiles`): head_dim columns for qkv (so a rank's heads
 are whole tiles), head_dim rows for the attention projection, F/H for the MLP, and one
 vocabulary column for the LM head (whose shards V_tp = ceil(V / tp) share no other unit).
 Cost: the same multiply-adds as x @ W in smaller calls, plus (K/k - 1) additions of an
@@ -41,10 +41,16 @@ positions of every row). `Tokens` adds them in the aligned tree over the global 
 index b T + t (row b, global position t; one token per grain), and exchanges the nodes
 when other ranks hold the other positions; `tile_model` gives every LayerNorm and every
 tiled Linear one, in the single process (no exchange) and in every layout alike.
+Rows (--token-tiles N, what context parallelism needs: a cp rank holds some positions of
+every sequence, so the sum over M tokens of dW is cut too, and a BLAS result also depends
+on the number of rows): with `rows`, a Tokens of N runs per sequence, x is cut into runs
+of T / N positions, every call multiplies one run, and dW is summed over the runs in the
+aligned tree, exchanged over cp (parallel/deterministic_context.py).
 Reference: the problem is the one of Demmel & Nguyen 2013 ("Fast reproducible
     floating-point summation"); fixed-split reductions are also how cuBLAS/cuDNN's
     deterministic modes are described (a fixed order per output element).
-Read next: parallel/deterministic.py (tile_model, where the GPT's tiles are chosen).
+Read next: parallel/deterministic_tensor.py (tp shards as whole tiles), then
+canonical_attention.py.
 """
 
 from __future__ import annotations

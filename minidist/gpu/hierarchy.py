@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KB, MB = 1 << 10, 1 << 20
+KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 WORKING_SETS = tuple(16 * KB << i for i in range(17))      # 16 KB, 32 KB, ..., 1 GB
 CHASE_STRIDE = 32                  # uint32 slots between two chase targets: one 128-byte line
 

@@ -18,6 +18,7 @@ Paper:     Mohan et al. 2021, "CheckFreq", FAST '21 (snapshot, then persist in t
 import argparse
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -61,7 +62,8 @@ def tree(root: Path) -> None:
     """Every file under root with its size; `latest` with its content."""
     for p in sorted(q for q in root.rglob("*") if q.is_file()):
         text = f'  "{p.read_text().strip()}"' if p.name == "latest" else ""
-        print(f"  {str(p.relative_to(root.parent)):<44} {p.stat().st_size:>7} B{text}")
+        name = re.sub(r"-[0-9a-f]{16}\b", "-<token>", str(p.relative_to(root.parent)))
+        print(f"  {name:<44} {p.stat().st_size:>7} B{text}")
 
 
 def piece_sha(path: Path, name: str) -> str:
@@ -101,10 +103,11 @@ def show_crash(a, tmp: Path) -> bool:
                "--inject", f"sigkill:rank=1:step={a.steps - 1}:point=save")
     print(f"exit code {rc}; on disk:")
     tree(tmp / "crashed")
-    part = tmp / "crashed" / f".tmp-step{a.steps:08d}" / "rank00001.safetensors"
+    part = next((tmp / "crashed").glob(f".tmp-step{a.steps:08d}-*")) / "rank00001.safetensors"
     print(f"rank 1's file stopped at {part.stat().st_size} B; there is no manifest and no "
-          "step directory: a save writes under .tmp- names\nand commits only when rank 0 "
-          "replaces `latest` (temp file, fsync, rename), so the previous checkpoint is current")
+          "step directory: a save writes under .tmp- names\n(with a random token: nothing can "
+          "be planted there) and commits only when rank 0 replaces `latest` (temp file, "
+          "fsync,\nrename), so the previous checkpoint is current")
     found = ckpt.latest(tmp / "crashed")
     state, old = (ckpt.load(d / found.path.name) for d in (tmp / "crashed", tmp / "full"))
     same = all(np.array_equal(v, old.params[k]) for k, v in state.params.items())
@@ -155,8 +158,8 @@ def show_reshard(a, tmp: Path) -> float:
           f"params {dp:.1e}, AdamW m, v {do:.1e}\n(float64; not bitwise, hence another sha256: "
           "3 ranks add the gradient in another order than 2)")
     files = sorted(p.name for p in ckpt.latest(tmp / "crashed").path.iterdir())
-    print(f"step{a.steps:08d} now holds {', '.join(files)}; the crash's .tmp-step{a.steps:08d} "
-          f"is gone: {not (tmp / 'crashed' / f'.tmp-step{a.steps:08d}').exists()}")
+    print(f"step{a.steps:08d} now holds {', '.join(files)}; the crash's .tmp-step{a.steps:08d}"
+          f"-<token> is gone: {not any((tmp / 'crashed').glob(f'.tmp-step{a.steps:08d}-*'))}")
     return max(dl, dp, do)
 
 

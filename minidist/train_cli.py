@@ -32,6 +32,7 @@ from minidist.observe.peak import peak_flops
 from minidist.observe.progress import Progress
 from minidist.parallel.compose import Plan
 from minidist.reliability import recovery, straggler as stragglers
+from minidist.reliability.checkpoint import CheckpointError, CheckpointStorageError
 from minidist.train import RankResult, StepEnd, train_on_rank
 
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         run = recovery.run(a, cfg, data_cfg, plan, resilience, _rank_main)
     except RankFailure as e:
         return _rank_failed(e)
-    except ValueError as e:                      # a checkpoint of another run
+    except (ValueError, CheckpointError) as e:   # another run's, or no intact checkpoint
         return baseline.cli_error(e)
     finally:                                     # a failed run's directory is kept too
         if a.run_path is not None:
@@ -194,7 +195,8 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
     """What every rank of `train` runs: train_on_rank from the checkpoint (if any), with
     its faults and checkpoints; rank 0 prints the progress (all ranks take part in
     on_step's all-reduce)."""
-    resume, saver = recovery.on_rank(ctx, a, plan, job)
+    straggler = stragglers.for_rank(ctx, a, plan, cfg)
+    resume, saver = recovery.on_rank(ctx, a, plan, job, {"straggler": straggler})
     bar = Progress.for_model(cfg, a.batch, plan.world_size, a.steps, resume["start_step"],
                              getattr(a, "peak_flops", 0.0))
     losses: dict[int, float] = {}
@@ -228,7 +230,7 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
                            seed=a.seed, optimizer=a.optimizer,
                            on_step=lambda step, loss: losses.update({step: loss})
                            if printed(step) else None,
-                           straggler=stragglers.for_rank(ctx, a, plan, cfg), observer=observer,
+                           straggler=straggler, observer=observer,
                            device_memory=getattr(a, "device_memory", None),
                            deterministic=getattr(a, "deterministic", False),
                            grain=getattr(a, "grain", 1),
@@ -258,6 +260,10 @@ def _rank_failed(e) -> int:
         raise BrokenPipeError(f"rank {e.rank}: stdout was closed") from None
     if first.startswith("KeyboardInterrupt"):
         raise KeyboardInterrupt from None
+    if first.startswith(CheckpointError.__name__) or \
+            first.startswith(CheckpointStorageError.__name__):   # it says it all: one line
+        print(f"error: {' '.join(first.split(chr(10))[0].split())}", file=sys.stderr)
+        return 1
     print(f"minidist train: {e}", file=sys.stderr)
     return 1
 

@@ -52,14 +52,14 @@ def test_checkpointing_demo_shows_layout_atomic_commit_async_and_reshard():
             "  | [rank 1] injecting sigkill:rank=1:step=7:point=save:attempt=0:"
             "phase=rank_file_partial",
             '  crashed/latest                                    13 B  "step00000004"',
-            "  crashed/.tmp-step00000008/rank00000.safetensors  321384 B",
+            "  crashed/.tmp-step00000008-<token>/rank00000.safetensors  321384 B",
             "loaded: step 4, params bitwise equal to run 1's step00000004: True",
             # async = sync; the resume on 3 ranks, which then removes the crash's leftovers
             "the async checkpoint holds the same bytes as the synchronous one: True",
             "  | resuming from crashed/step00000004 (step 4)",
             "step00000008 now holds manifest.json, rank00000.safetensors, "
-            "rank00001.safetensors, rank00002.safetensors; the crash's .tmp-step00000008 is "
-            "gone: True"):
+            "rank00001.safetensors, rank00002.safetensors; the crash's .tmp-step00000008-<token> "
+            "is gone: True"):
         assert line in text, f"missing {line!r}\n{text}"
     assert "  <- snapshot() returned: the step starts" in text
     assert text.count("latest_replaced") == 1                # the async save's commit

@@ -65,7 +65,7 @@ from minidist.baseline import CliParser, model_config_for  # noqa: E402
 from minidist.bench import checkpoint_recovery as rec  # noqa: E402
 from minidist.data import DataConfig           # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
-from minidist.reliability import recovery      # noqa: E402
+from minidist.reliability import confined, recovery      # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402
 from minidist.train import Plan, train_on_rank  # noqa: E402
 
@@ -93,10 +93,11 @@ class _TimedCheckpoints(recovery.RankCheckpoints):
 
 
 def _on_rank(ctx, cfg, data_cfg, plan: Plan, steps: int, batch: int, mode: str,
-             root: str, every: int) -> dict:
+             root: str, every: int, token: str) -> dict:
     saver = None if mode == "none" else _TimedCheckpoints(
         recovery.Policy(root, every=every, keep=2, asynchronous=mode == "async"), ctx,
-        steps - 1, [], {"bench": "checkpoint"}, lambda: C.barrier(group=ctx.world))
+        steps - 1, [], {"bench": "checkpoint"}, lambda: C.barrier(group=ctx.world),
+        token=token)
     hooks: list[tuple] = []                       # (step, hook entry, exit, CPU at entry)
 
     def hook(end) -> None:
@@ -120,7 +121,7 @@ def measure(mode: str, cfg, data_cfg, plan: Plan, steps: int, batch: int, every:
     root.mkdir(parents=True)
     try:
         runs = spawn(plan.world_size, _on_rank, cfg, data_cfg, plan, steps, batch, mode,
-                     str(root), every)
+                     str(root), every, confined.token())     # the saves' temporary names
         size = _checkpoint_bytes(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)

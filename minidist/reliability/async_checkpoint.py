@@ -35,8 +35,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minidist.reliability.checkpoint import (CheckpointError, CheckpointState, _check_writer,
-                                             _commit, _errors, _no_op, _step_name,
+from minidist.reliability.checkpoint import (CheckpointError, CheckpointState,
+                                             CheckpointStorageError, _abandon, _check_writer,
+                                             _commit, _errors, _no_op, _step_name, _tmp_name,
                                              _write_rank_file)
 from minidist.reliability.checkpoint_format import _meta
 
@@ -75,8 +76,9 @@ class AsyncCheckpointer:
 
     def __init__(self, root: str | os.PathLike, *, rank: int = 0, world: int = 1,
                  barrier: Callable[[], Any] | None = None, keep: int | None = 3,
-                 timeout: float = 600.0, on_phase: Callable[[str], Any] | None = None):
-        self.prefix = _check_writer(rank, world, keep, barrier)
+                 timeout: float = 600.0, on_phase: Callable[[str], Any] | None = None,
+                 token: str | None = None):
+        self.prefix, self.token = _check_writer(rank, world, keep, barrier, token)
         self.root, self.rank, self.world, self.keep = Path(root), rank, world, keep
         self.barrier, self.timeout, self.phase = barrier or _no_op, timeout, on_phase or _no_op
         self._thread: threading.Thread | None = None
@@ -147,9 +149,15 @@ class AsyncCheckpointer:
             pass
         try:
             if previous is not None:
-                self._commit(previous, spare=f".tmp-{_step_name(state.step)}")
-            with _errors(f"{self.prefix}writing step {state.step} into {self.root}"):
-                _write_rank_file(self.root, state, self.rank, self.world, self.phase)
+                self._commit(previous, spare=_tmp_name(state.step, self.token))
+            try:
+                with _errors(f"{self.prefix}writing step {state.step} into {self.root}",
+                             self.root):
+                    _write_rank_file(self.root, state, self.rank, self.world, self.phase,
+                                     self.token)
+            except CheckpointStorageError:
+                _abandon(self.root, _tmp_name(state.step, self.token))
+                raise
             self._written = state
         except BaseException as e:    # kept for the training thread: a thread cannot raise
             self._error = e
@@ -164,6 +172,8 @@ class AsyncCheckpointer:
                                       f"{self.root}, or raise AsyncCheckpointer(timeout=)")
         if self._error is not None:
             err, self._error = self._error, None
+            if isinstance(err, CheckpointError):      # it says where and what is latest
+                raise type(err)(f"the background save failed: {err}") from err
             raise CheckpointError(f"{self.prefix}the background save failed ({err!r}); it is "
                                   f"not committed and the previous checkpoint is still the "
                                   f"latest. Fix the cause, then snapshot again") from err
@@ -179,5 +189,5 @@ class AsyncCheckpointer:
         return True, state if self.rank == 0 else None
 
     def _commit(self, state: CheckpointState, spare: str = "") -> None:
-        with _errors(f"{self.prefix}committing step {state.step} in {self.root}"):
-            _commit(self.root, state, self.world, self.keep, self.phase, spare)
+        with _errors(f"{self.prefix}committing step {state.step} in {self.root}", self.root):
+            _commit(self.root, state, self.world, self.keep, self.phase, self.token, spare)

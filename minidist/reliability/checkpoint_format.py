@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
@@ -53,12 +54,15 @@ from typing import Any
 
 import numpy as np
 
+from minidist.reliability import confined
+
 FORMAT, VERSION = "minidist-checkpoint", 2   # 2: files carry header_sha256, not sha256
 _DTYPES = {"BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "U16": "<u2", "F16": "<f2",
            "I32": "<i4", "U32": "<u4", "F32": "<f4", "F64": "<f8", "I64": "<i8", "U64": "<u8"}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 _STEP_DIR, _RANK_FILE = re.compile(r"step(\d{8,})"), re.compile(r"rank\d{5}\.safetensors")
 _MAX_HEADER = 100 << 20       # the reference reader's limit on a header's length
+MAX_MANIFEST = 64 << 20       # bytes: a manifest of 10^5 tensors x 8 writers is ~40 MiB
 
 
 class CheckpointError(RuntimeError):
@@ -187,127 +191,229 @@ def _manifest(state: CheckpointState, world: int, markers: list[dict]) -> bytes:
     return json.dumps({**body, "checksum": _checksum(body)}, indent=1).encode()
 
 
-def _parse_manifest(path: Path) -> dict:
+def _parse_manifest(path: Path, dir_fd: int) -> dict:
     where = path / "manifest.json"
     try:
-        body = json.loads(where.read_bytes())
+        body = json.loads(confined.read_bounded(dir_fd, "manifest.json", where, MAX_MANIFEST))
         ok = body.pop("checksum") == _checksum(body)
         ok, step, version = ok and body["format"] == FORMAT, body["step"], body["version"]
     except FileNotFoundError:
         raise CheckpointError(f"{where}: missing: not a checkpoint directory (for a root "
                               f"of checkpoints use latest({str(path)!r}).path)") from None
+    except confined.Refused as e:
+        raise CheckpointError(str(e)) from None
     except (ValueError, RecursionError, AttributeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{where}: not a valid manifest ({e!r}); fall back to an "
-                              f"older checkpoint with latest()") from None
+        raise CheckpointError(f"{where}: not a valid manifest ({_short(e)}); fall back to "
+                              f"an older checkpoint with latest()") from None
     if not ok:
         raise CheckpointError(f"{where}: checksum check failed: the manifest changed "
                               f"after it was written (corruption or an edit)")
     if version != VERSION:
-        raise CheckpointError(f"{where}: format version {version}, this minidist "
+        raise CheckpointError(f"{where}: format version {version!r}, this minidist "
                               f"reads version {VERSION}; load it with a matching minidist")
     m = _STEP_DIR.fullmatch(path.name)
     if m and int(m.group(1)) != step:
-        raise CheckpointError(f"{where}: says step {step}, its directory "
+        raise CheckpointError(f"{where}: says step {step!r}, its directory "
                               f"{path.name}: it was moved or copied into the wrong place")
     return body
 
 
-def _header(path: Path, data: bytes) -> dict[str, tuple[str, list, int, int]]:
-    """A safetensors header, checked as the reference reader does: {name: (dtype, shape,
-    first byte, end byte)} in file offsets."""
+def _short(e: BaseException) -> str:
+    """An exception as one short line (a hostile manifest may make a long message)."""
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _header(path: Path, data: bytes, size: int) -> dict[str, tuple[str, list, int, int]]:
+    """A safetensors header (`data`: its bytes after the 8-byte length; `size`: the whole
+    file's), checked as the reference reader does: {name: (dtype, shape, first byte, end
+    byte)} in file offsets."""
     try:
-        (n,) = struct.unpack_from("<Q", data)
-        if n > min(_MAX_HEADER, len(data) - 8):
-            raise ValueError(f"header length {n} exceeds the file")
-        header = json.loads(data[8:8 + n])
+        header = json.loads(data)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
         header.pop("__metadata__", None)
-        out, end = {}, 0
+        out, end, n = {}, 0, len(data)
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
             a, b = e["data_offsets"]
-            size = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(_DTYPES[e["dtype"]]).itemsize
-            if a != end or b - a != size or min(e["shape"], default=0) < 0:
-                raise ValueError(f"tensor {name!r} has bytes [{a}, {b}), expected {size} at {end}")
+            count = _count(e["shape"])
+            size_e = count * np.dtype(_DTYPES[e["dtype"]]).itemsize
+            if a != end or b - a != size_e:
+                raise ValueError(f"tensor {name!r} has bytes [{a}, {b}), expected {size_e} "
+                                 f"at {end}")
             out[name], end = (e["dtype"], e["shape"], 8 + n + a, 8 + n + b), b
-        if 8 + n + end != len(data):
-            raise ValueError(f"data ends at {8 + n + end}, the file at {len(data)}")
-    except (ValueError, KeyError, TypeError, AttributeError, struct.error, RecursionError) as e:
-        raise CheckpointError(f"{path}: not a valid safetensors file ({e!r})") from None
+        if 8 + n + end != size:
+            raise ValueError(f"data ends at {8 + n + end}, the file at {size}")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({_short(e)})") from None
     return out
 
 
-def _check_listing(path: Path, files: dict) -> None:
-    """Refuse a directory holding anything but manifest.json and the rank files it lists."""
-    for p in sorted(path.iterdir()):
-        if p.name != "manifest.json" and (p.name not in files or not _RANK_FILE.fullmatch(p.name)):
-            raise CheckpointError(f"{p}: unexpected file in a checkpoint directory (it holds "
-                                  f"manifest.json and the files it lists, never pickles); "
-                                  f"refusing to load it. Remove {p.name} if you put it there")
+def _count(shape: Any) -> int:
+    """The number of elements of `shape`, a list of ints >= 0 (exact: Python ints)."""
+    if not isinstance(shape, list) or len(shape) > 64 or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ValueError(f"shape {str(shape)[:60]} is not a list of at most 64 ints >= 0")
+    count = 1
+    for d in shape:
+        count *= d
+    return count
 
 
-def _read_file(path: Path, name: str, info: dict) -> tuple[bytes, dict]:
-    """The bytes of rank file `name` and its parsed header, once its name, size and header
-    sha256 match what the manifest says (`info`); the pieces are checked by `_assemble`."""
+def _check_listing(path: Path, dir_fd: int, files: dict) -> None:
+    """Refuse a directory holding anything but manifest.json and the rank files it lists,
+    each a regular file (a link, even to a valid file, is refused)."""
+    for name, mode in confined.entries(dir_fd):
+        if name != "manifest.json" and (name not in files or not _RANK_FILE.fullmatch(name)):
+            raise CheckpointError(f"{path / name}: unexpected file in a checkpoint directory "
+                                  f"(it holds manifest.json and the files it lists, never "
+                                  f"pickles); refusing to load it. Remove {name} if you put "
+                                  f"it there")
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path / name}: is not a regular file (a link, a directory "
+                                  f"or a device); refusing it")
+
+
+def _open_file(path: Path, dir_fd: int, name: str, info: dict) -> tuple[int, dict]:
+    """(an open descriptor, the parsed header) of rank file `name`, once its name, its size
+    (fstat, before a byte is read) and its header's sha256 match what the manifest says
+    (`info`); the pieces are checked by `_assemble`. The caller closes the descriptor."""
     where = path / name
-    if not _RANK_FILE.fullmatch(name):
-        raise CheckpointError(f"{path / 'manifest.json'}: lists file {name!r}, not a "
-                              f"rank file name; refusing it")
-    data = where.read_bytes() if where.is_file() else None
-    if data is None or len(data) != info["size"]:
-        raise CheckpointError(f"{where}: size check failed: "
-                              f"{'missing' if data is None else f'{len(data)} bytes'}, the "
-                              f"manifest says {info['size']} (truncated or deleted)")
-    n = struct.unpack_from("<Q", data)[0] if len(data) >= 8 else len(data)
-    if n > len(data) - 8 or _sha(memoryview(data)[:8 + n]) != info["header_sha256"]:
-        raise CheckpointError(f"{where}: sha256 check failed: its header changed after it "
-                              f"was written (disk corruption or an edit)")
-    return data, _header(where, data)
+    if not isinstance(name, str) or not _RANK_FILE.fullmatch(name):
+        raise CheckpointError(f"{path / 'manifest.json'}: lists file {str(name)[:40]!r}, "
+                              f"not a rank file name; refusing it")
+    try:
+        fd, size = confined.open_regular(dir_fd, name, where)
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}: size check failed: missing, the manifest says "
+                              f"{info['size']} bytes (deleted?)") from None
+    except confined.Refused as e:
+        raise CheckpointError(str(e)) from None
+    try:
+        if size != info["size"] or size < 8:
+            raise CheckpointError(f"{where}: size check failed: {size} bytes, the manifest "
+                                  f"says {info['size']} (truncated, grown or replaced)")
+        (n,) = struct.unpack("<Q", confined.read_exactly(fd, 0, 8, where))
+        if n > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{where}: not a valid safetensors file (header length {n} "
+                                  f"exceeds the file)")
+        data = confined.read_exactly(fd, 8, n, where)
+        if _sha(struct.pack("<Q", n) + data) != info["header_sha256"]:
+            raise CheckpointError(f"{where}: sha256 check failed: its header changed after "
+                                  f"it was written (disk corruption or an edit)")
+        return fd, _header(where, data, size)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
-def _assemble(path: Path, name: str, t: dict, files: dict[str, tuple[bytes, dict]]) -> np.ndarray:
-    """Tensor `name` (its manifest entry `t`) put together from its pieces, each checked
-    against its file's header and its sha256; `files` maps file name to (bytes, header)."""
+def _layout(path: Path, name: str, t: dict, headers: dict[str, dict]) -> tuple[np.dtype, int]:
+    """(dtype, element count) of tensor `name` (its manifest entry `t`), once each of its
+    pieces is found in its file's header with the right dtype, shape and place: checked
+    before anything is allocated, so the arrays never outgrow the files on disk."""
     if t["dtype"] not in _DTYPES:
         raise CheckpointError(f"{path / 'manifest.json'}: tensor {name!r} has dtype "
-                              f"{t['dtype']!r}, not a safetensors dtype; refusing it")
-    dt, n = np.dtype(_DTYPES[t["dtype"]]), int(np.prod(t["shape"], dtype=np.int64))
-    flat, lo = np.empty(n, dt), 0
+                              f"{str(t['dtype'])[:20]!r}, not a safetensors dtype; refusing it")
+    n, lo = _count(t["shape"]), 0
     for p in t["pieces"]:
-        where = path / p["file"]
-        data, header = files[p["file"]]
-        dtype, shape, a, b = header.get(name, (None, None, 0, 0))
+        dtype, shape, _, _ = headers.get(p["file"], {}).get(name, (None, None, 0, 0))
         if p["range"][0] != lo or (dtype, shape) != (t["dtype"], [p["range"][1] - lo]):
-            raise CheckpointError(f"{where}: piece of {name!r} for elements {p['range']} "
-                                  f"is missing or has another dtype or shape")
-        if _sha(memoryview(data)[a:b]) != p["sha256"]:
-            raise CheckpointError(f"{where}: sha256 check failed: the piece of {name!r} "
-                                  f"changed after it was written (disk corruption or an edit)")
-        hi = p["range"][1]
-        if hi > lo:
-            flat[lo:hi] = np.frombuffer(data, dt, hi - lo, a)
-        lo = hi
+            raise CheckpointError(f"{path / str(p['file'])[:40]}: piece of {name!r} for "
+                                  f"elements {str(p['range'])[:40]} is missing or has another "
+                                  f"dtype or shape")
+        lo = p["range"][1]
     if lo != n:
         raise CheckpointError(f"{path / 'manifest.json'}: pieces of {name!r} cover {lo} "
                               f"of its {n} elements")
+    return np.dtype(_DTYPES[t["dtype"]]), n
+
+
+def _assemble(path: Path, name: str, t: dict, layout: tuple[np.dtype, int],
+              files: dict[str, tuple[int, dict]]) -> np.ndarray:
+    """Tensor `name` read piece by piece straight into its array, each piece's sha256
+    checked; `files` maps file name to (descriptor, header)."""
+    dt, n = layout
+    flat = np.empty(n, dt)
+    raw = flat.view(np.uint8)
+    for p in t["pieces"]:
+        fd, header = files[p["file"]]
+        lo, hi = p["range"]
+        _, _, a, b = header[name]
+        view = memoryview(raw[lo * dt.itemsize:hi * dt.itemsize])
+        confined.read_into(fd, a, view, path / p["file"])
+        if _sha(view) != p["sha256"]:
+            raise CheckpointError(f"{path / p['file']}: sha256 check failed: the piece of "
+                                  f"{name!r} changed after it was written (disk corruption "
+                                  f"or an edit)")
     return flat.reshape(t["shape"])
 
 
 def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """Check everything at `path`; return its manifest and {tensor: array}. Checks run in
-    this order: manifest, directory listing, each file (then its header), each tensor."""
-    manifest = _parse_manifest(path)
-    files = manifest["files"]
-    _check_listing(path, files)
-    read = {name: _read_file(path, name, info) for name, info in files.items()}
-    arrays = {name: _assemble(path, name, t, read) for name, t in manifest["tensors"].items()}
+    this order: the directory (not a link), the manifest, the listing, each file (size,
+    then header), every tensor's pieces against the headers (nothing allocated yet), the
+    memory they need, then each piece as it is read."""
+    try:
+        dir_fd = _open_checkpoint_dir(path)
+    except confined.Refused as e:
+        raise CheckpointError(str(e)) from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open the directory ({e.strerror})") from None
+    files: dict[str, tuple[int, dict]] = {}
+    try:
+        manifest = _parse_manifest(path, dir_fd)
+        _check_listing(path, dir_fd, manifest["files"])
+        for name, info in manifest["files"].items():
+            files[name] = _open_file(path, dir_fd, name, info)
+        headers = {name: header for name, (_, header) in files.items()}
+        layouts = {name: _layout(path, name, t, headers)
+                   for name, t in manifest["tensors"].items()}
+        need = sum(dt.itemsize * n for dt, n in layouts.values())
+        _check_memory(path, need)
+        arrays = {name: _assemble(path, name, t, layouts[name], files)
+                  for name, t in manifest["tensors"].items()}
+    except OSError as e:
+        raise CheckpointError(f"{path}: {_short(e)}") from None
+    finally:
+        for fd, _ in files.values():
+            os.close(fd)
+        os.close(dir_fd)
     return manifest, arrays
+
+
+def _open_checkpoint_dir(path: Path) -> int:
+    """A descriptor of the directory `path`; its last component must not be a link (the
+    step directories of a root are never followed out of it)."""
+    if not path.name:
+        return confined.open_root(path)
+    parent = confined.open_root(path.parent)
+    try:
+        return confined.open_dir(parent, path.name, path)
+    finally:
+        os.close(parent)
+
+
+def _check_memory(path: Path, need: int) -> None:
+    """Refuse a checkpoint whose arrays need more bytes than this machine's memory: a
+    manifest with a shape of [2**40] is refused before anything is allocated."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):            # not on this platform: the files bound it
+        return
+    if need > total:
+        raise CheckpointError(f"{path}: its arrays need {need / 2**30:.1f} GiB, more than "
+                              f"this machine's {total / 2**30:.1f} GiB of memory; refusing "
+                              f"to load it")
 
 
 def load(path: str | os.PathLike) -> CheckpointState:
     """The CheckpointState saved at `path`, bitwise, whatever the number of writers was.
 
     Checks the manifest checksum, every file (size, header sha256), every piece (sha256)
-    and that the directory holds nothing else; raises CheckpointError naming the first
-    failure.
+    and that the directory holds nothing else; follows no link below `path` (nor `path`
+    itself if it is one), reads nothing that is not a regular file, and allocates only
+    what the files on disk hold (reliability/confined.py). Raises CheckpointError naming
+    the first failure.
     """
     path = Path(path)
     try:
@@ -318,9 +424,10 @@ def load(path: str | os.PathLike) -> CheckpointState:
         for k, e in meta["optimizer"].items():
             v = arrays.pop(e["tensor"]) if "tensor" in e else e["value"]
             optimizer[k] = v[()] if e.get("numpy_scalar") else v
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path / 'manifest.json'}: malformed: {e!r} (a manifest this "
-                              f"code did not write?); refusing it") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
+            RecursionError) as e:
+        raise CheckpointError(f"{path / 'manifest.json'}: malformed: {_short(e)} (a manifest "
+                              f"this code did not write?); refusing it") from None
     if arrays:
         raise CheckpointError(f"{path / 'manifest.json'}: tensors {sorted(arrays)} belong "
                               f"to neither params nor optimizer")

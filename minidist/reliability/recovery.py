@@ -39,14 +39,16 @@ Read next: reliability/faults.py
 from __future__ import annotations
 
 import mmap
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from minidist.reliability import checkpoint as ckpt
+from minidist.reliability import confined
 
 MAX_BACKOFF = 10.0             # seconds, the longest wait between attempts
 
@@ -102,13 +104,20 @@ class RankCheckpoints:
 
     def __init__(self, policy: Policy, ctx, last_step: int, prior_losses: list[float],
                  extra: dict, barrier: Callable[[], Any], progress: Progress | None = None,
-                 injector=None, data_offset: int = 0):
+                 injector=None, data_offset: int = 0, token: str | None = None,
+                 hooks: dict[str, Any] | None = None):
         self.policy, self.last_step, self.prior = policy, last_step, list(prior_losses)
-        self.data_offset = data_offset
+        self.data_offset, self.hooks = data_offset, dict(hooks or {})
         self.extra, self.progress, self.injector = extra, progress, injector
         self.rank, self.world, self.barrier = ctx.rank, ctx.world_size, barrier
+        if token is None and self.world > 1:
+            raise ValueError(f"RankCheckpoints: {self.world} writers need token=, one random "
+                             f"string drawn once for all of them (confined.token(), in the "
+                             f"launcher), or their saves would not meet in one directory")
+        self.token = token or confined.token()
         self.writer = ckpt.AsyncCheckpointer(policy.root, rank=self.rank, world=self.world,
-                                             barrier=barrier, keep=policy.keep) \
+                                             barrier=barrier, keep=policy.keep,
+                                             token=self.token) \
             if policy.asynchronous else None
 
     def on_step_end(self, end) -> None:
@@ -123,12 +132,14 @@ class RankCheckpoints:
             rng={"dropout": "stateless: drawn from (seed, step, sample index)"},
             data_cursor={"next_step": s, "offset": self.data_offset},
             losses=self.prior + list(end.losses()),
-            extra=self.extra)
+            extra={**self.extra, "hooks": {name: hook.state_dict()
+                                           for name, hook in self.hooks.items()}})
         if self.writer is not None:
             self.writer.snapshot(state)
         else:
             ckpt.save(state, self.policy.root, rank=self.rank, world=self.world,
-                      barrier=self.barrier, keep=self.policy.keep, on_phase=self._phase(s))
+                      barrier=self.barrier, keep=self.policy.keep, on_phase=self._phase(s),
+                      token=self.token)
 
     def _phase(self, steps_done: int) -> Callable[[str], None] | None:
         """The hook that fires a fault injected into this save (point=save)."""
@@ -165,6 +176,11 @@ def supervise(attempt: Callable[[int], Any], *, max_restarts: int, policy: Polic
                 if max_restarts:                 # else no restart was asked for: the
                     log(f"recovery: attempt {k} failed ({headline}); no restarts left "
                         f"(--max-restarts {max_restarts})")     # report says it all
+                raise
+            if any(t.startswith(ckpt.CheckpointStorageError.__name__)
+                   for t in e.failures.values()):
+                log(f"recovery: attempt {k} failed on its storage, which a restart cannot "
+                    f"fix: not restarting")
                 raise
             found = None if policy is None else ckpt.latest(policy.root)
             resume = 0 if found is None else found.step
@@ -254,6 +270,8 @@ def options(a, world_size: int, pp: int = 1) -> Resilience:
         raise ValueError(f"--max-restarts {a.max_restarts}: must be >= 0")
     policy = None if a.checkpoint_dir is None else Policy(
         a.checkpoint_dir, a.checkpoint_every, a.keep, a.resume, a.async_checkpoint)
+    if policy is not None:
+        check_root(policy.root)
     for f in injected:
         if f.step >= a.steps:
             raise ValueError(f"--inject {f}: step {f.step} is not run (--steps {a.steps})")
@@ -262,6 +280,10 @@ def options(a, world_size: int, pp: int = 1) -> Resilience:
         if f.point == "save" and not saves:
             raise ValueError(f"--inject {f}: no checkpoint is saved after step {f.step} "
                              "(--checkpoint-dir, --checkpoint-every)")
+        if f.point == "save" and policy.asynchronous:
+            raise ValueError(f"--inject {f}: faults inside a save fire in the synchronous "
+                             "save's phases; --async-checkpoint writes in a background thread "
+                             "where they would never fire. Drop one of the two")
     if (a.elastic or a.rejoin_after is not None) and (policy is None or a.max_restarts < 1
                                                       or not a.elastic):
         raise ValueError("--elastic (and --rejoin-after) continue from a checkpoint after a "
@@ -274,10 +296,43 @@ def options(a, world_size: int, pp: int = 1) -> Resilience:
                       a.rejoin_after, a.spike, a.spike_skip_batches)
 
 
+def check_root(root: str) -> None:
+    """Refuse, before any rank starts, a --checkpoint-dir no save could write into: a file,
+    a path that cannot be made, a directory this user cannot write (ValueError, one line).
+    Makes the directory if it is missing, as the first save would."""
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--checkpoint-dir {root}: is a file, not a directory; give a "
+                         f"directory (it is made if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--checkpoint-dir {root}: cannot make that directory "
+                         f"({e.strerror}); give a path this user can write") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--checkpoint-dir {root}: this user cannot write into it; fix its "
+                         f"permissions or give another directory")
+
+
 def run_config(a, cfg, data_cfg) -> dict:
-    """What a checkpoint must agree on to be resumed by this run (the Plan may differ)."""
-    return {"model": repr(cfg), "data": repr(data_cfg), "seed": a.seed, "batch": a.batch,
-            "lr": a.lr, "optimizer": a.optimizer, "steps": a.steps}
+    """What a checkpoint must agree on to be resumed by this run (the Plan may differ):
+    every field of the model and data configs, and the options that change the numbers."""
+    return {**{f"model.{k}": v for k, v in asdict(cfg).items()},
+            **{f"data.{k}": v for k, v in asdict(data_cfg).items()},
+            "seed": a.seed, "batch": a.batch, "lr": a.lr, "optimizer": a.optimizer,
+            "steps": a.steps}
+
+
+def differences(saved: Any, mine: dict) -> str:
+    """The fields in which a checkpoint's run config differs from this run's, one line:
+    `lr 0.003 (checkpoint) vs 0.01 (this run)`, at most 4 named."""
+    if not isinstance(saved, dict):
+        return "it records no run configuration of this minidist"
+    diff = [k for k in sorted(set(saved) | set(mine)) if saved.get(k, "") != mine.get(k, "")]
+    named = [f"{k} {saved.get(k, '(absent)')!r} vs {mine.get(k, '(absent)')!r}"
+             for k in diff[:4]]
+    more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+    return "; ".join(named) + more + " (the checkpoint's vs this run's)"
 
 
 def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
@@ -305,15 +360,16 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
     def attempt(k: int):
         layout, stop = (plan, a.steps) if elastic is None else (elastic.plan, elastic.stop)
         state, note = (None, "") if r.policy is None else r.policy.start()
+        if state is not None and state.extra.get("run") != config:
+            raise ValueError(f"--checkpoint-dir {r.policy.root} holds a checkpoint of another "
+                             f"run: {differences(state.extra.get('run'), config)}. Give a new "
+                             "--checkpoint-dir, or the options of that run")
         if note:
             print(note, flush=True)
-        if state is not None and state.extra.get("run") != config:
-            raise ValueError(f"{r.policy.root} holds a checkpoint of another run "
-                             f"({state.extra.get('run')}); this run is {config}. Give a new "
-                             "--checkpoint-dir.")
         offset = max(floor[0], 0 if state is None else state.data_cursor.get("offset", 0))
+        token = confined.token()             # this attempt's saves' temporary names
         result = spawn(layout.world_size, rank_main, a, cfg, data_cfg, layout, t0,
-                       (state, k, r, config, stop, offset))[0]
+                       (state, k, r, config, stop, offset, token))[0]
         prior = [] if state is None else list(state.losses)[:state.step]
         return replace(result, losses=tuple(prior) + result.losses)
 
@@ -322,22 +378,31 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
                      elastic=elastic, on_failure=on_failure)
 
 
-def on_rank(ctx, a, plan, job: tuple) -> tuple[dict, "RankCheckpoints | None"]:
+def on_rank(ctx, a, plan, job: tuple,
+            hooks: dict[str, Any] | None = None) -> tuple[dict, "RankCheckpoints | None"]:
     """A rank's side of `run`: (train_on_rank's keyword arguments for this attempt -- the
     steps to run, the state to start from, faults, spike guard, data offset --, this
-    rank's RankCheckpoints or None)."""
+    rank's RankCheckpoints or None). `hooks`: the run's other stateful hooks by name (the
+    straggler handler), each with state_dict() and load_state_dict(); the spike guard
+    joins them. Their state goes into every checkpoint and comes back from the one this
+    attempt resumes, so a resumed run equals the uninterrupted one with every option."""
     from minidist import collectives as C
     from minidist.reliability.faults import Injector
     from minidist.reliability.spike import Guard
-    state, attempt, r, config, stop, offset = job
+    state, attempt, r, config, stop, offset, token = job
     start = 0 if state is None else state.step
     injector = Injector(list(r.faults), ctx.rank, attempt) if r.faults else None
+    guard = None if r.spike == "off" else Guard(
+        r.spike, lambda line: print(line, flush=True) if ctx.rank == 0 else None)
+    hooks = {name: h for name, h in {**(hooks or {}), "spike": guard}.items() if h is not None}
+    saved = {} if state is None else state.extra.get("hooks", {})
+    for name, hook in hooks.items():
+        if name in saved:
+            hook.load_state_dict(saved[name])
     saver = None if r.policy is None else RankCheckpoints(
         r.policy, ctx, stop - 1, [] if state is None else list(state.losses)[:start],
         {"run": config, "plan": plan.describe()}, lambda: C.barrier(group=ctx.world),
-        r.progress, injector, offset)
-    guard = None if r.spike == "off" else Guard(
-        r.spike, lambda line: print(line, flush=True) if ctx.rank == 0 else None)
+        r.progress, injector, offset, token, hooks)
     return {"start_step": start, "steps": max(0, stop - start), "total_steps": a.steps,
             "initial_state": None if state is None else (state.params, state.optimizer),
             "injector": injector, "guard": guard, "data_offset": offset,

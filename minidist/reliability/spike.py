@@ -76,6 +76,16 @@ class Detector:
                         f"({sigma:.3g}) = {bar:.4g}")
         return None
 
+    def state_dict(self) -> dict:
+        """The statistics, JSON-able (floats round-trip exactly): what a checkpoint keeps so
+        that a resumed run judges its next step as the uninterrupted run would."""
+        return {"seen": self.seen, "mean": dict(self.mean), "var": dict(self.var)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = int(state["seen"])
+        self.mean = {k: float(state["mean"][k]) for k in ("loss", "norm")}
+        self.var = {k: float(state["var"][k]) for k in ("loss", "norm")}
+
     def accept(self, loss: float, norm: float) -> None:
         """Fold an applied step into the statistics."""
         b = self.beta
@@ -98,6 +108,14 @@ class Guard:
             raise ValueError(f"--spike {policy!r}: use one of {', '.join(POLICIES[1:])}")
         self.policy, self.log, self.detector = policy, log, Detector()
         self.skipped: list[int] = []
+
+    def state_dict(self) -> dict:
+        """The detector's statistics and the skipped steps (a checkpoint keeps them)."""
+        return {"detector": self.detector.state_dict(), "skipped": list(self.skipped)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.detector.load_state_dict(state["detector"])
+        self.skipped = [int(s) for s in state["skipped"]]
 
     def step(self, step: int, engine, lr: float, clip: float | None, global_loss: float,
              rerun: Callable[[], float]) -> tuple[float, float]:

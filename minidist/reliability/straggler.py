@@ -92,6 +92,14 @@ class Detector:
         self.factor, self.patience = factor, patience
         self.streak: dict[int, list[tuple[float, float]]] = {}   # rank -> (compute, median)
 
+    def state_dict(self) -> dict:
+        """The running streaks, JSON-able (a checkpoint keeps them)."""
+        return {"streak": {str(r): [list(p) for p in run] for r, run in self.streak.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.streak = {int(r): [(float(c), float(m)) for c, m in run]
+                       for r, run in state["streak"].items()}
+
     def observe(self, compute) -> list[str]:
         """Fold in one step's compute time per rank (seconds, in rank order); return a
         line for each rank that has just become a straggler."""
@@ -145,6 +153,16 @@ class Balancer:
         self.rows = (global_batch // (dp * micro_batches) * micro_batches,) * dp
         self.window: list[tuple[tuple[int, ...], np.ndarray]] = []
 
+    def state_dict(self) -> dict:
+        """The rows in use and the window of timings not yet acted on, JSON-able."""
+        return {"rows": list(self.rows),
+                "window": [[list(rows), t.tolist()] for rows, t in self.window]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows = tuple(int(r) for r in state["rows"])
+        self.window = [(tuple(int(r) for r in rows), np.asarray(t, np.float64))
+                       for rows, t in state["window"]]
+
     def observe(self, replica_time) -> str | None:
         """Fold in one step's time per dp rank (its slowest rank's compute); every `every`
         steps, move rows if that gains enough; returns a line saying so, or None."""
@@ -181,6 +199,15 @@ class Straggler:
         self.detector = detector or Detector()
         self.balancer = balancer or Balancer(dp, global_batch, micro_batches)
         self.history: deque[tuple[tuple[int, ...], np.ndarray]] = deque(maxlen=HISTORY)
+
+    def state_dict(self) -> dict:
+        """The detector's streaks and the balancer's rows and window (a checkpoint keeps
+        them: a resumed run trains on the rows the uninterrupted one would)."""
+        return {"detector": self.detector.state_dict(), "balancer": self.balancer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.detector.load_state_dict(state["detector"])
+        self.balancer.load_state_dict(state["balancer"])
 
     @property
     def rows(self) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ import pytest
 import minidist
 from minidist.reliability.checkpoint import (PHASES, AsyncCheckpointer, CheckpointError,
                                              CheckpointState, latest, load, save)
+from minidist.reliability import confined
 from minidist.runtime import spawn
 
 
@@ -61,12 +62,12 @@ def _assert_same(got: CheckpointState, want: CheckpointState, what: str = "") ->
 
 def _save_threads(state, root, world, keep=3, on_phase=None):
     """Run a W-writer save in this process: one thread per rank, a real barrier."""
-    bar, errors = threading.Barrier(world, timeout=10), []
+    bar, errors, token = threading.Barrier(world, timeout=10), [], confined.token()
 
     def run(r):
         try:
             save(state, root, rank=r, world=world, barrier=bar.wait, keep=keep,
-                 on_phase=on_phase if r == 0 else None)
+                 on_phase=on_phase if r == 0 else None, token=token)
         except BaseException as e:  # noqa: BLE001 -- re-raised below, in the test's thread
             errors.append(e)
             bar.abort()
@@ -142,9 +143,10 @@ def test_a_checkpoint_written_by_w_writers_loads_under_any_other_w_and_in_forked
 def _ranks_load_then_save(ctx, root):
     state = load(latest(os.path.join(root, "w2")).path)
     w3, world = os.path.join(root, "w3"), ctx.world_size
-    save(_state(5), w3, rank=ctx.rank, world=world, barrier=lambda: minidist.barrier(), keep=2)
+    save(_state(5), w3, rank=ctx.rank, world=world, barrier=lambda: minidist.barrier(), keep=2,
+         token="the-token-of-save-5")
     with AsyncCheckpointer(w3, rank=ctx.rank, world=world, barrier=lambda: minidist.barrier(),
-                           keep=2) as writer:
+                           keep=2, token="the-async-token") as writer:
         writer.snapshot(_state(6))
         writer.snapshot(_state(7))
     return state

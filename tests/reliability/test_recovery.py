@@ -81,11 +81,87 @@ def test_a_checkpoint_loads_under_another_layout_and_continues(tmp_path, capsys)
 
 def test_resume_never_and_a_checkpoint_of_another_run_are_refused(tmp_path, capsys):
     ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"]
-    assert _run(LAYOUTS["dp2"] + TINY + ck, capsys)[0] == 0
+    assert _run(LAYOUTS["dp2"] + TINY + ck + ["--lr", "0.003"], capsys)[0] == 0
     assert train.main(LAYOUTS["dp2"] + TINY + ck + ["--resume", "never"]) == 2
     assert "--resume never, but" in capsys.readouterr().err
-    assert train.main(LAYOUTS["dp2"] + TINY + ck + ["--lr", "0.01"]) == 2
-    assert "holds a checkpoint of another run" in capsys.readouterr().err
+    assert train.main(LAYOUTS["dp2"] + TINY + ck + ["--lr", "0.01", "--seed", "4"]) == 2
+    res = capsys.readouterr()
+    err = res.err.strip().splitlines()
+    assert len(err) == 1 and "holds a checkpoint of another run" in err[0], err
+    assert "lr 0.003 vs 0.01; seed 3 vs 4 (the checkpoint's vs this run's)" in err[0], err
+    assert len(err[0]) < 300 and "resuming from" not in res.out, res
+
+
+@pytest.mark.parametrize("where, why", [("file", "is a file, not a directory"),
+                                        ("/proc/nope/ck", "cannot make that directory")])
+def test_a_bad_checkpoint_dir_is_refused_before_any_rank_starts(where, why, tmp_path, capsys):
+    """Finding 8: --checkpoint-dir /etc/passwd was found only after every step trained."""
+    if where == "file":
+        where = str(tmp_path / "file")
+        (tmp_path / "file").write_text("not a directory\n")
+    assert train.main(LAYOUTS["dp2"] + TINY + ["--checkpoint-dir", where]) == 2
+    res = capsys.readouterr()
+    assert res.out.count("step") == 0 and why in res.err, res       # nothing trained
+    assert len(res.err.strip().splitlines()) == 1, res.err
+
+
+def test_a_directory_of_corrupt_checkpoints_is_one_line(tmp_path, capsys):
+    """Finding 8: when every checkpoint is corrupt, the cause came in a 30-line traceback."""
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"]
+    assert _run(LAYOUTS["dp2"] + TINY + ck, capsys)[0] == 0
+    for manifest in (tmp_path / "ck").glob("step*/manifest.json"):
+        manifest.write_text("{garbage")
+    assert train.main(LAYOUTS["dp2"] + TINY + ck) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no intact checkpoint" in err[0], err
+    assert "step00000009: " in err[0] and "not a valid manifest" in err[0], err
+
+
+def test_a_fault_inside_an_async_save_is_refused_as_it_could_not_fire(tmp_path, capsys):
+    """Finding 5: --inject ...:point=save was accepted with --async-checkpoint and never
+    fired."""
+    argv = LAYOUTS["dp2"] + TINY + ["--checkpoint-dir", str(tmp_path), "--checkpoint-every",
+                                    "3", "--async-checkpoint", "--inject",
+                                    "sigkill:rank=1:step=5:point=save"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--async-checkpoint writes in a background thread" in err[0], err
+
+
+def test_loss_spike_skipping_survives_a_restart_bitwise(tmp_path, capfd):
+    """Finding 4: the spike detector's statistics were not in the checkpoint, so after a
+    resume it was back in its warm-up and let through the spikes of steps 27-29 that the
+    uninterrupted run skipped: another sha256. The issue's own command."""
+    F = ["--steps", "30", "--batch", "32", "--dp", "2", "--checkpoint-every", "4",
+         "--max-restarts", "2", "--spike", "skip", "--every", "100"]
+    code, whole = _run(F + ["--checkpoint-dir", str(tmp_path / "a")], capfd)
+    assert code == 0 and "spike at step 27" in whole, whole
+    code, cut = _run(F + ["--checkpoint-dir", str(tmp_path / "b"), "--inject",
+                          "sigkill:rank=1:step=25"], capfd)
+    assert code == 0 and "recovery: attempt 0 failed" in cut, cut
+    assert re.findall(r"^spike at .*$", cut, re.M) == re.findall(r"^spike at .*$", whole, re.M)
+    assert _digest(cut) == _digest(whole)
+
+
+def test_a_storage_failure_is_not_retried_and_is_one_line(capsys):
+    """Finding 7: a full disk spent every --max-restarts attempt and printed 38 lines."""
+    from minidist.reliability import recovery
+    from minidist.runtime import RankFailure
+    text = ("CheckpointStorageError: [rank 0/2] saving step 4 into ck: No space left on "
+            "device; a restart cannot fix this: free space on that disk, then run again "
+            "(the latest checkpoint is still step 2)")
+    attempts, lines = [], []
+
+    def attempt(k):
+        attempts.append(k)
+        raise RankFailure("rank 0 of 2 failed; the other ranks were stopped.\n  " + text,
+                          0, {0: text + "\n  (raised in save)"})
+    with pytest.raises(RankFailure) as info:
+        recovery.supervise(attempt, max_restarts=3, policy=None, log=lines.append)
+    assert attempts == [0] and "a restart cannot fix: not restarting" in lines[-1], lines
+    assert train_cli._rank_failed(info.value) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: " + text], err
 
 
 @pytest.mark.parametrize("spec, why", [

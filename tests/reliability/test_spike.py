@@ -127,3 +127,19 @@ def test_the_policies_in_a_run_with_an_injected_nan(tmp_path, capfd):
 def test_rollback_needs_checkpoints_and_a_restart(capsys):
     assert train.main(TINY + ["--spike", "rollback"]) == 2
     assert "--spike rollback restarts from a checkpoint" in capsys.readouterr().err
+
+
+def test_the_guard_s_state_round_trips_through_json_exactly():
+    """What a checkpoint keeps (recovery.RankCheckpoints): a guard restored from it judges
+    the next steps exactly as the one it was taken from."""
+    import json
+    from minidist.reliability.spike import Guard
+    a = Guard("skip", lambda line: None)
+    for i in range(15):
+        a.detector.accept(2.0 - 0.1 * i + 1e-3 * (i % 3), 1.0 + 0.01 * i)
+    a.skipped = [4, 9]
+    b = Guard("skip", lambda line: None)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict() and b.skipped == [4, 9]
+    for loss, norm in [(0.6, 1.2), (5.0, 1.2), (0.6, 9.0)]:
+        assert b.detector.check(loss, norm) == a.detector.check(loss, norm)

@@ -278,3 +278,20 @@ def test_zero_2_and_3_name_the_slow_rank_though_they_wait_inside_the_backward(ze
     fast, slowed = (runs[r][0].timing for r in (0, 1))
     assert fast["comm_wait"][-1] > 0.04 > fast["compute"][-1], fast      # rank 0 waited
     assert slowed["compute"][-1] > 0.05, slowed
+
+
+def test_the_straggler_state_round_trips_through_json():
+    """What a checkpoint keeps: the detector's streaks, the balancer's rows and window."""
+    import json
+    from minidist.reliability.straggler import Balancer, Detector
+    d, b = Detector(), Balancer(2, 16, 2, every=3)
+    d.observe([0.1, 0.5])
+    b.observe([0.1, 0.3])
+    b.rows = (6, 10)
+    d2, b2 = Detector(), Balancer(2, 16, 2, every=3)
+    d2.load_state_dict(json.loads(json.dumps(d.state_dict())))
+    b2.load_state_dict(json.loads(json.dumps(b.state_dict())))
+    assert d2.streak == d.streak and b2.rows == (6, 10)
+    assert [(r, t.tolist()) for r, t in b2.window] == [(r, t.tolist()) for r, t in b.window]
+    assert b2.observe([0.1, 0.3]) == b.observe([0.1, 0.3])
+    assert b2.observe([0.1, 0.3]) == b.observe([0.1, 0.3]) and b2.rows == b.rows

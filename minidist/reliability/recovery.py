@@ -272,6 +272,11 @@ def options(a, world_size: int, pp: int = 1) -> Resilience:
         a.checkpoint_dir, a.checkpoint_every, a.keep, a.resume, a.async_checkpoint)
     if policy is not None:
         check_root(policy.root)
+    if getattr(a, "precision", "fp32") != "fp32" and (a.max_restarts > 0 or a.elastic):
+        raise ValueError(f"--precision {a.precision} with --max-restarts or --elastic: "
+                         f"resuming under mixed precision is not built (a checkpoint holds "
+                         f"the rounded model copy, not the fp32 master weights and the loss "
+                         f"scale); train with --precision fp32 to restart from checkpoints")
     for f in injected:
         if f.step >= a.steps:
             raise ValueError(f"--inject {f}: step {f.step} is not run (--steps {a.steps})")
@@ -360,6 +365,11 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
     def attempt(k: int):
         layout, stop = (plan, a.steps) if elastic is None else (elastic.plan, elastic.stop)
         state, note = (None, "") if r.policy is None else r.policy.start()
+        if state is not None and getattr(a, "precision", "fp32") != "fp32":
+            raise ValueError(f"--checkpoint-dir {r.policy.root} holds a checkpoint of step "
+                             f"{state.step}, and resuming under --precision {a.precision} is "
+                             f"not built (it holds no fp32 master weights); give a new "
+                             f"--checkpoint-dir or train with --precision fp32")
         if state is not None and state.extra.get("run") != config:
             raise ValueError(f"--checkpoint-dir {r.policy.root} holds a checkpoint of another "
                              f"run: {differences(state.extra.get('run'), config)}. Give a new "

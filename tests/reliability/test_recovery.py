@@ -117,6 +117,20 @@ def test_a_directory_of_corrupt_checkpoints_is_one_line(tmp_path, capsys):
     assert "step00000009: " in err[0] and "not a valid manifest" in err[0], err
 
 
+def test_restarting_under_mixed_precision_is_refused_in_one_line(tmp_path, capsys):
+    """Resuming a reduced-precision run is not built (no fp32 master weights in the
+    checkpoint): refused before any rank starts, not as a traceback after the restart."""
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"]
+    assert train.main(LAYOUTS["dp2"] + TINY[:-4] + ck + ["--precision", "bf16",
+                                                         "--max-restarts", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "resuming under mixed precision is not built" in err[0], err
+    assert _run(LAYOUTS["dp2"] + TINY[:-4] + ck + ["--precision", "bf16"], capsys)[0] == 0
+    assert train.main(LAYOUTS["dp2"] + TINY[:-4] + ck + ["--precision", "bf16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a checkpoint of step 9" in err[0], err
+
+
 def test_a_fault_inside_an_async_save_is_refused_as_it_could_not_fire(tmp_path, capsys):
     """Finding 5: --inject ...:point=save was accepted with --async-checkpoint and never
     fired."""

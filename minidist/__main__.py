@@ -12,7 +12,8 @@
     python -m minidist report RUN_DIR                 a run directory's summary (and plots)
     python -m minidist roofline [--model tiny]        every op of a step on the H200's roofs
                                                       and this CPU's (measured)
-    python -m minidist gpu check                      the GPU path on a GPU (a few minutes)
+    python -m minidist gpu check [--dry-run]          the GPU path on a GPU (a few minutes;
+                                                     exit 3: no GPU, 4: CuPy without CUDA)
     python -m minidist cluster simulate --policy fifo|easy|sjf|fair|las|all [--real]
                                                      a GPU cluster's job scheduler
     python -m minidist --help | --version            this text | the version

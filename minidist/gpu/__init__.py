@@ -11,6 +11,9 @@ Reading order:
                       with ThreadSanitizer and AddressSanitizer builds, and the checks
                       of every kernel against its twin (cases.py)
     hierarchy.py      the SGEMM ladder and the memory-hierarchy sweeps
+    timing.py         K calls between one CUDA event pair, queued behind a hold kernel
     compile_gate.py   every kernel compiled for sm_90: registers, shared memory, spills
-    check.py          `python -m minidist gpu check`: all of it on a real GPU
+    standin.py        a stand-in GPU for the CPU tests: NumPy for CuPy, every launch checked
+    check.py          `python -m minidist gpu check`: all of it on a real GPU (--dry-run:
+                      on the stand-in)
 """

@@ -16,8 +16,9 @@ gate also keeps them in a checked-in table, gpu/kernels/resources.json. A change
 in review as a diff of that table, instead of as a surprise on the GPU.
 
 One run's view (`gate`):
-    1. list gpu/kernels/*.cu; compile each with nvcc for sm_90, two at a time (one per
-       core), each result cached under a hash of (nvcc version, flags, source)
+    1. list gpu/kernels/*.cu; compile each with nvcc for sm_90 and CuPy's flags (-ftz=true,
+       --std=c++17: CUPY_FLAGS), two at a time (one per core), each result cached under a
+       hash of (nvcc version, flags, source)
     2. parse ptxas' report: per entry function, registers, smem bytes, stack, spills
     3. when CuPy imports, compile each file again with NVRTC (CuPy's private
        `cupy.cuda.compiler._NVRTCProgram`, the only NVRTC path that needs no device), the
@@ -51,7 +52,11 @@ from pathlib import Path
 KERNELS = Path(__file__).resolve().parent / "kernels"
 TABLE = KERNELS / "resources.json"
 ARCH = "sm_90"
-FLAGS = ("-arch=" + ARCH, "--ptxas-options=-v", "-cubin")
+# CuPy's RawModule compiles with NVRTC and appends -ftz=true to every compile
+# (cupy/cuda/compiler.py, _compile_with_cache_cuda); fused.CupyDevice passes --std=c++17.
+# The gate compiles with the same two, so its registers are the ones the GPU run gets.
+CUPY_FLAGS = ("-ftz=true", "--std=c++17")
+FLAGS = ("-arch=" + ARCH, "--ptxas-options=-v", "-cubin") + CUPY_FLAGS
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
@@ -176,7 +181,7 @@ def nvrtc_errors(files: list[Path]) -> tuple[list[str], str]:
     for path in files:
         try:
             program = compiler._NVRTCProgram(path.read_text(), name=path.name, method="cubin")
-            program.compile(("-arch=" + ARCH, "--std=c++17"))
+            program.compile(("-arch=" + ARCH,) + CUPY_FLAGS)
         except Exception as e:                 # CompileException carries NVRTC's log
             errors.append(f"{path.name}: NVRTC cannot compile it for {ARCH}: {e}")
     return errors, ""

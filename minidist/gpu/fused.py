@@ -35,11 +35,12 @@ import numpy as np
 
 from minidist import backend
 from minidist.gpu.emulate.runner import LaunchRecord, dims3
-from minidist.gpu.emulate.source import Kernel, Param, kernel_path, read_kernels
+from minidist.gpu.emulate.source import Param, kernel_path, read_kernels
 
 MAX_BLOCKS = 1024            # grid cap: kernels stride over rows / elements past it
 MAX_PARTIALS = 256           # rows of partial sums in two-stage column reductions
 FA_MAX_D, FA_MAX_BLOCK = 64, 256     # flash_attention.cu: registers per thread
+MAX_GRID_Y = 65535                   # CUDA's limit on gridDim.y (and z)
 
 
 class Device(Protocol):
@@ -57,18 +58,28 @@ class Device(Protocol):
 
 
 class CupyDevice:
-    """The Device on a CUDA GPU through CuPy (NVRTC compiles each .cu file once)."""
+    """The Device on a CUDA GPU through CuPy (NVRTC compiles each .cu file once).
 
-    def __init__(self) -> None:
-        problem = backend.gpu_problem()
-        if problem is not None:
-            raise RuntimeError(
-                f"CupyDevice: the fused GPU path needs CuPy and a CUDA device: {problem}. "
-                "Install the 'gpu' extra on a GPU machine, or run the same kernels on the CPU "
-                "with minidist.gpu.emulate.runner.Emulator().")
-        import cupy
-        self.cp, self.launches = cupy, []
-        self._modules: dict[Path, tuple[Any, dict[str, Kernel]]] = {}
+    Per (file, kernel) the compiled function and its parameter list are looked up once and
+    kept, so a launch costs the argument casts and CuPy's own call, not a lookup. `cp` may
+    be gpu/standin.StandIn, which stands in for CuPy in the CPU tests and `--dry-run`.
+    """
+
+    OPTIONS = ("--std=c++17",)       # NVRTC flags; CuPy adds -ftz=true (compile_gate.py)
+
+    def __init__(self, cp: Any = None) -> None:
+        if cp is None:
+            problem = backend.gpu_problem()
+            if problem is not None:
+                raise RuntimeError(
+                    f"CupyDevice: the fused GPU path needs CuPy and a CUDA device: {problem}. "
+                    "Install the 'gpu' extra on a GPU machine, or run the same kernels on the "
+                    "CPU with minidist.gpu.emulate.runner.Emulator().")
+            import cupy as cp
+        self.cp, self.launches = cp, []
+        self._modules: dict[Path, Any] = {}
+        self._paths: dict[str, Path] = {}
+        self._functions: dict[tuple[Path, str], tuple[Any, tuple[Param, ...]]] = {}
 
     def empty(self, shape: Any, dtype: Any = np.float32) -> Any:
         return self.cp.empty(shape, dtype)
@@ -80,32 +91,55 @@ class CupyDevice:
         return self.cp.ascontiguousarray(self.cp.asarray(a, dtype))
 
     def address(self, a: Any) -> int:
-        return int(a.data.ptr)
+        return int(a.data.ptr) if hasattr(a, "data") and hasattr(a.data, "ptr") \
+            else int(a.ctypes.data)
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return self.cp.asnumpy(a)
 
+    def synchronize(self) -> None:
+        """Wait for every launch so far; an asynchronous CUDA error surfaces here."""
+        self.cp.cuda.Device().synchronize()
+
+    def function(self, cu: str | Path, kernel: str) -> tuple[Any, tuple[Param, ...]]:
+        """(the compiled kernel, its parameters) of file cu, compiled and looked up once."""
+        path = self._paths.get(str(cu))
+        if path is None:
+            path = self._paths[str(cu)] = kernel_path(cu)
+        key = (path, kernel)
+        if key not in self._functions:
+            if path not in self._modules:
+                self._modules[path] = self.cp.RawModule(code=path.read_text(),
+                                                        options=self.OPTIONS)
+            kernels = read_kernels(path)
+            if kernel not in kernels:
+                raise ValueError(f"{path.name} has no kernel {kernel!r}; it has "
+                                 f"{sorted(kernels)}.")
+            self._functions[key] = (self._modules[path].get_function(kernel),
+                                    kernels[kernel].params)
+        return self._functions[key]
+
     def launch(self, cu: str | Path, kernel: str, grid: Any, block: Any,
                args: Sequence[Any], shared_bytes: int = 0) -> None:
         """Launch `kernel` of file `cu` on the current device (same arguments as Emulator)."""
-        path = kernel_path(cu)
-        if path not in self._modules:
-            self._modules[path] = (self.cp.RawModule(code=path.read_text()), read_kernels(path))
-        module, kernels = self._modules[path]
-        params = kernels[kernel].params
+        fn, params = self.function(cu, kernel)
         if len(args) != len(params):
             raise ValueError(f"{kernel} takes {len(params)} arguments; got {len(args)}.")
-        fn = module.get_function(kernel)
-        if shared_bytes > 48 * 1024:                    # above 48 KiB is opt-in per kernel
-            fn.max_dynamic_shared_size_bytes = shared_bytes
+        if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
+            fn.max_dynamic_shared_size_bytes = shared_bytes   # above 48 KiB is opt-in
         g, b = dims3(grid, "grid"), dims3(block, "block")
         fn(g, b, tuple(self._arg(p, a, kernel) for p, a in zip(params, args)),
            shared_mem=shared_bytes)
-        self.launches.append(LaunchRecord(path.name, kernel, g, b, shared_bytes))
+        self.launches.append(LaunchRecord(Path(str(cu)).name, kernel, g, b, shared_bytes))
 
     def _arg(self, p: Param, a: Any, kernel: str) -> Any:
         if p.pointer == 0:
-            return np.dtype(p.dtype).type(a)
+            t = np.dtype(p.dtype)
+            if t.kind in "iu" and not np.iinfo(t).min <= int(a) <= np.iinfo(t).max:
+                raise ValueError(f"{kernel}: argument {p.name!r} = {int(a)} does not fit the "
+                                 f"kernel's {p.ctype} ({t}); the kernel would see a wrapped "
+                                 "value. Split the work or widen the parameter.")
+            return t.type(a)
         if a is None:
             return np.uint64(0)
         if not isinstance(a, self.cp.ndarray) or a.dtype != np.dtype(p.dtype) \
@@ -144,7 +178,10 @@ def rows_of(x: Any, op: str) -> tuple[int, int]:
 
 def ce_setup(dev: Device, targets: Any, V: int, reduction: str,
              ignore_index: int) -> tuple[int, float]:
-    """(count of counted rows, dloss = dL/dloss_n) for cross-entropy; checks the targets."""
+    """(count of counted rows, dloss = dL/dloss_n) for cross-entropy; checks the targets.
+
+    It copies the targets to the host (the GPU waits for it): call it once per batch of
+    targets and hand `count` to cross_entropy, not inside a timed or hot loop."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"cross_entropy: reduction={reduction!r}; use 'mean' or 'sum'.")
     t = dev.to_numpy(targets)
@@ -156,7 +193,23 @@ def ce_setup(dev: Device, targets: Any, V: int, reduction: str,
         raise ValueError(f"cross_entropy: target {int(bad[0])} is outside [0, {V}) and is not "
                          f"ignore_index={ignore_index}.")
     count = int((t != ignore_index).sum())
-    return count, (1.0 / max(count, 1) if reduction == "mean" else 1.0)
+    return count, ce_dloss(count, reduction)
+
+
+def ce_dloss(count: int, reduction: str) -> float:
+    """dL/dloss_n: 1/count for a mean over the counted rows, 1 for a sum."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"cross_entropy: reduction={reduction!r}; use 'mean' or 'sum'.")
+    return 1.0 / max(count, 1) if reduction == "mean" else 1.0
+
+
+def check_aligned(dev: Device, op: str, **arrays: Any) -> None:
+    """A ValueError unless every array starts on a 16-byte boundary (float4 loads)."""
+    for name, a in arrays.items():
+        if dev.address(a) % 16:
+            raise ValueError(f"{op}: {name} starts at an address that is not a multiple of 16 "
+                             "bytes, and the kernel loads float4s; pass a whole array (or a "
+                             "view starting at a multiple of 4 floats).")
 
 
 # ---- the fused ops ----
@@ -234,41 +287,64 @@ def softmax_backward(dev: Device, dy: Any, y: Any, scale: float, *, block: int =
 
 
 def cross_entropy(dev: Device, logits: Any, targets: Any, *, reduction: str = "mean",
-                  ignore_index: int = -100, block: int = 128,
-                  blocks: int | None = None) -> tuple[Any, Any]:
-    """(loss, per-row losses); the logits (N, V) are overwritten with d loss / d logits."""
+                  ignore_index: int = -100, block: int = 128, blocks: int | None = None,
+                  count: int | None = None) -> tuple[Any, Any]:
+    """(loss, per-row losses); the logits (N, V) are overwritten with d loss / d logits.
+
+    count: the rows whose target is not ignore_index, from ce_setup; without it the targets
+    are checked and counted here, which copies them to the host."""
     N, V = rows_of(logits, "cross_entropy")
     check_block(block, "cross_entropy")
-    count, dloss = ce_setup(dev, targets, V, reduction, ignore_index)
+    if count is None:
+        count, dloss = ce_setup(dev, targets, V, reduction, ignore_index)
+    else:
+        dloss = ce_dloss(count, reduction)
     losses = dev.empty((N,))
     dev.launch("cross_entropy.cu", "cross_entropy_forward_backward", blocks or grid_for(N),
                block, (logits, targets, losses, N, V, dloss, ignore_index))
     return losses.sum() * (1.0 / max(count, 1) if reduction == "mean" else 1.0), losses
 
 
+class ChunkTable:
+    """The device tables of one adamw_multi_tensor launch: the four arrays' addresses per
+    tensor, (n_chunks, 3) int64 rows (tensor, start, count), built on the host and copied
+    once. A table is for the arrays it was built from: build it once, step many times."""
+
+    def __init__(self, dev: Device, params: Sequence[Any], grads: Sequence[Any],
+                 ms: Sequence[Any], vs: Sequence[Any], chunk: int = 4096) -> None:
+        if chunk < 1:
+            raise ValueError(f"adamw_multi_tensor: chunk={chunk} must be >= 1.")
+        rows = []
+        for i, group in enumerate(zip(params, grads, ms, vs)):
+            for a, name in zip(group, "pgmv"):
+                rows_of(a, f"adamw_multi_tensor ({name} of tensor {i})")
+                if a.size != group[0].size:
+                    raise ValueError(f"adamw_multi_tensor: tensor {i}: {name} has {a.size} "
+                                     f"elements, the parameter {group[0].size}.")
+            rows += [(i, s, min(chunk, group[0].size - s))
+                     for s in range(0, group[0].size, chunk)]
+        self.n_chunks, self.chunk = len(rows), chunk
+        self.tables = [dev.asarray(np.array([dev.address(a) for a in arrays], np.uint64))
+                       for arrays in (params, grads, ms, vs)]
+        self.chunks = dev.asarray(np.array(rows, np.int64).reshape(-1, 3))
+
+
 def adamw_multi_tensor(dev: Device, params: Sequence[Any], grads: Sequence[Any],
                        ms: Sequence[Any], vs: Sequence[Any], *, lr: float, b1: float,
                        b2: float, eps: float, wd: float, t: int, block: int = 256,
-                       chunk: int = 4096, blocks: int | None = None) -> None:
-    """One AdamW step on every tensor, in place, in one launch over a table of chunks."""
-    if t < 1 or chunk < 1:
-        raise ValueError(f"adamw_multi_tensor: step t={t} and chunk={chunk} must be >= 1.")
+                       chunk: int = 4096, blocks: int | None = None,
+                       table: ChunkTable | None = None) -> None:
+    """One AdamW step on every tensor, in place, in one launch over a table of chunks
+    (`table`, built here when not given: pass one to step the same tensors again)."""
+    if t < 1:
+        raise ValueError(f"adamw_multi_tensor: step t={t} must be >= 1.")
     check_block(block, "adamw_multi_tensor", warp_multiple=False)
-    rows = []
-    for i, group in enumerate(zip(params, grads, ms, vs)):
-        for a, name in zip(group, "pgmv"):
-            rows_of(a, f"adamw_multi_tensor ({name} of tensor {i})")
-            if a.size != group[0].size:
-                raise ValueError(f"adamw_multi_tensor: tensor {i}: {name} has {a.size} "
-                                 f"elements, the parameter {group[0].size}.")
-        rows += [(i, s, min(chunk, group[0].size - s)) for s in range(0, group[0].size, chunk)]
-    if not rows:
+    table = table or ChunkTable(dev, params, grads, ms, vs, chunk)
+    if not table.n_chunks:
         return
-    tables = [dev.asarray(np.array([dev.address(a) for a in arrays], np.uint64))
-              for arrays in (params, grads, ms, vs)]
-    chunks = dev.asarray(np.array(rows, np.int64))          # (n_chunks, 3)
-    dev.launch("adamw.cu", "adamw_multi_tensor", blocks or grid_for(len(rows)), block,
-               (*tables, chunks, len(rows), lr, b1, b2, eps, wd, 1.0 - b1 ** t, 1.0 - b2 ** t))
+    dev.launch("adamw.cu", "adamw_multi_tensor", blocks or grid_for(table.n_chunks), block,
+               (*table.tables, table.chunks, table.n_chunks, lr, b1, b2, eps, wd,
+                1.0 - b1 ** t, 1.0 - b2 ** t))
 
 
 def flash_attention_forward(dev: Device, q: Any, k: Any, v: Any, *, causal: bool = True,
@@ -282,6 +358,9 @@ def flash_attention_forward(dev: Device, q: Any, k: Any, v: Any, *, causal: bool
                          "keeps a row of q and of o in registers).")
     check_block(block, "flash_attention_forward", warp_multiple=False, most=FA_MAX_BLOCK)
     BH = q.size // (T * D) if T else 0
+    if BH > MAX_GRID_Y:
+        raise ValueError(f"flash_attention_forward: {BH} heads (B x H) exceed the grid's y "
+                         f"limit of {MAX_GRID_Y} (one block row per head); split the batch.")
     o, lse = dev.empty(q.shape), dev.empty(q.shape[:-1])
     scale = D ** -0.5 if scale is None else scale
     grid = (grid_for(T, block, cap=2**31 - 1), max(BH, 1))      # (query blocks, heads)

@@ -49,6 +49,7 @@ import numpy as np
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 WORKING_SETS = tuple(16 * KB << i for i in range(17))      # 16 KB, 32 KB, ..., 1 GB
 CHASE_STRIDE = 32                  # uint32 slots between two chase targets: one 128-byte line
+CONTINUE = 0xFFFFFFFF              # pointer_chase's start: go on from where the last run ended
 
 
 def cdiv(a: int, b: int) -> int:
@@ -210,6 +211,8 @@ def read_reference(x: np.ndarray, total: int, threads: int) -> np.ndarray:
 
 
 # --- on a GPU (CuPy and a device): the same kernels, timed. Nothing below runs without one ---
+# Each function takes a Device with `.cp` (fused.CupyDevice, on CuPy or gpu/standin.StandIn)
+# and a timing.Timer; without them it makes both on this machine's GPU.
 
 def gpu() -> tuple[object | None, str]:
     """(a fused.CupyDevice, "") when CuPy sees a CUDA device; else (None, why, in words)."""
@@ -221,78 +224,115 @@ def gpu() -> tuple[object | None, str]:
     return CupyDevice(), ""
 
 
-def _best_ms(cp, fn, repeats: int) -> float:
-    """The fastest of `repeats` runs of fn() in milliseconds (CUDA events), after a warm-up."""
-    fn()
-    start, end, best = cp.cuda.Event(), cp.cuda.Event(), float("inf")
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, cp.cuda.get_elapsed_time(start, end))
-    return best
-
-
-def _device(what: str):
-    dev, why = gpu()
+def _device(what: str, dev=None, timer=None):
+    """(dev, its cp, a Timer): the ones given, else this machine's GPU."""
     if dev is None:
-        raise RuntimeError(f"{what} needs a GPU: {why}")
-    return dev, dev.cp
+        dev, why = gpu()
+        if dev is None:
+            raise RuntimeError(f"{what} needs a GPU: {why}")
+    if timer is None:
+        from minidist.gpu.timing import Timer
+        timer = Timer(dev, calls=3, repeats=3)
+    return dev, dev.cp, timer
 
 
-def gpu_ladder(n: int = 4096, rungs=LADDER, repeats: int = 3) -> list[tuple[str, float, float]]:
+class ResultError(RuntimeError):
+    """A hierarchy kernel returned a wrong result: its timing would mean nothing."""
+
+
+def gpu_ladder(n: int = 4096, rungs=LADDER, dev=None, timer=None) -> list[tuple[str, float,
+                                                                                  float]]:
     """[(label, GFLOP/s, relative error vs cupy.matmul)] for each rung at n^3, cuBLAS last.
 
-    CuPy's matmul runs in plain FP32 unless CUPY_TF32=1 is set: leave it unset.
+    check_shape first (the float4 rungs need n % 4 == 0 and 16-byte aligned A, B, C: CuPy's
+    allocations start at 256-byte boundaries). CuPy's matmul runs in plain FP32 unless
+    CUPY_TF32=1 is set: leave it unset. Each rung's C is checked after its timed runs.
     """
-    dev, cp = _device("gpu_ladder")
-    cp.random.seed(0)
-    A = cp.random.standard_normal((n, n), dtype=cp.float32)
-    B = cp.random.standard_normal((n, n), dtype=cp.float32)
+    dev, cp, timer = _device("gpu_ladder", dev, timer)
+    rng = cp.random.default_rng(0)
+    A = rng.standard_normal((n, n), dtype=cp.float32)
+    B = rng.standard_normal((n, n), dtype=cp.float32)
     ref = cp.matmul(A, B)
+    scale = float(cp.abs(ref).max())
     rows = []
     for r in rungs:
+        check_shape(r, n, n, n)
         C = cp.zeros((n, n), cp.float32)
+        if r.vector:
+            for name, a in (("A", A), ("B", B), ("C", C)):
+                if dev.address(a) % 16:
+                    raise ValueError(f"{r.kernel} loads float4s: {name} must start on a "
+                                     "16-byte boundary")
         grid, block = r.dims(n, n)
-        ms = _best_ms(cp, lambda: dev.launch(r.file, r.kernel, grid, block,
-                                             sgemm_args(n, n, n, 1.0, A, B, 0.0, C)), repeats)
-        err = float(cp.abs(C - ref).max() / cp.abs(ref).max())
+        args = sgemm_args(n, n, n, 1.0, A, B, 0.0, C)
+        ms = timer.ms(lambda: dev.launch(r.file, r.kernel, grid, block, args))
+        err = float(cp.abs(C - ref).max()) / scale
         rows.append((f"{r.step} {r.name} ({r.kernel})", 2 * n ** 3 / ms / 1e6, err))
-    ms = _best_ms(cp, lambda: cp.matmul(A, B), repeats)
+    ms = timer.ms(lambda: cp.matmul(A, B))
     return rows + [("cuBLAS (cupy.matmul, FP32)", 2 * n ** 3 / ms / 1e6, 0.0)]
 
 
-def gpu_latency(sizes=WORKING_SETS, hops: int = 1 << 17) -> list[tuple[int, float]]:
-    """[(working set bytes, ns per dependent load)]: pointer_chase.cu over one random cycle."""
-    dev, cp = _device("gpu_latency")
-    out, rows = cp.zeros(1, cp.uint32), []
-    cp.random.seed(0)
+def gpu_latency(sizes=WORKING_SETS, hops: int = 1 << 17, dev=None, timer=None,
+                seed: int = 0) -> list[tuple[int, float]]:
+    """[(working set bytes, ns per dependent load)]: pointer_chase.cu over one random cycle.
+
+    Every launch starts where the one before it ended (start = CONTINUE: the kernel reads
+    it from `out`, so no host copy sits between runs), so the warm-up and the timed runs
+    walk on round the cycle instead of replaying the same first `hops` slots: a line comes
+    back only after every other slot of the set was visited, and a set larger than the L2
+    is served from HBM, not from lines an earlier run left in L2. After the runs, the end
+    slot is checked against the same walk on the host's copy of the cycle (ResultError).
+    """
+    dev, cp, timer = _device("gpu_latency", dev, timer)
+    rng = np.random.default_rng(seed)
+    rows = []
     for size in sizes:
         slots = max(size // (4 * CHASE_STRIDE), 2)
-        order = cp.random.permutation(slots).astype(cp.int64)
+        order = rng.permutation(slots).astype(np.int64)             # the cycle, on the host
+        d_order = cp.asarray(order)
         nxt = cp.zeros(slots * CHASE_STRIDE, cp.uint32)
-        nxt[order * CHASE_STRIDE] = (cp.roll(order, -1) * CHASE_STRIDE).astype(cp.uint32)
-        ms = _best_ms(cp, lambda: dev.launch("pointer_chase.cu", "pointer_chase", (1,), (1,),
-                                             (nxt, hops, 0, out)), 2)
+        nxt[d_order * CHASE_STRIDE] = (cp.roll(d_order, -1) * CHASE_STRIDE).astype(cp.uint32)
+        out, runs = cp.zeros(1, cp.uint32), [0]                     # start at slot 0
+
+        def chase():
+            dev.launch("pointer_chase.cu", "pointer_chase", 1, 1, (nxt, hops, CONTINUE, out))
+            runs[0] += 1
+        ms = timer.ms(chase, calls=1)
+        end = int(cp.asnumpy(out)[0])
+        here = int(np.flatnonzero(order == 0)[0])                   # slot 0's place in order
+        want = int(order[(here + runs[0] * hops) % slots]) * CHASE_STRIDE
+        if end != want:
+            raise ResultError(f"pointer_chase over {size} B ended at index {end} after "
+                              f"{runs[0]} x {hops} hops; the host's walk of the same cycle "
+                              f"ends at {want}")
         rows.append((size, ms * 1e6 / hops))
     return rows
 
 
-def gpu_bandwidth(sizes=WORKING_SETS, loads: int = 1 << 27) -> list[tuple[int, float]]:
+def gpu_bandwidth(sizes=WORKING_SETS, loads: int = 1 << 27, dev=None,
+                  timer=None) -> list[tuple[int, float]]:
     """[(working set bytes, GB/s)]: bandwidth_read.cu streaming `loads` float4s over each set;
-    the last row is bandwidth_copy over the largest set (bytes read + written per second)."""
-    dev, cp = _device("gpu_bandwidth")
+    the last row is bandwidth_copy over the largest set (bytes read + written per second).
+    Results are checked: over x = 1 the per-thread sums add up to 4 x the loads made, and
+    the copy equals its source (ResultError otherwise)."""
+    dev, cp, timer = _device("gpu_bandwidth", dev, timer)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     grid, block = (8 * sms,), (256,)
     out, rows = cp.zeros(8 * sms * 256, cp.float32), []
     for size in sizes:
         x = cp.ones(size // 4, cp.float32)
         total = max(loads, size // 16)
-        ms = _best_ms(cp, lambda: dev.launch("bandwidth.cu", "bandwidth_read", grid, block,
-                                             (x, size // 16 - 1, total, out)), 3)
+        ms = timer.ms(lambda: dev.launch("bandwidth.cu", "bandwidth_read", grid, block,
+                                         (x, size // 16 - 1, total, out)))
+        got = float(cp.asnumpy(out).astype(np.float64).sum())
+        if got != 4.0 * total:
+            raise ResultError(f"bandwidth_read over {size} B: the threads' sums add up to "
+                              f"{got:.0f}, not 4 x {total} loads")
         rows.append((size, 16 * total / ms / 1e6))
-    src, dst = cp.ones(sizes[-1] // 4, cp.float32), cp.empty(sizes[-1] // 4, cp.float32)
-    ms = _best_ms(cp, lambda: dev.launch("bandwidth.cu", "bandwidth_copy", grid, block,
-                                         (src, dst, sizes[-1] // 16)), 3)
+    src = cp.arange(sizes[-1] // 4, dtype=cp.float32)
+    dst = cp.zeros(sizes[-1] // 4, cp.float32)
+    ms = timer.ms(lambda: dev.launch("bandwidth.cu", "bandwidth_copy", grid, block,
+                                     (src, dst, sizes[-1] // 16)))
+    if not bool(cp.array_equal(src, dst)):
+        raise ResultError(f"bandwidth_copy over {sizes[-1]} B: dst differs from src")
     return rows + [(sizes[-1], 2 * sizes[-1] / ms / 1e6)]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from minidist.gpu.fused import Device, ce_setup, check_block, grid_for, rows_of
+from minidist.gpu.fused import Device, ce_dloss, ce_setup, check_block, grid_for, rows_of
 
 U = "unfused.cu"
 
@@ -120,10 +120,16 @@ def softmax_backward(dev: Device, dy: Any, y: Any, scale: float, *, block: int =
 
 
 def cross_entropy(dev: Device, logits: Any, targets: Any, *, reduction: str = "mean",
-                  ignore_index: int = -100, block: int = 128) -> tuple[Any, Any, Any]:
-    """(loss, losses, dlogits) by row_max, exp_sub, row_sum, ce_loss, ce_grad; logits kept."""
+                  ignore_index: int = -100, block: int = 128,
+                  count: int | None = None) -> tuple[Any, Any, Any]:
+    """(loss, losses, dlogits) by row_max, exp_sub, row_sum, ce_loss, ce_grad; logits kept.
+    count: as fused.cross_entropy (from ce_setup; without it the targets are copied to the
+    host and counted here)."""
     N, V = rows_of(logits, "unfused cross_entropy")
-    count, dloss = ce_setup(dev, targets, V, reduction, ignore_index)
+    if count is None:
+        count, dloss = ce_setup(dev, targets, V, reduction, ignore_index)
+    else:
+        dloss = ce_dloss(count, reduction)
     m, total, losses = dev.empty((N,)), dev.empty((N,)), dev.empty((N,))
     e, dz = dev.empty(logits.shape), dev.empty(logits.shape)
     dev.launch(U, "row_max", grid_for(N, block), block, (logits, m, N, V))

@@ -159,3 +159,14 @@ def test_ladder_on_a_gpu_matches_cublas():
     rows = h.gpu_ladder(n=512, repeats=1)
     assert len(rows) == 8 and all(gflops > 0 for _, gflops, _ in rows)
     assert all(err <= TOL for _, _, err in rows), rows
+
+
+def test_pointer_chase_continues_where_the_last_run_ended(emu):
+    """start = CONTINUE: the kernel starts from out[0], so two runs of 30 hops end where one
+    walk of 60 does (the host never copies the end slot between runs)."""
+    nxt = h.chase_cycle(slots=50, stride=4, seed=2)
+    out = np.array([8], np.uint32)
+    for _ in range(2):
+        emu.launch("pointer_chase.cu", "pointer_chase", grid=(1,), block=(1,),
+                   args=(nxt, 30, h.CONTINUE, out))
+    assert int(out[0]) == h.walk(nxt, 8, 60)

@@ -11,16 +11,22 @@
 // logits are gone afterwards: call it once the forward no longer needs them.
 //
 // One block's view: the block owns rows blockIdx.x, + gridDim.x, ...; for each row
-//   1. thread 0 reads z_t first (the writes in step 4 will overwrite it)
-//   2. block max of z over the threads' columns v = threadIdx.x, + blockDim.x, ... -> m
-//   3. block sum of exp(z_v - m) -> l; thread 0 writes loss_n
-//   4. each thread overwrites its columns with dz_v. The barriers inside the block sum
-//      order every read of the row (steps 1-3) before every write.
+//   1. thread 0 reads z_t first (the writes in step 3 will overwrite it)
+//   2. ONE pass over the thread's columns v = threadIdx.x, + blockDim.x, ... keeps a running
+//      max m_i and a running sum l_i of exp(z_v - m_i), rescaling l_i when the max grows
+//      (the online softmax of Milakov & Gimelshein 2018, arXiv:1805.02867, Alg. 3); then a
+//      block max gives m, and a block sum of l_i exp(m_i - m) gives l; thread 0 writes loss_n
+//   3. each thread overwrites its columns with dz_v. The barriers inside the block
+//      reductions order every read of the row (steps 1-2) before every write.
+// So a row is read twice (the online pass, the gradient pass) and written once; a separate
+// max pass would read it three times, and rows of V ~ 50k floats (200 KB) with ~1000 rows
+// in flight do not stay in L2 between passes.
 //
 // Shapes: logits (N, V) row-major, in: z, out: dz; targets (N,) int32; losses (N,).
 //   blockDim.x a multiple of 32, <= 1024.
 // Memory traffic (compulsory, float32): read z, write dz, read t, write loss:
-//   4 (2NV + 2N) B. The unfused sequence (unfused.cu) also writes and reads exp(z - m).
+//   4 (2NV + 2N) B; issued 4 (3NV + 2N) B (z is read twice). The unfused sequence
+//   (unfused.cu) also writes and reads exp(z - m).
 // Twin: minidist/autograd/fused.py::CrossEntropy, forward and backward (float64).
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -58,12 +64,19 @@ extern "C" __global__ void cross_entropy_forward_backward(float* __restrict__ lo
     const int t = targets[row];
     const bool keep = t != ignore_index;
     const float z_t = (keep && threadIdx.x == 0) ? z[t] : 0.0f;  // before anyone writes
-    float m = neg_inf;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, z[v]);
-    m = block_reduce(m, scratch, true);
-    float l = 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) l += expf(z[v] - m);
-    l = block_reduce(l, scratch, false);
+    float m_i = neg_inf, l_i = 0.0f;  // this thread's running max and sum of exp(z - m_i)
+    for (int v = threadIdx.x; v < V; v += blockDim.x) {
+      const float zv = z[v];
+      if (zv > m_i) {  // a new max: rescale the sum so far (exp(-inf) = 0 on the first)
+        l_i = l_i * expf(m_i - zv) + 1.0f;
+        m_i = zv;
+      } else if (m_i != neg_inf) {  // -inf columns before any finite one add nothing
+        l_i += expf(zv - m_i);       // (expf(-inf - -inf) would be NaN)
+      }
+    }
+    const float m = block_reduce(m_i, scratch, true);
+    // a thread with no columns has l_i = 0 and m_i = -inf: its term is 0 * 0
+    const float l = block_reduce(l_i > 0.0f ? l_i * expf(m_i - m) : 0.0f, scratch, false);
     if (threadIdx.x == 0) losses[row] = keep ? logf(l) + m - z_t : 0.0f;
     const float scale = keep ? dloss / l : 0.0f;
     for (int v = threadIdx.x; v < V; v += blockDim.x)

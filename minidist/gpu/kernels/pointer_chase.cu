@@ -10,7 +10,8 @@
 // sgemm_1 .. sgemm_7 is a sequence of moves from the slow levels to the fast ones.
 //
 // One thread's view (grid (1), block (1); every other thread returns at once):
-//     1. j = start
+//     1. j = start, or *out when start is 0xffffffff (CONTINUE: on from the last run's end,
+//        so that repeated runs walk round the whole cycle instead of replaying its start)
 //     2. repeat hops times: j = next[j]           (one dependent global load per hop)
 //     3. *out = j                                  (the result keeps the loads alive)
 //
@@ -26,7 +27,7 @@
 extern "C" __global__ void pointer_chase(const unsigned int* next, long long hops,
                                          unsigned int start, unsigned int* out) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    unsigned int j = start;
+    unsigned int j = start == 0xffffffffu ? *out : start;  // CONTINUE: where the last run ended
     for (long long h = 0; h < hops; ++h) {
         j = next[j];  // the next address is the value just loaded: no overlap possible
     }

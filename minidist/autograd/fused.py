@@ -159,7 +159,7 @@ class CrossEntropy(Function):
         p /= sums                                                  # softmax (N, V)
         losses = (xp.log(sums[:, 0]) + z_max[:, 0]) - z[rows, t_safe]
         w = keep.astype(z.dtype)                                   # 1 counted, 0 ignored
-        losses *= w
+        losses[~keep] = 0     # not losses *= w: an ignored row's z[0] may be -inf (padding)
         ctx.save_for_backward(p, t_safe, w)
         ctx.reduction, ctx.count = reduction, int(keep.sum())
         if reduction == "none":

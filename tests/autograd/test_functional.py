@@ -184,6 +184,20 @@ def test_cross_entropy_all_ignored_is_zero_with_zero_grad():
     assert loss.item() == 0.0 and np.all(z.grad == 0)
 
 
+def test_cross_entropy_ignored_rows_stay_zero_when_logits_hold_minus_inf():
+    """Masked columns (-inf, as a padded vocabulary's) in an ignored row: its loss was
+    inf * 0 = NaN (the gathered column of an ignored row is column 0, here -inf)."""
+    z = _t(3, 5)
+    z.data[:, 0] = -np.inf
+    t = np.array([2, -100, 4])
+    out = F.cross_entropy(z, t, reduction="none")
+    losses, _ = _cross_entropy_np(np.where(np.isinf(z.data), -1e300, z.data), t, -100)
+    assert out.data[1] == 0.0 and np.isfinite(out.data).all(), out.data
+    assert_close(out.data, losses, atol=1e-14, what="masked columns")
+    F.cross_entropy(z, t).backward()
+    assert np.all(z.grad[:, 0] == 0) and np.isfinite(z.grad).all()
+
+
 def test_cross_entropy_rejects_bad_targets():
     z = _t(2, 3)
     with pytest.raises(ValueError, match="3 classes"):

@@ -32,13 +32,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import time
 from pathlib import Path
 from statistics import mean
 from typing import Any, Iterable
 
+from minidist.observe import run_files
+
 TIME_KEYS = ("step", "compute", "comm_wait", "cpu")
+RANK_FILE = re.compile(r"rank(\d{1,9})\.jsonl", re.ASCII)      # rank 3: rank3.jsonl
 
 
 def line(rank: int, step: int, values: dict[str, Any]) -> dict[str, Any]:
@@ -78,19 +82,49 @@ class MetricsWriter:
 
 def read(folder: str | os.PathLike) -> dict[int, list[dict]]:
     """{rank: its lines in step order} of every rank<r>.jsonl in `folder`. A step written
-    twice (a run resumed from a checkpoint redoes steps) keeps its last line; a last line
-    cut short (the rank was killed while writing) is skipped."""
+    twice (a run resumed from a checkpoint redoes steps) keeps its last line; a line that
+    is not JSON (cut short: the rank was killed while writing it) is skipped.
+
+    The files are read without trusting them (observe/run_files.py: no link followed, at
+    most MAX_METRICS bytes in all) and each line is checked (`check_line`): RunFileError
+    names the file, the line and the field."""
+    folder = Path(folder)
     out = {}
-    for path in sorted(Path(folder).glob("rank*.jsonl")):
+    for name, text in run_files.read_folder(folder, RANK_FILE, run_files.MAX_METRICS,
+                                            "MAX_METRICS allows all metrics files together"):
         by_step = {}
-        for text in path.read_text().splitlines():
+        for n, row in enumerate(text.split("\n"), start=1):
+            where = f"{folder / name} line {n}"
             try:
-                rec = json.loads(text)
+                rec = run_files.parse_json(row, where)
             except json.JSONDecodeError:
-                continue                      # a torn last line
-            by_step[rec["step"]] = rec
-        out[int(path.stem[4:])] = [by_step[s] for s in sorted(by_step)]
+                continue                      # a torn line
+            by_step[check_line(rec, where)["step"]] = rec
+        out[int(RANK_FILE.fullmatch(name)[1])] = [by_step[s] for s in sorted(by_step)]
     return dict(sorted(out.items()))
+
+
+def check_line(rec: Any, where: str) -> dict:
+    """`rec` if it holds what `summarize` and the report take from a line (`line`): an int
+    step, numbers loss, grad_norm and rss_peak, and `_check_numbers`' objects; else
+    RunFileError naming `where` and the field."""
+    run_files.check(rec, "an object", where)
+    run_files.field(rec, "step", "an int", where)
+    for key in ("loss", "grad_norm"):
+        run_files.field(rec, key, "a number", where)
+    return _check_numbers(rec, where)
+
+
+def _check_numbers(rec: dict, where: str, at: str = "") -> dict:
+    """time_s (step, compute, comm_wait, other and any more: numbers), bytes_sent and
+    memory (objects of numbers) and rss_peak (a number), in a line or a rank's summary."""
+    times = run_files.numbers(rec, "time_s", where, at)
+    for key in ("step", "compute", "comm_wait", "other"):
+        run_files.field(times, key, "a number", where, f"{at}.time_s" if at else "time_s")
+    for key in ("bytes_sent", "memory"):
+        run_files.numbers(rec, key, where, at)
+    run_files.field(rec, "rss_peak", "a number", where, at)
+    return rec
 
 
 def summarize(lines: dict[int, list[dict]], tokens_per_step: int | None = None) -> dict:
@@ -107,7 +141,7 @@ def summarize(lines: dict[int, list[dict]], tokens_per_step: int | None = None) 
     for recs in lines.values():
         for rec in recs:
             slowest[rec["step"]] = max(slowest[rec["step"]], rec["time_s"]["step"])
-    first = lines[min(lines)]
+    first = next(recs for _, recs in sorted(lines.items()) if recs)   # the lowest rank's
     wall = sum(slowest.values())
     out = {"steps": len(steps), "first_step": steps[0], "last_step": steps[-1],
            "final_loss": first[-1]["loss"], "losses": [rec["loss"] for rec in first],
@@ -121,11 +155,40 @@ def summarize(lines: dict[int, list[dict]], tokens_per_step: int | None = None) 
 
 def _rank_summary(recs: list[dict]) -> dict:
     """Means per step of one rank's times and bytes; its last memory; its peak RSS."""
-    times = {k: mean(rec["time_s"][k] for rec in recs) for k in recs[0]["time_s"]}
+    keys = [k for k in recs[0]["time_s"] if all(k in rec["time_s"] for rec in recs)]
+    times = {k: mean(rec["time_s"][k] for rec in recs) for k in keys}
     axes = sorted({a for rec in recs for a in rec["bytes_sent"]})
     return {"time_s": times,
             "bytes_sent": {a: mean(rec["bytes_sent"].get(a, 0) for rec in recs) for a in axes},
             "memory": recs[-1]["memory"], "rss_peak": max(rec["rss_peak"] for rec in recs)}
+
+
+def check_summary(s: Any, where: str) -> dict:
+    """`s` if it holds what the report takes from a summary (`summarize`) with the types
+    it has there; else RunFileError naming `where` and the field."""
+    f = run_files.field
+    run_files.check(s, "an object", where)
+    if not f(s, "steps", "an int", where):
+        return s                                  # no step finished: nothing more is read
+    for key in ("first_step", "last_step"):
+        f(s, key, "an int", where)
+    for key in ("final_loss", "step_s_median"):
+        f(s, key, "a number", where)
+    if "tokens_per_s" in s:
+        f(s, "tokens_per_s", "a number or null", where)
+    losses = f(s, "losses", "a list", where)
+    if not losses:
+        raise run_files.RunFileError(f"{where}: losses is empty, expected the loss of each "
+                                     f"of its {s['steps']} steps")
+    for i, loss in enumerate(losses):
+        run_files.check(loss, "a number", where, f"losses[{i}]")
+    for r, rank in f(s, "ranks", "an object", where).items():
+        if not re.fullmatch(r"\d{1,9}", r, re.ASCII):
+            raise run_files.RunFileError(f"{where}: ranks holds the key {json.dumps(r[:24])},"
+                                         " expected a rank (a number)")
+        run_files.check(rank, "an object", where, f"ranks.{r}")
+        _check_numbers(rank, where, f"ranks.{r}")
+    return s
 
 
 def columns(lines: Iterable[dict], key: str) -> list[float]:

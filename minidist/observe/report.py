@@ -20,18 +20,27 @@ norm per step), step_time.png (each rank's step split into compute / comm wait /
 other), memory.png (each rank's model state by kind, and its peak RSS). Without it, one
 line says how to get them.
 
+A run directory is input like any other: a file that is malformed or was planted there (a
+link out of the folder, a FIFO, /dev/zero, a file of gigabytes, a line that is not a
+metrics line, JSON nested 100,000 deep) ends the report in one `error:` line that names the
+file and the line, exit code 2. Every file is read through observe/run_files.py, which
+follows no link, reads regular files only, and never more than its documented limits.
+
 Reference: the per-step numbers follow torchtitan's and Megatron-LM's training logs.
-Read next: observe/metrics.py (the lines), observe/run_dir.py (the folder).
+Read next: observe/metrics.py (the lines), observe/run_dir.py (the folder),
+    observe/run_files.py (reading them without trusting them).
 """
 
 from __future__ import annotations
 
-import json
+import io
+import re
 import sys
 from pathlib import Path
 
-from minidist.observe import metrics
-from minidist.observe.run_dir import load
+from minidist.observe import metrics, run_files
+from minidist.observe.run_dir import check_config, load
+from minidist.observe.run_files import RunFileError, check, field
 
 SHARES = ("compute", "comm_wait", "other")
 
@@ -50,14 +59,21 @@ def summary_of(path: Path) -> tuple[dict, bool]:
     run that did not finish has none)."""
     saved = load(path, "summary.json")
     if saved is not None:
-        return saved, True
-    cfg = load(path, "config.json") or {}
-    return metrics.summarize(metrics.read(path / "metrics"), cfg.get("tokens_per_step")), False
+        return metrics.check_summary(saved, str(path / "summary.json")), True
+    return (metrics.summarize(metrics.read(path / "metrics"),
+                              config_of(path).get("tokens_per_step")), False)
+
+
+def config_of(path: Path) -> dict:
+    """The run's config.json, checked ({} if it has none)."""
+    cfg = load(path, "config.json")
+    return {} if cfg is None else check_config(cfg, str(path / "config.json"))
 
 
 def text(path: Path) -> list[str]:
-    """The report's lines for the run directory `path`."""
-    cfg = load(path, "config.json") or {}
+    """The report's lines for the run directory `path`; RunFileError if one of its files
+    is not what it must be (observe/run_files.py)."""
+    cfg = config_of(path)
     s, finished = summary_of(path)
     out = [f"run directory {path}"]
     if cfg:
@@ -98,16 +114,38 @@ def _rank_table(ranks: dict) -> list[str]:
 
 def _trace_line(path: Path) -> str:
     trace = path / "trace.json"
-    if not trace.exists():
-        parts = list((path / "trace").glob("rank*.jsonl"))
+    raw = run_files.read_json(trace, run_files.MAX_TRACE, "MAX_TRACE allows trace.json")
+    if raw is None:
+        parts = [n for n in run_files.names_in(path / "trace") if n.startswith("rank")
+                 and n.endswith(".jsonl")]
         return (f"trace: not merged yet ({len(parts)} part files in {path / 'trace'})"
                 if parts else "trace: none (no step was traced: --trace-steps)")
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
-    steps = sorted({int(e["name"].split()[1]) for e in events if e["cat"] == "step"})
-    ranks = len({e["pid"] for e in events})
-    return (f"trace: {trace}, {len(events):,} events on {ranks} rank{'s' if ranks > 1 else ''}, "
+    events, ranks, steps = _trace_facts(raw, str(trace))
+    return (f"trace: {trace}, {events:,} events on {ranks} rank{'s' if ranks > 1 else ''}, "
             f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
             "(open it in https://ui.perfetto.dev)")
+
+
+def _trace_facts(raw, where: str) -> tuple[int, int, list[int]]:
+    """(complete events, ranks, traced steps) of a trace.json: its "X" events, their pids,
+    and the numbers of its "step N" events (cat "step"); RunFileError naming the event
+    that is not such."""
+    events = field(check(raw, "an object", where), "traceEvents", "a list", where)
+    count, ranks, steps = 0, set(), set()
+    for i, e in enumerate(events):
+        at = f"traceEvents[{i}]"
+        if check(e, "an object", where, at).get("ph") != "X":
+            continue
+        count += 1
+        ranks.add(field(e, "pid", "an int", where, at))
+        if e.get("cat") == "step":
+            name = field(e, "name", "a string", where, at)
+            step = re.fullmatch(r"step (\d{1,9})", name, re.ASCII)
+            if step is None:
+                raise RunFileError(f'{where}: {at}.name is {name[:40]!r}, expected "step N" '
+                                   'in an event of cat "step"')
+            steps.add(int(step[1]))
+    return count, len(ranks), sorted(steps)
 
 
 def plots(path: Path) -> list[Path]:
@@ -117,8 +155,7 @@ def plots(path: Path) -> list[Path]:
     from matplotlib.ticker import MaxNLocator
     lines, (s, _) = metrics.read(path / "metrics"), summary_of(path)
     folder = path / "plots"
-    folder.mkdir(exist_ok=True)
-    first = lines[min(lines)]
+    first = next((recs for _, recs in sorted(lines.items()) if recs), [])
     steps = [rec["step"] for rec in first]
     fig = Figure(figsize=(7, 5))
     for i, (key, label) in enumerate((("loss", "loss (global batch)"),
@@ -128,7 +165,7 @@ def plots(path: Path) -> list[Path]:
         ax.set(ylabel=label, xlabel="step" if i else None)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    fig.savefig(folder / "loss.png", dpi=110)
+    _save(fig, folder / "loss.png")
     ranks = sorted(s["ranks"], key=int)
     fig = Figure(figsize=(7, 4))
     ax, bottom = fig.add_subplot(), [0.0] * len(ranks)
@@ -139,7 +176,7 @@ def plots(path: Path) -> list[Path]:
     ax.set(xlabel="rank", ylabel="ms per step (mean)", title="where the step time goes")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(folder / "step_time.png", dpi=110)
+    _save(fig, folder / "step_time.png")
     fig = Figure(figsize=(8, 4))
     ax, bottom = fig.add_subplot(1, 2, 1), [0.0] * len(ranks)
     for k in sorted({k for r in ranks for k in s["ranks"][r]["memory"]}):
@@ -152,13 +189,21 @@ def plots(path: Path) -> list[Path]:
     ax.bar(ranks, [s["ranks"][r]["rss_peak"] / 2**20 for r in ranks], color="gray")
     ax.set(xlabel="rank", ylabel="MiB", title="peak resident set size")
     fig.tight_layout()
-    fig.savefig(folder / "memory.png", dpi=110)
+    _save(fig, folder / "memory.png")
     return [folder / n for n in ("loss.png", "step_time.png", "memory.png")]
+
+
+def _save(fig, path: Path) -> None:
+    """The figure as a PNG at `path`, written without following a link (run_files)."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    run_files.write_file(path, png.getvalue())
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minidist report RUN_DIR`: print the run's report and write its plots.
-    Exit code 0; 2 (one `error:` line) if RUN_DIR is not a run directory."""
+    Exit code 0; 2 (one `error:` line) if RUN_DIR is not a run directory, or one of its
+    files is malformed, a link, not a regular file or too big (observe/run_files.py)."""
     from minidist.baseline import CliParser, cli_error
     ap = CliParser(prog="python -m minidist report",
                    description="Summarise a run directory written by `python -m minidist "
@@ -171,11 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         return cli_error(f"{path} is not a run directory (it has no config.json and no "
                          "metrics/). Give the folder that `python -m minidist train` printed "
                          "as 'run directory: ...'.")
-    print("\n".join(text(path)))
-    if a.no_plots or not summary_of(path)[0].get("steps"):
-        return 0
     try:
+        print("\n".join(text(path)))
+        if a.no_plots or not summary_of(path)[0].get("steps"):
+            return 0
         written = plots(path)
+    except RunFileError as e:               # a file of RUN_DIR is malformed, or planted
+        return cli_error(e)
     except ImportError:
         print("plots: matplotlib is not installed (pip install 'minidist[plot]'), so no PNGs "
               "were written")

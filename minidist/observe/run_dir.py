@@ -51,7 +51,7 @@ from threading import get_ident
 from time import perf_counter
 from typing import Any, Sequence
 
-from minidist.observe import metrics
+from minidist.observe import metrics, run_files
 from minidist.observe.trace import Event, Trace
 
 LANES = {0: "step", 1: "autograd", 2: "collectives"}
@@ -103,10 +103,29 @@ def finish(path: str | os.PathLike) -> dict:
     return summary
 
 
-def load(path: str | os.PathLike, name: str) -> dict | None:
-    """RUN_DIR/name read as JSON, or None if it is not there."""
-    f = Path(path) / name
-    return json.loads(f.read_text()) if f.exists() else None
+def load(path: str | os.PathLike, name: str) -> Any:
+    """RUN_DIR/name read as JSON, or None if it is not there. Read without trusting it
+    (observe/run_files.py: no link followed, at most MAX_JSON bytes, UTF-8, nesting
+    bounded); RunFileError names the file and what is wrong."""
+    return run_files.read_json(Path(path) / name, run_files.MAX_JSON,
+                               "MAX_JSON allows config.json or summary.json")
+
+
+def check_config(cfg: Any, where: str) -> dict:
+    """`cfg` if it holds what the report takes from config.json (`config`) with the types
+    it has there; else RunFileError naming `where` and the field."""
+    f = run_files.field
+    run_files.check(cfg, "an object", where)
+    f(cfg, "command", "a string", where)
+    model = f(cfg, "model", "an object", where)
+    for key in ("n_layer", "n_embd", "n_head", "block_size"):
+        f(model, key, "an int", where, "model")
+    f(model, "dtype", "a string", where, "model")
+    f(f(cfg, "data", "an object", where), "task", "a string", where, "data")
+    f(cfg, "plan_describe", "a string", where)
+    f(cfg, "world_size", "an int", where)
+    f(cfg, "tokens_per_step", "an int or null", where)
+    return cfg
 
 
 def _write_json(path: Path, obj: Any, indent: int | None = 1) -> None:

@@ -31,7 +31,7 @@ from minidist.observe import run_dir
 from minidist.observe.peak import peak_flops
 from minidist.observe.progress import Progress
 from minidist.parallel.compose import Plan
-from minidist.reliability import recovery, straggler as stragglers
+from minidist.reliability import confined, recovery, straggler as stragglers
 from minidist.reliability.checkpoint import CheckpointError, CheckpointStorageError
 from minidist.train import RankResult, StepEnd, train_on_rank
 
@@ -304,8 +304,13 @@ def _schedule_argument(value: str):
     if value in SCHEDULES:
         return value
     try:
-        with open(value) as f:
-            return from_csv(f.read(), name=value)
+        text = confined.read_named(value, 16 << 20).decode()
+    except confined.Refused as e:
+        raise ValueError(f"--schedule: {e}") from None
     except OSError:
         raise ValueError(f"--schedule {value!r} is neither one of {SCHEDULES} nor a readable "
                          "CSV file.") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--schedule {value}: not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
+    return from_csv(text, name=value)

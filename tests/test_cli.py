@@ -65,6 +65,7 @@ def assert_user_error(res: subprocess.CompletedProcess, *words: str) -> None:
     (["train", "--n-embd", "30"], ["n_embd=30"]),
     (["train", "--no-such-option"], ["--no-such-option"]),
     (["train", "--pp", "2", "--schedule", "missing.csv"], ["--schedule", "missing.csv"]),
+    (["train", "--pp", "2", "--schedule", "/dev/zero"], ["--schedule", "not a regular file"]),
     (["train", "--pp", "2", "--layers-per-stage", "x"], ["--layers-per-stage", "'x'"]),
     (["run", "-n", "2", "missing.py"], ["no such script", "missing.py"]),
     (["run", "-n", "0", "missing.py"], ["-n", ">= 1"]),

@@ -49,12 +49,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist.cluster.placement import Cluster
+from minidist.reliability import confined
 
 GPU_COUNTS = (1, 2, 4, 8)                       # Gavel's Philly fit (module docstring)
 GPU_SHARES = (0.70, 0.10, 0.15, 0.05)
 RUNTIME_MIX = ((0.8, 1.5, 3.0), (0.2, 3.0, 4.0))  # (probability, log10 minutes from, to)
 ESTIMATE_FACTOR = (1.0, 3.0)                    # a choice: estimate = run time x U(1, 3)
 FIELDS = ("id", "submit", "gpus", "duration", "user", "estimate")
+MAX_TRACE_BYTES = 256 << 20                     # ~40 B a job: millions of jobs
 
 
 @dataclass(frozen=True)
@@ -138,10 +140,14 @@ def load_trace(path: str | os.PathLike) -> tuple[Job, ...]:
     """Read a CSV or JSON trace (module docstring); ValueError naming the file and row."""
     path = os.fspath(path)
     try:
-        with open(path, newline="") as f:
-            text = f.read()
+        text = confined.read_named(path, MAX_TRACE_BYTES).decode()
+    except confined.Refused as e:
+        raise ValueError(f"trace {e}") from None
     except OSError as e:
         raise ValueError(f"trace {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"trace {path}: not UTF-8 text ({e.reason} at byte {e.start})") \
+            from None
     rows, where = _json_rows(path, text) if path.endswith(".json") else _csv_rows(path, text)
     jobs = [_job(row, f"trace {path}, {w}") for row, w in zip(rows, where)]
     if not jobs:

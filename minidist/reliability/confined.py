@@ -118,6 +118,24 @@ def read_bounded(dir_fd: int, name: str, where: Path, limit: int) -> bytes:
         os.close(fd)
 
 
+def read_named(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of a file the user named on the command line (a schedule, a trace): the
+    path is theirs, so a link in it is followed, but rules 2 and 3 hold: a FIFO or a device
+    such as /dev/zero is refused, and so is a file above `limit` bytes, unread."""
+    where = Path(path)
+    fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(f"{where}: is {_what(st.st_mode)}, not a regular file")
+        if st.st_size > limit:
+            raise Refused(f"{where}: {st.st_size} bytes, more than the {limit} such a file "
+                          f"can hold; refusing to read it")
+        return read_exactly(fd, 0, st.st_size, where)
+    finally:
+        os.close(fd)
+
+
 def read_exactly(fd: int, offset: int, n: int, where: Path) -> bytes:
     """n bytes at `offset` of an open file (short files are an error, not a short read)."""
     out = bytearray(n)

@@ -4,6 +4,7 @@ and the CSV/JSON format with its error messages."""
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -103,3 +104,17 @@ def test_spec_errors(tmp_path):
     path.write_text("id,submit,gpus,duration\nx,0,12,5\n")
     with pytest.raises(ValueError, match="job x needs 12 GPUs"):
         traces.from_spec(str(path), BIG)
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda p: "/dev/zero", "is a character device, not a regular file"),
+    (lambda p: (os.mkfifo(p / "fifo.csv"), p / "fifo.csv")[1], "is a FIFO"),
+    (lambda p: (p / "bad.csv").write_bytes(b"id,submit\n\xff\xfe\n") and p / "bad.csv",
+     "not UTF-8 text"),
+])
+def test_a_trace_that_is_a_device_a_fifo_or_not_text_is_one_line(tmp_path, make, why):
+    """A trace the user names is read bounded and never blocks (issue: every reader of a
+    user's file ends in one line, not a hang, an unbounded read or a traceback)."""
+    with pytest.raises(ValueError, match=why) as info:
+        traces.load_trace(make(tmp_path))
+    assert "\n" not in str(info.value)

@@ -234,14 +234,15 @@ def bias_gelu_backward(R: int, F: int, s: int, bias: bool = True) -> tuple[Kerne
 def cross_entropy(N: int, V: int, s: int) -> tuple[Kernels, Kernels]:
     """sum_n (log sum_v exp z_nv - z_{n, t_n}), z (N, V) (autograd/fused.CrossEntropy's
     forward passes, reduction "sum"; its bookkeeping on the N targets, keep, t_safe and w,
-    left out). Fused: ONE kernel for forward and backward that writes the loss of each
+    left out; an ignored row's loss is set to 0, a masked store with no arithmetic). Fused: ONE kernel for forward and backward that writes the loss of each
     row and dz = softmax(z) - onehot(t) over z, in place."""
     NV = N * V
     unfused = (_rows("max", NV, N, s), _pass("z - max", NV, s, extra=N), _pass("exp", NV, s),
                _rows("sum", NV, N, s), _pass("p = . / sum", NV, s, extra=N),
                _pass("log sum", N, s), _pass("+ max", N, s, 2),
                Kernel("z[t]", 0, 0, INDEX_BYTES * N + s * N, s * N),
-               _pass("- z[t]", N, s, 2), _pass("* w", N, s, 2), _rows("sum", N, 1, s))
+               _pass("- z[t]", N, s, 2), Kernel("ignored rows: loss = 0", 0, 0, N + s * N,
+                                                 s * N), _rows("sum", N, 1, s))
     flops = sum(k.other for k in unfused + cross_entropy_backward(N, V, s)[1])
     fused = Kernel("cross-entropy, dz in place", 0, flops, s * NV + INDEX_BYTES * N,
                    s * (NV + N))

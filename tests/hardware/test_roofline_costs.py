@@ -83,13 +83,14 @@ def test_scaled_masked_softmax_hand_counts():
 def test_cross_entropy_hand_counts():
     N, V, s, idx = 2, 3, 4, 4
     fused, unfused = oc.cross_entropy(N, V, s)
-    floats = [8, 14, 12, 8, 14, 4, 6, 6, 6, 3]           # every pass but the gather z[t]
-    check(unfused, other=5 * 6 + 3 * N - 1, bytes_=s * sum(floats) + idx * N + s * 4,
+    floats = [8, 14, 12, 8, 14, 4, 6, 6, 4, 3]           # every pass but the gather z[t]
+    check(unfused, other=5 * 6 + 2 * N - 1,               # ignored rows' store: no FLOP,
+          bytes_=s * sum(floats) + N + idx * N + s * 4,   # its mask 1 byte a row
           launches=11)
     _, backward = oc.cross_entropy_backward(N, V, s)
     check(backward, other=6 + 2 * N, bytes_=s * (4 + 14) + idx * N + s * 6, launches=3)
     # one kernel for both: read z and t, write dz (in place) and the row losses
-    check(fused, other=35 + 10, bytes_=s * 6 + idx * N + s * (6 + 2), launches=1)
+    check(fused, other=33 + 10, bytes_=s * 6 + idx * N + s * (6 + 2), launches=1)
     assert oc.cross_entropy_backward(N, V, s)[0] == ()        # nothing left for a backward
 
 

@@ -39,6 +39,9 @@ from minidist.gpu.emulate.source import Param, kernel_path, read_kernels
 
 MAX_BLOCKS = 1024            # grid cap: kernels stride over rows / elements past it
 MAX_PARTIALS = 256           # rows of partial sums in two-stage column reductions
+LN_BWD_BLOCKS = 1024         # layernorm_backward's grid: ~8 blocks of 128 threads per SM on
+                             # the H200's 132 SMs, one wave; one partial row per block
+MAX_SHARED = 227 * 1024      # dynamic shared memory per block on sm_90 (above 48 KiB opt-in)
 FA_MAX_D, FA_MAX_BLOCK = 64, 256     # flash_attention.cu: registers per thread
 MAX_GRID_Y = 65535                   # CUDA's limit on gridDim.y (and z)
 
@@ -226,16 +229,27 @@ def layernorm_forward(dev: Device, x: Any, w: Any, b: Any, eps: float = 1e-5, *,
 
 def layernorm_backward(dev: Device, dy: Any, x: Any, w: Any, mean: Any, rstd: Any, *,
                        block: int = 128, blocks: int | None = None) -> tuple[Any, Any, Any]:
-    """dx, dw, db of LayerNorm: stage 1 per row block, stage 2 sums the partial rows."""
+    """dx, dw, db of LayerNorm: stage 1 over row blocks, stage 2 sums the partial rows.
+
+    Stage 1 runs G = min(N, LN_BWD_BLOCKS) blocks (enough to fill an H200), each keeping
+    its partial dw, db row in 8 C bytes of shared memory and writing it once; stage 2 is
+    blocks of (32, R) threads, R = min(G, 32) row groups, 32 columns each, adding the G
+    partial rows (32 x 32 threads when G ~ 1000: G / R = 32 dependent adds a thread)."""
     N, C = rows_of(x, "layernorm_backward")
     check_block(block, "layernorm_backward")
-    G = blocks or grid_for(N, cap=MAX_PARTIALS)
+    shared = 2 * C * 4                     # the block's partial dw, db rows (+128 B static)
+    if shared + 128 > MAX_SHARED:
+        raise ValueError(f"layernorm_backward: C = {C} columns need {shared + 128} B of shared "
+                         f"memory for a block's partial dw and db rows; a block may have at "
+                         f"most {MAX_SHARED} B (C <= {(MAX_SHARED - 128) // 8}). Split the "
+                         "columns.")
+    G = blocks or grid_for(N, cap=LN_BWD_BLOCKS)
     dx, dw, db = dev.empty(x.shape), dev.empty((C,)), dev.empty((C,))
     dw_part, db_part = dev.empty((G, C)), dev.empty((G, C))
     dev.launch("layernorm.cu", "layernorm_backward", G, block,
-               (dy, x, w, mean, rstd, dx, dw_part, db_part, N, C))
-    dev.launch("layernorm.cu", "layernorm_param_grads", grid_for(C, block), block,
-               (dw_part, db_part, dw, db, G, C))
+               (dy, x, w, mean, rstd, dx, dw_part, db_part, N, C), shared_bytes=shared)
+    dev.launch("layernorm.cu", "layernorm_param_grads", grid_for(C, 32, cap=2**31 - 1),
+               (32, min(G, 32)), (dw_part, db_part, dw, db, G, C))
     return dx, dw, db
 
 

@@ -13,7 +13,10 @@ The ladder, one rung per file (Boehm 2022; his A6000 GFLOP/s at 4096^3 in `Rung.
     5 2-D tiles   a TM x TN outer product per thread: TM + TN loads feed TM TN FMAs
     6 float4      128-bit global and shared loads, A transposed in shared memory
     7 warp tiles  a warp-level tile between the block's and the thread's
-`LADDER` holds each rung at Boehm's tile sizes (what a GPU runs); `EMULATED` holds every
+`LADDER` holds each rung at Boehm's tile sizes (what a GPU runs), but for rung 7: his
+kernel-10 warp tiles need 168 registers, 3 blocks an SM and a 59 %-full third wave at
+4096^3 on the H200's 132 SMs, so rung 7 runs 256 threads with 64 results each (2 blocks
+an SM, as rung 6; sgemm_7_warptile.cu's header has the numbers). `EMULATED` holds every
 instantiation small enough for the emulator (<= 256 threads a block), two or more per rung.
 
 One launch's view (`run_emulated` on the CPU, `gpu_ladder` on a GPU):
@@ -122,7 +125,7 @@ LADDER = (
     _rung(4, "sgemm_1d_64x64x8_8", (512,), (64, 64)),
     _rung(5, "sgemm_2d_128x128x8_8x8", (256,), (128, 128)),
     _rung(6, "sgemm_vec_128x128x8_8x8", (256,), (128, 128)),
-    _rung(7, "sgemm_warp_128x128x16_64x64_4_8x4", (128,), (128, 128)),
+    _rung(7, "sgemm_warp_128x128x8_64x32_2_8x4", (256,), (128, 128)),
 )
 
 EMULATED = (
@@ -142,7 +145,7 @@ EMULATED = (
     _rung(6, "sgemm_vec_128x128x8_8x8", (256,), (128, 128)),
     _rung(7, "sgemm_warp_32x64x8_32x32_2_4x4", (64,), (32, 64)),
     _rung(7, "sgemm_warp_64x64x8_32x32_2_4x4", (128,), (64, 64)),
-    _rung(7, "sgemm_warp_128x128x16_64x64_4_8x4", (128,), (128, 128)),
+    _rung(7, "sgemm_warp_128x128x8_64x32_2_8x4", (256,), (128, 128)),
 )
 
 

@@ -97,7 +97,7 @@ def test_the_gate_fails_on_a_spill():
 def test_the_gate_fails_on_a_kernel_that_does_not_compile(tmp_path):
     source = (gate.KERNELS / "sgemm_1_naive.cu").read_text()
     broken = tmp_path / "broken.cu"
-    broken.write_text(source.replace("acc += A[row * K + k]", "acc += A[row * K + k"))
+    broken.write_text(source.replace("acc += A[at64(row, K, k)]", "acc += A[at64(row, K, k)"))
     res = gate.compile_file(broken)
     assert res.kernels == {} and "error" in res.error and "nvcc" in res.error, res.error
     found = gate.problems([res], None, gate.nvcc_version())

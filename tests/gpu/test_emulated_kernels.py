@@ -115,6 +115,34 @@ def test_unfused_layernorm_backward_makes_exactly_the_roofline_unfused_passes(em
     assert moved == [k.bytes for k in oc.layernorm_backward(N, C, 4)[1]]
 
 
+def test_layernorm_backward_fills_the_gpu_and_sums_one_partial_row_per_block(emulator,
+                                                                             monkeypatch):
+    """Stage 1 runs min(N, LN_BWD_BLOCKS) blocks with the partial dw, db rows (8 C bytes) in
+    shared memory; stage 2 adds them with blocks of (32, min(G, 32)) threads, 32 columns
+    each. Here LN_BWD_BLOCKS = 4 < N = 9, so blocks take 3 or 2 rows, as ~8 an SM do on a GPU
+    at N = 32768; the columns (100) overhang stage 2's last block."""
+    from minidist.gpu import twins
+    monkeypatch.setattr(fused, "LN_BWD_BLOCKS", 4)
+    emu, rng = Emulator(), np.random.default_rng(5)
+    x, dy = (rng.standard_normal((9, 100)).astype(np.float32) for _ in range(2))
+    w, b = (rng.standard_normal(100).astype(np.float32) for _ in range(2))
+    _, mean, rstd = fused.layernorm_forward(emu, x, w, b)
+    before = len(emu.launches)
+    dx, dw, db = fused.layernorm_backward(emu, dy, x, w, mean, rstd, block=64)
+    stage1, stage2 = emu.launches[before:]
+    assert (stage1.kernel, stage1.grid, stage1.block, stage1.shared_bytes) == (
+        "layernorm_backward", (4, 1, 1), (64, 1, 1), 8 * 100)
+    assert (stage2.kernel, stage2.grid, stage2.block) == (
+        "layernorm_param_grads", (4, 1, 1), (32, 4, 1))
+    want = twins.layernorm_backward(dy, x, w, b)
+    for name, got in (("dx", dx), ("dw", dw), ("db", db)):
+        err = np.abs(got - want[name]).max() / np.abs(want[name]).max()
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+    wide = np.zeros((1, 29041), np.float32)       # 8 C + 128 B > 227 KiB of shared memory
+    with pytest.raises(ValueError, match=r"C = 29041 columns need .* \(C <= 29040\)"):
+        fused.layernorm_backward(emu, wide, wide, wide[0], wide[0], wide[0])
+
+
 # ---- the emulator itself ----
 SHIM_TEST = r"""
 extern "C" __global__ void reverse_first_n(float* out, int n) {
@@ -261,9 +289,10 @@ def test_thread_sanitizer_reports_the_race_of_a_removed_syncthreads(sanitized, t
 
 
 @pytest.mark.parametrize("name,old,new,call", [
-    ("flash_attention.cu", "const bool inside = k0 + e / D < T;", "const bool inside = true;",
+    ("flash_attention.cu", "const bool inside = k0 + jj < T && d < D;",
+     "const bool inside = d < D;",
      'run_case("flash_attention", emu, (2, 45, 16), 32)'),
-    ("layernorm.cu", "  if (c >= C) return;  // the last block's threads past column C-1\n", "",
+    ("layernorm.cu", "const bool inside = c < C;", "const bool inside = true;",
      'run_case("layernorm", emu, (7, 100), 64)'),
 ], ids=["flash_attention-tile-load", "layernorm-param-grads"])
 def test_address_sanitizer_reports_the_access_past_a_removed_bounds_guard(sanitized, tmp_path,

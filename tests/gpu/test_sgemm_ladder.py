@@ -7,12 +7,14 @@ AddressSanitizer and ThreadSanitizer the rungs stay in bounds and race nowhere. 
 chase ends where a Python walk of the same cycle ends; the bandwidth kernels read and copy
 exactly what their NumPy references do."""
 
+import re
+
 import numpy as np
 import pytest
 
 from minidist.gpu import hierarchy as h
 from minidist.gpu.emulate.build import compiler_missing
-from minidist.gpu.emulate.source import read_kernels
+from minidist.gpu.emulate.source import KERNELS_DIR, read_kernels
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=f"the CPU emulator cannot build: {compiler_missing()}")
@@ -170,3 +172,40 @@ def test_pointer_chase_continues_where_the_last_run_ended(emu):
         emu.launch("pointer_chase.cu", "pointer_chase", grid=(1,), block=(1,),
                    args=(nxt, 30, h.CONTINUE, out))
     assert int(out[0]) == h.walk(nxt, 8, 60)
+
+
+def test_every_global_offset_of_the_ladder_is_formed_in_64_bits():
+    """A[...], B[...] and C[...] in every rung index through at64 (or a 64-bit local `at`
+    it made): an int offset such as row * K wraps once M K, K N or M N passes 2^31."""
+    for path in sorted(KERNELS_DIR.glob("sgemm_*.cu")):
+        code = re.sub(r"//[^\n]*", "", path.read_text())          # the code, not the comments
+        subscripts = re.findall(r"(?<![\w.])([ABC])\[([^\]]*)\]", code)
+        assert subscripts, path.name
+        bad = [f"{m}[{i}]" for m, i in subscripts if not (i.startswith("at64(") or i == "at")]
+        assert not bad, f"{path.name}: 32-bit offsets {bad}"
+        if any(i == "at" for _, i in subscripts):
+            assert "unsigned long long at = at64(" in code, f"{path.name}: `at` is not 64-bit"
+
+
+AT64 = """
+extern "C" __global__ void offsets(const int* args, unsigned long long* out, int n) {
+  const int i = threadIdx.x;
+  if (i < n) out[i] = at64(args[3 * i], args[3 * i + 1], args[3 * i + 2]);
+}
+"""
+
+
+def test_at64_gives_offsets_past_2_to_the_31_exactly(emu, tmp_path):
+    """The ladder's at64, run on the emulator: row * ld + col without wrapping, up to the
+    largest (row, ld, col) three ints allow."""
+    src = (KERNELS_DIR / "sgemm_6_vectorized.cu").read_text()
+    helper = src[src.index("__device__ __forceinline__ unsigned long long at64"):]
+    helper = helper[:helper.index("\n}\n") + 3]
+    path = tmp_path / "at64.cu"
+    path.write_text(helper + AT64)
+    big = 2**31 - 1
+    cases = [(0, 5, 3), (46341, 46341, 0), (65536, 65536, 3), (70000, 4096, 4095),
+             (big, big, big)]
+    out = np.zeros(len(cases), np.uint64)
+    emu.launch(path, "offsets", 1, 32, (np.array(cases, np.int32).ravel(), out, len(cases)))
+    assert [int(o) for o in out] == [r * ld + c for r, ld, c in cases]

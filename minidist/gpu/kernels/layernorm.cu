@@ -13,21 +13,37 @@
 //   1. each thread adds up its columns c = threadIdx.x, + blockDim.x, ...; block_sum -> mu
 //   2. the same for (x - mu)^2 -> r (two passes: one-pass E[x^2] - mu^2 cancels badly)
 //   3. each thread writes y for its columns; thread 0 keeps mean and rstd for the backward
-// Backward, stage 1 (layernorm_backward): the same row loop; two block sums give the two
-//   means, then each thread writes dx for its columns and adds dy*xhat and dy into ITS
-//   column of the block's partial row dw_part[blockIdx.x, :], db_part[blockIdx.x, :]. No
-//   other thread touches that column, so no atomics are needed.
-// Stage 2 (layernorm_param_grads): one thread per column adds the G partial rows in block
-//   order. Deterministic: the same additions in the same order on every run.
+// Backward, stage 1 (layernorm_backward): block g of G owns rows g, g + G, g + 2G, ...
+//   (G = gridDim.x, a few blocks per SM: LN_BWD_BLOCKS in gpu/fused.py). Per row, two block
+//   sums give the two means, then each thread writes dx for its columns c = threadIdx.x,
+//   + blockDim.x, ... and adds dy*xhat and dy into ITS columns of the block's partial row,
+//   which lives in shared memory (part_w, part_b: 2C floats of dynamic shared memory, a
+//   column is only ever touched by the one thread that owns it: no atomics, no barrier,
+//   consecutive threads on consecutive banks). After its last row the block writes its
+//   partial row to dw_part[g, :], db_part[g, :] once: 2C stores per block, not a global
+//   read-modify-write of 2C numbers per row.
+// Stage 2 (layernorm_param_grads): block (32, R) owns 32 columns; thread (x, y) adds the
+//   partial rows y, y + R, y + 2R, ... of column 32 blockIdx.x + x (a warp reads 32
+//   consecutive floats of a row: one 128-byte line), then thread (x, 0) adds the R sums in
+//   order y = 0..R-1. R = min(G, 32): at G = 1024 a block is 32 x 32 threads and a thread
+//   adds 32 rows, where a thread per column would add G = 1024 in a latency-bound chain
+//   (1024 threads with a few loads in flight each: ~100 us for the 8 MiB of partials).
+//   Deterministic: the same additions in the same order on every run.
 // block_sum: each warp adds its 32 values with 5 xor-shuffles, lane 0 stores the warp's sum
 //   in shared memory, and after a barrier every thread adds the warp sums in the same
 //   order, so all threads hold the same bits.
 //
 // Shapes: x, y, dy, dx (N, C) row-major; w, b, dw, db (C,); mean, rstd (N,); dw_part,
-//   db_part (G, C), G = gridDim.x of the backward. blockDim.x a multiple of 32, <= 1024.
+//   db_part (G, C), G = gridDim.x of the backward. blockDim.x a multiple of 32, <= 1024;
+//   stage 2: blockDim (32, R), R = min(G, 32). Shared memory of stage 1: 8 C bytes (dynamic), so
+//   C <= 29040 at sm_90's 227 KiB (gpu/fused.py refuses more).
+// Occupancy (H200, 132 SMs, C = 1024, 128 threads, 32 registers): G = 1024 blocks is ~8 a
+//   SM, 1024 threads (half of the SM's 2048) with 8 KiB of shared memory each: enough
+//   loads in flight to run at HBM bandwidth. The old grid (G <= 256) held ~250 threads a SM.
 // Memory traffic (compulsory, float32, 4 bytes a number): forward reads x, w, b and writes
-//   y, mean, rstd: 4 (2NC + 2C + 2N) B. Backward reads dy, x, w, mean, rstd, writes dx,
-//   and writes then reads the partials: 4 (3NC + C + 2N + 4GC) B, plus 4 * 2C for dw, db.
+//   y, mean, rstd: 4 (2NC + 2C + 2N) B. Backward reads dy, x, w, mean, rstd and writes dx:
+//   4 (3NC + C + 2N) B; the partials add 4 * 4GC B (written once, read once by stage 2:
+//   16 MiB at G = C = 1024, 4 % of the 384 MiB of dy, x, dx at N = 32768), and dw, db 4 * 2C.
 // Twin: minidist/autograd/fused.py::LayerNorm (float64); launches: minidist/gpu/fused.py.
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -82,9 +98,10 @@ extern "C" __global__ void layernorm_backward(const float* __restrict__ dy,
                                               float* __restrict__ dw_part,
                                               float* __restrict__ db_part, int N, int C) {
   __shared__ float scratch[32];
-  float* dw_row = dw_part + (long long)blockIdx.x * C;  // this block's partial sums
-  float* db_row = db_part + (long long)blockIdx.x * C;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) dw_row[c] = db_row[c] = 0.0f;
+  extern __shared__ float part[];  // 2C floats: this block's partial dw, then db
+  float* part_w = part;
+  float* part_b = part + C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) part_w[c] = part_b[c] = 0.0f;
   for (int row = blockIdx.x; row < N; row += gridDim.x) {
     const float* xr = x + (long long)row * C;
     const float* gr = dy + (long long)row * C;
@@ -98,12 +115,18 @@ extern "C" __global__ void layernorm_backward(const float* __restrict__ dy,
     const float m1 = block_sum(s1, scratch) / C;  // mean_c dxhat_c
     const float m2 = block_sum(s2, scratch) / C;  // mean_c dxhat_c xhat_c
     float* dxr = dx + (long long)row * C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {  // the thread's own columns
       const float xhat = (xr[c] - mu) * r, g = gr[c];
       dxr[c] = r * (g * w[c] - m1 - xhat * m2);
-      dw_row[c] += g * xhat;
-      db_row[c] += g;
+      part_w[c] += g * xhat;
+      part_b[c] += g;
     }
+  }
+  float* dw_row = dw_part + (long long)blockIdx.x * C;  // written once, after the last row
+  float* db_row = db_part + (long long)blockIdx.x * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {  // the same columns: no barrier needed
+    dw_row[c] = part_w[c];
+    db_row[c] = part_b[c];
   }
 }
 
@@ -111,13 +134,26 @@ extern "C" __global__ void layernorm_param_grads(const float* __restrict__ dw_pa
                                                  const float* __restrict__ db_part,
                                                  float* __restrict__ dw,
                                                  float* __restrict__ db, int G, int C) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;  // the last block's threads past column C-1
+  __shared__ float sums_w[32][32];  // [y][x]: the column sums of thread (x, y)
+  __shared__ float sums_b[32][32];
+  const int x = threadIdx.x, y = threadIdx.y, R = blockDim.y;
+  const int c = blockIdx.x * 32 + x;
+  const bool inside = c < C;  // the last block's columns past C-1 load nothing
   float sw = 0.0f, sb = 0.0f;
-  for (int g = 0; g < G; ++g) {  // block order: the same bits on every run
+  for (int g = y; inside && g < G; g += R) {  // partial rows y, y + R, ...: block order
     sw += dw_part[(long long)g * C + c];
     sb += db_part[(long long)g * C + c];
   }
-  dw[c] = sw;
-  db[c] = sb;
+  sums_w[y][x] = sw;
+  sums_b[y][x] = sb;
+  __syncthreads();  // every row group's sums are in shared memory
+  if (y == 0 && inside) {
+    float tw = 0.0f, tb = 0.0f;
+    for (int i = 0; i < R; ++i) {  // in order: the same bits on every run
+      tw += sums_w[i][x];
+      tb += sums_b[i][x];
+    }
+    dw[c] = tw;
+    db[c] = tb;
+  }
 }

@@ -19,9 +19,19 @@
 //
 // Shapes (row-major, float32): A (M, K), B (K, N), C (M, N); any M, N, K >= 1; any block.
 // Memory traffic: compulsory 4 (MK + KN + 2MN) bytes; issued by this kernel 4 (2MNK + 2MN).
+// 64-bit offsets: row * K, k * N and row * N are formed in 64 bits (at64, unsigned), so
+// matrices with more than 2^31 elements (M K, K N or M N > 2^31) index correctly; M, N, K
+// themselves are ints (each < 2^31).
 // Reference: S. Boehm 2022, "How to Optimize a CUDA Matmul Kernel for cuBLAS-like
 //     Performance", kernel 1 (A6000, 4096^3: 309 GFLOP/s).
 // Next rung: sgemm_2_coalesced.cu (swap the thread indices).
+
+// row * ld + col as a 64-bit offset from a 32 x 32 -> 64-bit unsigned multiply (one
+// IMAD.WIDE.U32): a signed long long product costs registers (rung 4: 39 -> 48, a block
+// fewer per SM). Every argument is >= 0.
+__device__ __forceinline__ unsigned long long at64(int row, int ld, int col) {
+    return (unsigned long long)(unsigned)row * (unsigned)ld + (unsigned)col;
+}
 
 extern "C" __global__ void sgemm_naive(int M, int N, int K, float alpha, const float* A,
                                        const float* B, float beta, float* C) {
@@ -30,8 +40,8 @@ extern "C" __global__ void sgemm_naive(int M, int N, int K, float alpha, const f
     if (row < M && col < N) {
         float acc = 0.0f;
         for (int k = 0; k < K; ++k) {
-            acc += A[row * K + k] * B[k * N + col];
+            acc += A[at64(row, K, k)] * B[at64(k, N, col)];
         }
-        C[row * N + col] = alpha * acc + beta * C[row * N + col];
+        C[at64(row, N, col)] = alpha * acc + beta * C[at64(row, N, col)];
     }
 }

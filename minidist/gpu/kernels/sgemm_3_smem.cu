@@ -26,9 +26,22 @@
 // padding of overhanging tiles adds nothing to acc). Shared memory: 2 TILE^2 * 4 bytes.
 // Kernels: sgemm_smem_8, sgemm_smem_16 (emulator-sized blocks), sgemm_smem_32 (Boehm's).
 // Memory traffic: compulsory 4 (MK + KN + 2MN) bytes; issued 4 (2MNK / TILE + 2MN).
+// Bank conflicts: none, so no padding. A warp is 32 / TILE whole rows ty of the block; its
+// As[ty][k] reads are 32 / TILE addresses TILE words apart (different banks; one address
+// per row, a broadcast), its Bs[k][tx] reads and both stores are consecutive words.
+// 64-bit offsets: row * K, k * N and row * N are formed in 64 bits (at64, unsigned), so
+// matrices with more than 2^31 elements (M K, K N or M N > 2^31) index correctly; M, N, K
+// themselves are ints (each < 2^31).
 // Reference: S. Boehm 2022, "How to Optimize a CUDA Matmul Kernel for cuBLAS-like
 //     Performance", kernel 3 (shared memory cache-blocking).
 // Next rung: sgemm_4_blocktile_1d.cu (several results per thread, kept in registers).
+
+// row * ld + col as a 64-bit offset from a 32 x 32 -> 64-bit unsigned multiply (one
+// IMAD.WIDE.U32): a signed long long product costs registers (rung 4: 39 -> 48, a block
+// fewer per SM). Every argument is >= 0.
+__device__ __forceinline__ unsigned long long at64(int row, int ld, int col) {
+    return (unsigned long long)(unsigned)row * (unsigned)ld + (unsigned)col;
+}
 
 template <int TILE>
 __device__ void sgemm_smem_tile(int M, int N, int K, float alpha, const float* A,
@@ -39,8 +52,8 @@ __device__ void sgemm_smem_tile(int M, int N, int K, float alpha, const float* A
     const int row = blockIdx.y * TILE + ty, col = blockIdx.x * TILE + tx;
     float acc = 0.0f;
     for (int k0 = 0; k0 < K; k0 += TILE) {
-        As[ty][tx] = (row < M && k0 + tx < K) ? A[row * K + k0 + tx] : 0.0f;
-        Bs[ty][tx] = (k0 + ty < K && col < N) ? B[(k0 + ty) * N + col] : 0.0f;
+        As[ty][tx] = (row < M && k0 + tx < K) ? A[at64(row, K, k0 + tx)] : 0.0f;
+        Bs[ty][tx] = (k0 + ty < K && col < N) ? B[at64(k0 + ty, N, col)] : 0.0f;
         __syncthreads();  // the tiles are complete
         for (int k = 0; k < TILE; ++k) {
             acc += As[ty][k] * Bs[k][tx];
@@ -48,7 +61,8 @@ __device__ void sgemm_smem_tile(int M, int N, int K, float alpha, const float* A
         __syncthreads();  // everyone is done reading before the next step overwrites
     }
     if (row < M && col < N) {
-        C[row * N + col] = alpha * acc + beta * C[row * N + col];
+        const unsigned long long at = at64(row, N, col);
+        C[at] = alpha * acc + beta * C[at];
     }
 }
 

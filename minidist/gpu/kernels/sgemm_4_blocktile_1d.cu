@@ -26,9 +26,22 @@
 // Kernels (BM x BN x BK, TM): sgemm_1d_16x16x4_4 (64 threads), sgemm_1d_32x32x8_8 (128),
 // sgemm_1d_64x64x8_8 (512, Boehm's). Shared memory: (BM + BN) * BK * 4 bytes.
 // Memory traffic: compulsory 4 (MK + KN + 2MN) bytes; issued 4 (MNK/BN + MNK/BM + 2MN).
+// Bank conflicts: none, so no padding. With BN >= 32 a warp shares tr: its As reads are
+// one address (a broadcast); with BN = 16 it spans tr and tr + 1, TM * BK = 16 words apart
+// (different banks). Bs reads and both stores are consecutive words.
+// 64-bit offsets: row * K, k * N and row * N are formed in 64 bits (at64, unsigned), so
+// matrices with more than 2^31 elements (M K, K N or M N > 2^31) index correctly; M, N, K
+// themselves are ints (each < 2^31).
 // Reference: S. Boehm 2022, "How to Optimize a CUDA Matmul Kernel for cuBLAS-like
 //     Performance", kernel 4 (1D blocktiling for calculating multiple results per thread).
 // Next rung: sgemm_5_blocktile_2d.cu (a TM x TN square of results per thread).
+
+// row * ld + col as a 64-bit offset from a 32 x 32 -> 64-bit unsigned multiply (one
+// IMAD.WIDE.U32): a signed long long product costs registers (rung 4: 39 -> 48, a block
+// fewer per SM). Every argument is >= 0.
+__device__ __forceinline__ unsigned long long at64(int row, int ld, int col) {
+    return (unsigned long long)(unsigned)row * (unsigned)ld + (unsigned)col;
+}
 
 template <int BM, int BN, int BK, int TM>
 __device__ void sgemm_blocktile_1d(int M, int N, int K, float alpha, const float* A,
@@ -42,11 +55,11 @@ __device__ void sgemm_blocktile_1d(int M, int N, int K, float alpha, const float
     for (int k0 = 0; k0 < K; k0 += BK) {
         for (int i = t; i < BM * BK; i += THREADS) {
             const int m = bm + i / BK, k = k0 + i % BK;
-            As[i] = (m < M && k < K) ? A[m * K + k] : 0.0f;
+            As[i] = (m < M && k < K) ? A[at64(m, K, k)] : 0.0f;
         }
         for (int i = t; i < BK * BN; i += THREADS) {
             const int k = k0 + i / BN, n = bn + i % BN;
-            Bs[i] = (k < K && n < N) ? B[k * N + n] : 0.0f;
+            Bs[i] = (k < K && n < N) ? B[at64(k, N, n)] : 0.0f;
         }
         __syncthreads();  // both tiles are complete
         for (int k = 0; k < BK; ++k) {
@@ -61,7 +74,8 @@ __device__ void sgemm_blocktile_1d(int M, int N, int K, float alpha, const float
     for (int i = 0; i < TM; ++i) {
         const int m = bm + tr * TM + i;
         if (m < M && n < N) {
-            C[m * N + n] = alpha * acc[i] + beta * C[m * N + n];
+            const unsigned long long at = at64(m, N, n);
+            C[at] = alpha * acc[i] + beta * C[at];
         }
     }
 }

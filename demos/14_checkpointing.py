@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from minidist.reliability import checkpoint as ckpt
+from minidist.reliability.async_checkpoint import AsyncCheckpointer
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, EVERY, BATCH, SEED = 8, 4, 6, 0         # BATCH divisible by dp=2 and dp=3
@@ -125,7 +126,7 @@ def show_async(tmp: Path, state) -> bool:
     t0 = time.perf_counter()
     ckpt.save(state, tmp / "sync")
     t1 = time.perf_counter()
-    writer = ckpt.AsyncCheckpointer(tmp / "async", on_phase=log)
+    writer = AsyncCheckpointer(tmp / "async", on_phase=log)
     writer.snapshot(state)
     t2 = time.perf_counter()
     log("<- snapshot() returned: the step starts")

@@ -16,6 +16,8 @@
                                                      exit 3: no GPU, 4: CuPy without CUDA)
     python -m minidist cluster simulate --policy fifo|easy|sjf|fair|las|all [--real]
                                                      a GPU cluster's job scheduler
+    python -m minidist interval --checkpoint-cost 30s --restart 2m --mtbf 3h
+                                                     how often to checkpoint
     python -m minidist --help | --version            this text | the version
     python -m minidist COMMAND --help                the options of one command
 
@@ -150,6 +152,11 @@ def _cluster(argv: list[str]) -> int:
     return cluster_main(argv) or 0
 
 
+def _interval(argv: list[str]) -> int:
+    from minidist.reliability.interval_cli import main as interval_main
+    return interval_main(argv) or 0
+
+
 def _report(argv: list[str]) -> int:
     from minidist.observe.report import main as report_main
     return report_main(argv) or 0
@@ -174,7 +181,8 @@ def _train(argv: list[str]) -> int:
 
 
 COMMANDS = {"run": _run, "train": _train, "demo": _demo, "bench": _bench, "memory": _memory,
-            "cluster": _cluster, "report": _report, "roofline": _roofline, "gpu": _gpu}
+            "cluster": _cluster, "report": _report, "roofline": _roofline, "gpu": _gpu,
+            "interval": _interval}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,15 +73,6 @@ def model_config_for(data_cfg: DataConfig, **overrides) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def make_optimizer(name: str, params: list, lr: float, weight_decay: float,
-                   betas: tuple[float, float], momentum: float):
-    if name == "adamw":
-        return optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-    if name == "sgd":
-        return optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    raise ValueError(f"optimizer={name!r} is unknown; choose 'adamw' or 'sgd'.")
-
-
 def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: int,
                          global_batch: int, lr: float, seed: int = 0, grad_accum: int = 1,
                          optimizer: str = "adamw", weight_decay: float = 0.0,
@@ -117,7 +108,8 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     if deterministic:                        # matmuls over the tiles every layout uses
         tile_model(model, rows=None if token_tiles is None else
                    Tokens(per_sequence=token_tiles))
-    opt = make_optimizer(optimizer, model.parameters(), lr, weight_decay, betas, momentum)
+    opt = optim.make_optimizer(optimizer, model.parameters(), lr, weight_decay, betas,
+                               momentum)
     losses, norms, lrs = [], [], []
     for step in range(steps):
         opt.lr = lr if lr_schedule == "constant" else optim.lr_at(

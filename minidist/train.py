@@ -58,7 +58,7 @@ from minidist.parallel import placement, schedules
 from minidist.parallel.compose import Plan, build
 from minidist.parallel.deterministic_expert import ExpertGrains
 
-__all__ = ["Plan", "RankResult", "StepEnd", "train_on_rank", "main"]
+__all__ = ["Plan", "RankResult", "StepEnd", "train_on_rank"]
 
 
 @dataclass(frozen=True)
@@ -357,9 +357,3 @@ def _global_loss(local: list[float], grad, pp, algo: str) -> np.ndarray:
     stages, whose losses are 0 but on the last (adding zeros is exact)."""
     losses = C.all_reduce(np.array(local, np.float64), group=grad, algo=algo)
     return losses if pp is None else C.all_reduce(losses, group=pp, algo=algo)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m minidist train ...`: the command line, in train_cli.py."""
-    from minidist.train_cli import main as cli_main
-    return cli_main(argv)

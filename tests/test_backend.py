@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from minidist import backend
+from minidist import backend, train_cli
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
 
@@ -126,7 +126,7 @@ def test_train_device_errors_are_one_line_with_exit_code_2(monkeypatch, capsys, 
     else:
         monkeypatch.setenv("MINIDIST_DEVICE", env)
     try:
-        code = train.main(["--steps", "1", *argv])
+        code = train_cli.main(["--steps", "1", *argv])
     except SystemExit as e:                                    # argparse's usage error
         code = e.code
     captured = capsys.readouterr()

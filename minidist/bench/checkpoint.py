@@ -4,7 +4,8 @@ Part 1, overhead. The bench GPT (4 layers, C=128, float32: ~0.8M parameters, so 
 checkpoint of parameters and AdamW's m and v is ~10 MB) is trained on dp ranks by
 train.train_on_rank three ways: without checkpoints ("none"), with a synchronous
 checkpoint after every `--every`-th step ("sync", checkpoint.save), and with an
-asynchronous one ("async", CheckFreq's snapshot-then-persist, checkpoint.AsyncCheckpointer).
+asynchronous one ("async", CheckFreq's snapshot-then-persist,
+async_checkpoint.AsyncCheckpointer).
 The checkpoints are taken exactly as `python -m minidist train --checkpoint-dir` takes
 them: recovery.RankCheckpoints.on_step_end is train_on_rank's on_step_end hook. The hook
 runs outside train_on_rank's timed step, so the overhead is the wall time of the loop:

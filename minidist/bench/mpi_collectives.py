@@ -43,6 +43,9 @@ from importlib.util import find_spec           # noqa: E402
 
 import numpy as np                             # noqa: E402
 
+from minidist.bench.collective_inputs import (count_wrong, counts,  # noqa: E402
+                                              default_iters, make_input)
+
 
 def find_mpiexec() -> str | None:
     """The mpiexec of this Python environment (the `mpich` wheel), else the one on PATH."""
@@ -77,7 +80,6 @@ def mpi_times(W: int, plan, timeout: float = 600.0) -> dict | str:
 
 def _call(op: str, count: int, comm, MPI, dtype):
     """(zero-argument callable running one MPI collective, callable giving its result)."""
-    from minidist.bench.collectives import make_input      # here: that module imports this one
     rank, W = comm.Get_rank(), comm.Get_size()
     x = make_input(op, count, W, rank, dtype)
     root_out = (lambda n: np.empty(n, dtype) if rank == 0 else None)
@@ -104,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     """On every MPI rank: time each (op, size); rank 0 prints one JSON line per point."""
     from mpi4py import MPI
 
-    from minidist.bench.collectives import count_wrong, counts, default_iters
     p = argparse.ArgumentParser(prog="python -m minidist.bench.mpi_collectives")
     p.add_argument("--ops", required=True)
     p.add_argument("--sizes", required=True, help="comma list of bytes")

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minidist.baseline import make_optimizer
+from minidist.optim import make_optimizer
 from minidist.memory import loss_scale
 from minidist.memory.precision import Autocast, Policy
 

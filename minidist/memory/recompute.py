@@ -25,8 +25,8 @@ from (seed, step, layer name, global element index), never from an RNG state: se
 nn/layers.py), the same MoE routing (a function of the same router probabilities). So the
 gradients equal those without recomputation BITWISE. A MoE block's auxiliary loss is
 counted once: the loss uses the value of the first forward, the recomputed one only carries
-the graph of its gradient, and `recomputing()` stops MoE layers from adding their routing
-statistics a second time (nn/moe.py's uncounted()).
+the graph of its gradient, and inside `recomputing()` MoE layers (which ask
+`is_recomputing()`) do not add their routing statistics a second time.
 
 One rank's view of y = checkpoint(fn, x, key) (a Block: x (B, T, C), key a DropoutKey):
     forward   1. run fn(x, key) under no_grad: no node is recorded, nothing is kept
@@ -84,15 +84,18 @@ _STATE = {"recomputing": False, "watchers": [], "counts": {}}
 @contextlib.contextmanager
 def recomputing() -> Iterator[None]:
     """Inside: a forward that runs again to rebuild activations. checkpoint() runs its
-    function plainly (a graph is being built anyway) and MoE layers do not count their
-    routing statistics again (nn/moe.uncounted)."""
-    from minidist.nn.moe import uncounted      # here, not at the top: nn imports this module
+    function plainly (a graph is being built anyway), and layers that count statistics
+    in their forward (nn/moe.py's routing) ask `is_recomputing()` and count nothing."""
     previous, _STATE["recomputing"] = _STATE["recomputing"], True
     try:
-        with uncounted():
-            yield
+        yield
     finally:
         _STATE["recomputing"] = previous
+
+
+def is_recomputing() -> bool:
+    """True inside `recomputing()`: this forward already ran once for this step."""
+    return _STATE["recomputing"]
 
 
 @contextlib.contextmanager

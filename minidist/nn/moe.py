@@ -59,23 +59,9 @@ import numpy as np
 from minidist import backend
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
+from minidist.memory.recompute import is_recomputing
 from minidist.nn.layers import MLP, STD, Linear
 from minidist.nn.module import Module, ModuleList
-
-
-_COUNTING = [True]           # False while a layer's forward is recomputed (uncounted())
-
-
-@contextlib.contextmanager
-def uncounted():
-    """Inside, MoE layers do not add to their routing statistics (take_totals): for a
-    forward that runs again to recompute activations (ZeRO-3's backward), so that tokens,
-    drops and losses are counted once (Megatron-LM #1478 counted the aux loss twice)."""
-    previous, _COUNTING[0] = _COUNTING[0], False
-    try:
-        yield
-    finally:
-        _COUNTING[0] = previous
 
 
 @dataclass(frozen=True)
@@ -181,7 +167,7 @@ class MoE(Module):
             total = total + z * self.z_loss_coef
             self.last_stats["z"] = float(z.item())
             groups = -(-N // (self.group_size or N))
-            if _COUNTING[0]:
+            if not is_recomputing():            # counted once, in the first forward
                 self.z_total = getattr(self, "z_total", 0.0) + groups * float(z.item())
         return out.reshape(B, T, C), total
 
@@ -210,8 +196,8 @@ class MoE(Module):
         return r, aux
 
     def _add_totals(self, row: np.ndarray, groups: int) -> None:
-        if not _COUNTING[0]:                      # a recomputation: counted once already
-            return
+        if is_recomputing():    # a recomputed forward: counted once already (Megatron-LM
+            return              # #1478 counted the aux loss twice)
         t = getattr(self, "totals", None)
         self.totals = row if t is None else t + row
         self.totals_groups = getattr(self, "totals_groups", 0) + groups

@@ -31,7 +31,7 @@ a padded flat vector and rank r the slice [r S_u, (r+1) S_u) of it):
     all stages: ||g|| = sqrt(sum_r ||dw_shard_r||^2): each rank's sum of squares (padding
         is zero), all_gather of the W partial sums, added in rank order (bitwise equal on
         every rank); clip by max_norm / (||g|| + 1e-6) (optim.clip_to, as DDP does); then
-        the optimizer DDP uses (baseline.make_optimizer: optim.AdamW or optim.SGD) steps
+        the optimizer DDP uses (optim.make_optimizer: AdamW or SGD) steps
         one flat.FlatShard per unit, (.data, .grad) = (w_shard, dw_shard), and holds the
         state shards m, v or the momentum buffer, (S_u,) each.
 
@@ -71,7 +71,7 @@ from typing import Callable
 import numpy as np
 
 from minidist import collectives as C
-from minidist.baseline import make_optimizer
+from minidist.optim import make_optimizer
 from minidist.nn import Module
 from minidist.optim import clip_to
 from minidist.optim.clip import wide

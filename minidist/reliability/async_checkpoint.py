@@ -36,10 +36,10 @@ from typing import Any, Callable
 import numpy as np
 
 from minidist.reliability.checkpoint import (CheckpointError, CheckpointState,
-                                             CheckpointStorageError, _abandon, _check_writer,
-                                             _commit, _errors, _no_op, _step_name, _tmp_name,
-                                             _write_rank_file)
-from minidist.reliability.checkpoint_format import _meta
+                                             CheckpointStorageError, abandon, check_writer,
+                                             commit, no_op, storage_errors, tmp_name,
+                                             write_rank_file)
+from minidist.reliability.checkpoint_format import state_meta, step_name
 
 # The writer thread's nice value (Linux: per thread). It shares the rank's core with
 # training; a low priority lets training run first and the writer fill the gaps.
@@ -47,8 +47,8 @@ NICE = 10
 
 
 def _copy(state: CheckpointState) -> CheckpointState:
-    """A private copy (checked with `_meta`): what the background thread writes."""
-    meta = _meta(state)
+    """A private copy (checked with `meta`): what the background thread writes."""
+    meta = state_meta(state)
     dup = lambda v: v.copy() if isinstance(v, (np.ndarray, np.generic)) else v  # noqa: E731
     return CheckpointState(int(state.step), {k: v.copy() for k, v in state.params.items()},
                            {k: dup(v) for k, v in state.optimizer.items()}, meta["rng"],
@@ -78,9 +78,9 @@ class AsyncCheckpointer:
                  barrier: Callable[[], Any] | None = None, keep: int | None = 3,
                  timeout: float = 600.0, on_phase: Callable[[str], Any] | None = None,
                  token: str | None = None):
-        self.prefix, self.token = _check_writer(rank, world, keep, barrier, token)
+        self.prefix, self.token = check_writer(rank, world, keep, barrier, token)
         self.root, self.rank, self.world, self.keep = Path(root), rank, world, keep
-        self.barrier, self.timeout, self.phase = barrier or _no_op, timeout, on_phase or _no_op
+        self.barrier, self.timeout, self.phase = barrier or no_op, timeout, on_phase or no_op
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._written: CheckpointState | None = None    # written, not yet committed
@@ -149,14 +149,14 @@ class AsyncCheckpointer:
             pass
         try:
             if previous is not None:
-                self._commit(previous, spare=_tmp_name(state.step, self.token))
+                self._commit(previous, spare=tmp_name(state.step, self.token))
             try:
-                with _errors(f"{self.prefix}writing step {state.step} into {self.root}",
+                with storage_errors(f"{self.prefix}writing step {state.step} into {self.root}",
                              self.root):
-                    _write_rank_file(self.root, state, self.rank, self.world, self.phase,
+                    write_rank_file(self.root, state, self.rank, self.world, self.phase,
                                      self.token)
             except CheckpointStorageError:
-                _abandon(self.root, _tmp_name(state.step, self.token))
+                abandon(self.root, tmp_name(state.step, self.token))
                 raise
             self._written = state
         except BaseException as e:    # kept for the training thread: a thread cannot raise
@@ -185,9 +185,9 @@ class AsyncCheckpointer:
         if state is None:
             return False, None
         self.barrier()
-        self._last = self.root / _step_name(state.step)
+        self._last = self.root / step_name(state.step)
         return True, state if self.rank == 0 else None
 
     def _commit(self, state: CheckpointState, spare: str = "") -> None:
-        with _errors(f"{self.prefix}committing step {state.step} in {self.root}", self.root):
-            _commit(self.root, state, self.world, self.keep, self.phase, self.token, spare)
+        with storage_errors(f"{self.prefix}committing step {state.step} in {self.root}", self.root):
+            commit(self.root, state, self.world, self.keep, self.phase, self.token, spare)

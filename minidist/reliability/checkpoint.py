@@ -60,14 +60,13 @@ from typing import Any, Callable
 import numpy as np
 
 from minidist.reliability import confined
-from minidist.reliability.checkpoint_format import (_STEP_DIR, FORMAT, VERSION, CheckpointError,
-                                                    CheckpointState, _manifest, _meta, _rank_file,
-                                                    _rank_file_parts, _sha, _step_name, _tensors,
-                                                    load)
+from minidist.reliability.checkpoint_format import (FORMAT, STEP_DIR, VERSION, CheckpointError,
+                                                    CheckpointState, load, manifest_bytes,
+                                                    rank_file, rank_file_parts, sha256_hex,
+                                                    state_meta, state_tensors, step_name)
 
 __all__ = ["FORMAT", "VERSION", "PHASES", "CheckpointError", "CheckpointStorageError",
-           "CheckpointState", "Found", "save", "AsyncCheckpointer", "latest", "load"]
-# (AsyncCheckpointer: async_checkpoint.py)
+           "CheckpointState", "Found", "save", "latest", "load"]
 # The moments a save passes, in order; `on_phase(name)` is called at each (for timing, and
 # to inject a crash in tests and in faults.py). The first four run on every writer.
 PHASES = ("tmp_dir_created", "rank_file_partial", "rank_file_written", "marker_written",
@@ -83,7 +82,8 @@ class Found:
     skipped: tuple[str, ...] = ()
 
 
-def _no_op(*_: Any) -> None:
+def no_op(*_: Any) -> None:
+    """The default `on_phase`: does nothing."""
     return None
 
 
@@ -91,10 +91,10 @@ def _marker_file(r: int) -> str:
     return f"rank{r:05d}.done.json"
 
 
-def _tmp_name(step: int, token: str) -> str:
+def tmp_name(step: int, token: str) -> str:
     """The temporary directory of the save of `step`: unguessable (the writers' shared
     random token), so nothing can be planted under its name before the save makes it."""
-    return f".tmp-{_step_name(step)}-{token}"
+    return f".tmp-{step_name(step)}-{token}"
 
 
 def _write_atomic(dir_fd: int, name: str, data: bytes, where: Path, phase: Callable,
@@ -119,7 +119,7 @@ def _write_atomic(dir_fd: int, name: str, data: bytes, where: Path, phase: Calla
 
 
 def _discard(root_fd: int, root: Path, names: list[str], token: str,
-             phase: Callable = _no_op) -> None:
+             phase: Callable = no_op) -> None:
     """Remove step directories: first rename to a .tmp-* name (so a crash never leaves
     half a step directory), then delete (nothing is followed: confined.remove)."""
     for name in names:
@@ -133,7 +133,7 @@ def _step_entries(root_fd: int) -> list[tuple[int, str, bool]]:
     """(step, name, is a real directory) of every step* entry, newest first; links and
     files named like step directories are listed as not directories."""
     found = [(int(m.group(1)), name, stat.S_ISDIR(mode)) for name, mode in
-             confined.entries(root_fd) if (m := _STEP_DIR.fullmatch(name))]
+             confined.entries(root_fd) if (m := STEP_DIR.fullmatch(name))]
     return sorted(found, reverse=True)
 
 
@@ -146,7 +146,7 @@ def _pointer(root_fd: int, root: Path) -> tuple[int | None, str]:
         return None, "latest: missing (no save has committed, or it was deleted)"
     except (OSError, UnicodeDecodeError) as e:
         return None, f"latest: unreadable ({' '.join(str(e).split())})"
-    m = _STEP_DIR.fullmatch(text)
+    m = STEP_DIR.fullmatch(text)
     return (int(m.group(1)), "") if m else (None, f"latest: holds {text[:40]!r}, not a step name")
 
 
@@ -165,7 +165,7 @@ class CheckpointStorageError(CheckpointError):
 
 
 @contextmanager
-def _errors(where: str, root: Path):
+def storage_errors(where: str, root: Path):
     """Turn an OSError (disk full, permissions ...) into a one-line CheckpointError that
     says where, what would fix it, and which checkpoint is still the latest."""
     try:
@@ -201,7 +201,7 @@ def _open_root(root: Path) -> int:
     return confined.open_root(root)
 
 
-def _abandon(root: Path, tmp: str) -> None:
+def abandon(root: Path, tmp: str) -> None:
     """Remove a failed save's temporary directory at once (best effort, nothing followed)."""
     try:
         fd = confined.open_root(root)
@@ -227,17 +227,17 @@ def _write_pieces(fd: int, head: bytes, pieces: dict[str, np.ndarray],
         if i == len(pieces) // 2:
             phase("rank_file_partial")    # a crash here leaves a truncated file
         confined.write_all(fd, piece.view(np.uint8) if piece.size else b"")
-        digests[name] = _sha(piece)
+        digests[name] = sha256_hex(piece)
     if len(pieces) == 0:
         phase("rank_file_partial")
     os.fsync(fd)
-    return _sha(head), digests
+    return sha256_hex(head), digests
 
 
-def _write_rank_file(root: Path, state: CheckpointState, rank: int, world: int,
+def write_rank_file(root: Path, state: CheckpointState, rank: int, world: int,
                      phase: Callable, token: str) -> None:
     """Step 1 for writer `rank`: its safetensors file of pieces, then its done marker."""
-    tmp = _tmp_name(state.step, token)
+    tmp = tmp_name(state.step, token)
     root_fd = _open_root(root)
     try:
         tmp_fd = confined.make_dir(root_fd, tmp, root / tmp, exist_ok=True)
@@ -245,15 +245,15 @@ def _write_rank_file(root: Path, state: CheckpointState, rank: int, world: int,
         os.close(root_fd)
     try:
         phase("tmp_dir_created")
-        head, pieces = _rank_file_parts(state, rank, world)
-        fd = confined.create(tmp_fd, _rank_file(rank), root / tmp / _rank_file(rank))
+        head, pieces = rank_file_parts(state, rank, world)
+        fd = confined.create(tmp_fd, rank_file(rank), root / tmp / rank_file(rank))
         try:
             head_sha, piece_sha = _write_pieces(fd, head, pieces, phase)
         finally:
             os.close(fd)
         phase("rank_file_written")
         marker = {"step": int(state.step), "rank": rank, "writers": world,
-                  "file": _rank_file(rank),
+                  "file": rank_file(rank),
                   "size": len(head) + sum(p.nbytes for p in pieces.values()),
                   "header_sha256": head_sha, "pieces": piece_sha}
         _write_atomic(tmp_fd, _marker_file(rank), json.dumps(marker).encode(),
@@ -271,9 +271,9 @@ def _marker(tmp_fd: int, tmp: Path, r: int, step: int, world: int, names: list[s
     except FileNotFoundError:
         raise CheckpointError(
             f"commit of step {step}: {where} is missing, so writer {r} never finished "
-            f"{_rank_file(r)}. Every rank must save at the same step with the same world "
+            f"{rank_file(r)}. Every rank must save at the same step with the same world "
             f"({world}); if rank {r} crashed, restart from latest()") from None
-    if (m["step"], m["rank"], m["writers"], m["file"]) != (step, r, world, _rank_file(r)) \
+    if (m["step"], m["rank"], m["writers"], m["file"]) != (step, r, world, rank_file(r)) \
             or list(m["pieces"]) != names:
         raise CheckpointError(
             f"commit of step {step}: {where} is for step {m['step']}, rank {m['rank']} of "
@@ -287,7 +287,7 @@ def _marker(tmp_fd: int, tmp: Path, r: int, step: int, world: int, names: list[s
     return m
 
 
-def _commit(root: Path, state: CheckpointState, world: int, keep: int | None,
+def commit(root: Path, state: CheckpointState, world: int, keep: int | None,
             phase: Callable, token: str, spare: str = "") -> Path:
     """Step 3 (rank 0): manifest, rename, `latest`, retention, cleanup (sparing `spare`)."""
     root_fd = _open_root(root)
@@ -299,8 +299,8 @@ def _commit(root: Path, state: CheckpointState, world: int, keep: int | None,
 
 def _commit_in(root_fd: int, root: Path, state: CheckpointState, world: int,
                keep: int | None, phase: Callable, token: str, spare: str) -> Path:
-    step, names = int(state.step), [n for n, _ in _tensors(state)]
-    tmp, final = _tmp_name(step, token), _step_name(step)
+    step, names = int(state.step), [n for n, _ in state_tensors(state)]
+    tmp, final = tmp_name(step, token), step_name(step)
     tmp_fd = confined.open_dir(root_fd, tmp, root / tmp)
     try:
         markers = [_marker(tmp_fd, root / tmp, r, step, world, names) for r in range(world)]
@@ -310,7 +310,7 @@ def _commit_in(root_fd: int, root: Path, state: CheckpointState, world: int,
             raise CheckpointError(f"commit of step {step}: {root / tmp} holds {strange[0]!r}, "
                                   f"which no writer of this save made; refusing to commit it")
         phase("files_checked")
-        _write_atomic(tmp_fd, "manifest.json", _manifest(state, world, markers),
+        _write_atomic(tmp_fd, "manifest.json", manifest_bytes(state, world, markers),
                       root / tmp / "manifest.json", phase, written="manifest_tmp_written")
         phase("manifest_written")
         for r in range(world):
@@ -339,7 +339,7 @@ def _commit_in(root_fd: int, root: Path, state: CheckpointState, world: int,
 _TOKEN = re.compile(r"[0-9A-Za-z_-]{8,64}")
 
 
-def _check_writer(rank: int, world: int, keep: int | None, barrier: Any,
+def check_writer(rank: int, world: int, keep: int | None, barrier: Any,
                   token: str | None) -> tuple[str, str]:
     """(the "[rank r/W] " prefix of this writer's errors, the save's token), or a
     ValueError for arguments that make no save."""
@@ -374,21 +374,21 @@ def save(state: CheckpointState, root: str | os.PathLike, *, rank: int = 0, worl
     planted link: the save's temporary directory is removed at once) and CheckpointError
     for any other failed write or commit.
     """
-    prefix, token = _check_writer(rank, world, keep, barrier, token)
-    phase = on_phase or _no_op
-    _meta(state)
-    root, barrier = Path(root), barrier or _no_op
+    prefix, token = check_writer(rank, world, keep, barrier, token)
+    phase = on_phase or no_op
+    state_meta(state)
+    root, barrier = Path(root), barrier or no_op
     try:
-        with _errors(f"{prefix}saving step {state.step} into {root}", root):
-            _write_rank_file(root, state, rank, world, phase, token)
+        with storage_errors(f"{prefix}saving step {state.step} into {root}", root):
+            write_rank_file(root, state, rank, world, phase, token)
             barrier()
             if rank == 0:
-                _commit(root, state, world, keep, phase, token)
+                commit(root, state, world, keep, phase, token)
     except CheckpointStorageError:
-        _abandon(root, _tmp_name(int(state.step), token))
+        abandon(root, tmp_name(int(state.step), token))
         raise
     barrier()
-    return root / _step_name(int(state.step))
+    return root / step_name(int(state.step))
 
 
 def latest(root: str | os.PathLike) -> Found | None:
@@ -421,7 +421,7 @@ def latest(root: str | os.PathLike) -> Found | None:
         skipped += [f"{name}: newer than what `latest` names, so a save that crashed "
                     f"before its commit: ignored" for s, name in dirs if s > named]
         if not any(s == named for s, _ in dirs):
-            skipped.append(f"{_step_name(named)}: named by `latest` but missing")
+            skipped.append(f"{step_name(named)}: named by `latest` but missing")
         dirs = [(s, name) for s, name in dirs if s <= named]
     for step, name in dirs:
         try:
@@ -435,12 +435,3 @@ def latest(root: str | os.PathLike) -> Found | None:
         raise CheckpointError(f"{root}: no intact checkpoint: " + "; ".join(skipped)
                               + ". Restore from a backup, or remove the directory to start over")
     return None
-
-
-def __getattr__(name: str) -> Any:
-    """checkpoint.AsyncCheckpointer, from async_checkpoint.py (which builds on this module,
-    so it is imported on first use rather than at the top)."""
-    if name == "AsyncCheckpointer":
-        from minidist.reliability.async_checkpoint import AsyncCheckpointer
-        return AsyncCheckpointer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

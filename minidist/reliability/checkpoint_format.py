@@ -10,13 +10,13 @@ shared: with W writers every array is flattened and cut into W contiguous ranges
 One rank's view (writer r of W; checkpoint.py decides when, under which names, and how
 each write is made crash-safe):
     writes  rank{r:05d}.safetensors: header, then elements [lo_r, hi_r) of every flat
-            array (`_rank_file_parts`); rank 0 also manifest.json (`_manifest`)
+            array (`rank_file_parts`); rank 0 also manifest.json (`manifest`)
     reads   (`load`, on any rank, whatever W was) the manifest, then every file and
             every piece, each checked before its bytes are used; arrays come back whole
 
 On disk (W = 2):
     D/latest                                "step00000012\\n"
-    D/step00000012/manifest.json            the index (`_manifest`), checksummed
+    D/step00000012/manifest.json            the index (`manifest`), checksummed
     D/step00000012/rank00000.safetensors    piece 0 of every array
     D/step00000012/rank00001.safetensors    piece 1 of every array
 A rank file is a plain safetensors file (8-byte little-endian header length N, N bytes of
@@ -60,7 +60,7 @@ FORMAT, VERSION = "minidist-checkpoint", 2   # 2: files carry header_sha256, not
 _DTYPES = {"BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "U16": "<u2", "F16": "<f2",
            "I32": "<i4", "U32": "<u4", "F32": "<f4", "F64": "<f8", "I64": "<i8", "U64": "<u8"}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-_STEP_DIR, _RANK_FILE = re.compile(r"step(\d{8,})"), re.compile(r"rank\d{5}\.safetensors")
+STEP_DIR, _RANK_FILE = re.compile(r"step(\d{8,})"), re.compile(r"rank\d{5}\.safetensors")
 _MAX_HEADER = 100 << 20       # the reference reader's limit on a header's length
 MAX_MANIFEST = 64 << 20       # bytes: a manifest of 10^5 tensors x 8 writers is ~40 MiB
 
@@ -81,11 +81,11 @@ class CheckpointState:
     extra: dict[str, Any] = field(default_factory=dict)       # JSON-able: plan, run config ...
 
 
-def _step_name(step: int) -> str:
+def step_name(step: int) -> str:
     return f"step{step:08d}"
 
 
-def _rank_file(r: int) -> str:
+def rank_file(r: int) -> str:
     return f"rank{r:05d}.safetensors"
 
 
@@ -95,12 +95,12 @@ def _bounds(n: int, world: int) -> list[int]:
     return [r * (n // world) + min(r, n % world) for r in range(world + 1)]
 
 
-def _sha(data: Any) -> str:
+def sha256_hex(data: Any) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def _checksum(body: dict) -> str:
-    return _sha(json.dumps(body, separators=(",", ":")).encode())
+    return sha256_hex(json.dumps(body, separators=(",", ":")).encode())
 
 
 def _dtype_name(a: Any, what: str) -> str:
@@ -112,14 +112,14 @@ def _dtype_name(a: Any, what: str) -> str:
     return name
 
 
-def _tensors(state: CheckpointState) -> list[tuple[str, Any]]:
+def state_tensors(state: CheckpointState) -> list[tuple[str, Any]]:
     """[(name in the files, array)]: the params, then the optimizer's arrays, in order."""
     out = [(f"params/{k}", v) for k, v in state.params.items()]
     return out + [(f"optimizer/{k}", v) for k, v in state.optimizer.items()
                   if isinstance(v, (np.ndarray, np.generic))]
 
 
-def _meta(state: CheckpointState) -> dict:
+def state_meta(state: CheckpointState) -> dict:
     """The non-array state as the manifest stores it; ValueError naming what cannot be."""
     if isinstance(state.step, bool) or not isinstance(state.step, (int, np.integer)) \
             or state.step < 0:
@@ -127,7 +127,7 @@ def _meta(state: CheckpointState) -> dict:
     for k, v in state.params.items():
         if not isinstance(v, np.ndarray):
             raise ValueError(f"checkpoint: params[{k!r}] is a {type(v).__name__}, not an ndarray")
-    for name, a in _tensors(state):
+    for name, a in state_tensors(state):
         _dtype_name(a, name)
     optimizer: dict[str, Any] = {}
     for k, v in state.optimizer.items():
@@ -152,15 +152,15 @@ def _meta(state: CheckpointState) -> dict:
     return meta
 
 
-def _rank_file_parts(state: CheckpointState, rank: int,
+def rank_file_parts(state: CheckpointState, rank: int,
                      world: int) -> tuple[bytes, dict[str, np.ndarray]]:
     """Writer `rank`'s safetensors file as (header bytes, {tensor: piece}); the file is the
     header, then the pieces' bytes in this order: piece `rank` of every flat array, in
-    `_tensors` order, little-endian."""
+    `tensors` order, little-endian."""
     header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "step": str(state.step),
                                                "rank": str(rank), "writers": str(world)}}
     pieces, start = {}, 0
-    for name, a in _tensors(state):
+    for name, a in state_tensors(state):
         flat = np.asarray(a).reshape(-1)
         lo, hi = _bounds(flat.size, world)[rank:rank + 2]
         piece = np.ascontiguousarray(flat[lo:hi], dtype=flat.dtype.newbyteorder("<"))
@@ -173,11 +173,11 @@ def _rank_file_parts(state: CheckpointState, rank: int,
     return struct.pack("<Q", len(text)) + text, pieces
 
 
-def _manifest(state: CheckpointState, world: int, markers: list[dict]) -> bytes:
+def manifest_bytes(state: CheckpointState, world: int, markers: list[dict]) -> bytes:
     """manifest.json: every tensor's global shape, dtype and pieces; every file; the rest.
     `markers[r]` says writer r's file name, size, its header's sha256 and each piece's."""
     tensors = {}
-    for name, a in _tensors(state):
+    for name, a in state_tensors(state):
         a, b = np.asarray(a), _bounds(np.asarray(a).size, world)
         tensors[name] = {"dtype": _dtype_name(a, name), "shape": list(a.shape), "pieces": [
             {"file": m["file"], "range": [b[r], b[r + 1]], "sha256": m["pieces"][name]}
@@ -187,7 +187,7 @@ def _manifest(state: CheckpointState, world: int, markers: list[dict]) -> bytes:
             "tensors": tensors,
             "files": {m["file"]: {"size": m["size"], "header_sha256": m["header_sha256"]}
                       for m in markers},
-            "state": _meta(state)}
+            "state": state_meta(state)}
     return json.dumps({**body, "checksum": _checksum(body)}, indent=1).encode()
 
 
@@ -211,7 +211,7 @@ def _parse_manifest(path: Path, dir_fd: int) -> dict:
     if version != VERSION:
         raise CheckpointError(f"{where}: format version {version!r}, this minidist "
                               f"reads version {VERSION}; load it with a matching minidist")
-    m = _STEP_DIR.fullmatch(path.name)
+    m = STEP_DIR.fullmatch(path.name)
     if m and int(m.group(1)) != step:
         raise CheckpointError(f"{where}: says step {step!r}, its directory "
                               f"{path.name}: it was moved or copied into the wrong place")
@@ -298,7 +298,7 @@ def _open_file(path: Path, dir_fd: int, name: str, info: dict) -> tuple[int, dic
             raise CheckpointError(f"{where}: not a valid safetensors file (header length {n} "
                                   f"exceeds the file)")
         data = confined.read_exactly(fd, 8, n, where)
-        if _sha(struct.pack("<Q", n) + data) != info["header_sha256"]:
+        if sha256_hex(struct.pack("<Q", n) + data) != info["header_sha256"]:
             raise CheckpointError(f"{where}: sha256 check failed: its header changed after "
                                   f"it was written (disk corruption or an edit)")
         return fd, _header(where, data, size)
@@ -341,7 +341,7 @@ def _assemble(path: Path, name: str, t: dict, layout: tuple[np.dtype, int],
         _, _, a, b = header[name]
         view = memoryview(raw[lo * dt.itemsize:hi * dt.itemsize])
         confined.read_into(fd, a, view, path / p["file"])
-        if _sha(view) != p["sha256"]:
+        if sha256_hex(view) != p["sha256"]:
             raise CheckpointError(f"{path / p['file']}: sha256 check failed: the piece of "
                                   f"{name!r} changed after it was written (disk corruption "
                                   f"or an edit)")

@@ -1,7 +1,7 @@
 """The checkpoint interval: how much training to do between two checkpoints.
 
-    python -m minidist.reliability.interval --checkpoint-cost 30s --restart 120s --mtbf 3h
-    python -m minidist.reliability.interval --checkpoint-cost 30s --restart 2m --gpus 1024 --llama3
+    python -m minidist interval --checkpoint-cost 30s --restart 120s --mtbf 3h
+    python -m minidist interval --checkpoint-cost 30s --restart 2m --gpus 1024 --llama3
 
 Checkpointing often wastes the time spent saving; checkpointing rarely wastes the work
 redone after a failure. With T the training time between checkpoints, C the cost of one
@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -282,13 +281,3 @@ def format_duration(seconds: float) -> str:
     if seconds < 2 * 3600:
         return f"{seconds / 60:.2f} min"
     return f"{seconds / 3600:.2f} h" if seconds < 4 * 86400 else f"{seconds / 86400:.1f} d"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line (reliability/interval_cli.py): the optima and the sweep table."""
-    from minidist.reliability.interval_cli import main as cli_main
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

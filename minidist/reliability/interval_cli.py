@@ -1,8 +1,8 @@
 """The command line of reliability/interval.py: the optima, a simulated sweep, a plot.
 
-    python -m minidist.reliability.interval --checkpoint-cost 30s --restart 120s --mtbf 3h
-    python -m minidist.reliability.interval --checkpoint-cost 30s --restart 2m --gpus 1024 --llama3
-    python -m minidist.reliability.interval ... --weibull-shape 0.7   (failures not memoryless)
+    python -m minidist interval --checkpoint-cost 30s --restart 120s --mtbf 3h
+    python -m minidist interval --checkpoint-cost 30s --restart 2m --gpus 1024 --llama3
+    python -m minidist interval ... --weibull-shape 0.7   (failures not memoryless)
 
 It prints Young's, Daly's and the exact optimum, then a table of intervals from T_Daly/4
 to 4 T_Daly with the analytic efficiency (exponential failures) beside the simulated one
@@ -74,7 +74,7 @@ def _plot(path: str, rec: Recommendation, sim: Simulation) -> None:
 
 def _arguments():
     from minidist.baseline import CliParser, at_least
-    ap = CliParser(prog="python -m minidist.reliability.interval",
+    ap = CliParser(prog="python -m minidist interval",
                    description="Young's and Daly's optimal checkpoint intervals, and the "
                                "efficiency of a sweep of intervals: analytic and simulated. "
                                "Durations are a number and a unit: 30s, 5m, 3h, 2d.")
@@ -160,3 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(f"plot written to {a.plot}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -49,6 +49,7 @@ import numpy as np
 
 from minidist.reliability import checkpoint as ckpt
 from minidist.reliability import confined
+from minidist.reliability.async_checkpoint import AsyncCheckpointer
 
 MAX_BACKOFF = 10.0             # seconds, the longest wait between attempts
 
@@ -115,7 +116,7 @@ class RankCheckpoints:
                              f"string drawn once for all of them (confined.token(), in the "
                              f"launcher), or their saves would not meet in one directory")
         self.token = token or confined.token()
-        self.writer = ckpt.AsyncCheckpointer(policy.root, rank=self.rank, world=self.world,
+        self.writer = AsyncCheckpointer(policy.root, rank=self.rank, world=self.world,
                                              barrier=barrier, keep=policy.keep,
                                              token=self.token) \
             if policy.asynchronous else None

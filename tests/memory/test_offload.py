@@ -14,13 +14,14 @@ import threading
 import numpy as np
 import pytest
 
-from minidist import baseline
+from minidist import optim
 from minidist.baseline import model_config_for, train_single_process
 from minidist.data import DataConfig
 from minidist.memory import offload
 from minidist.optim import SGD, AdamW
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, main, train_on_rank
+from minidist.train import Plan, train_on_rank
+from minidist.train_cli import main
 
 DATA = DataConfig(task="sort", length=4, seed=1)                        # T = 8
 TINY = model_config_for(DATA, n_layer=2, n_head=2, n_embd=16)           # float64
@@ -57,12 +58,12 @@ def test_single_process_offloaded_equals_plain_bitwise(monkeypatch, tmp_path, ti
                                                        optimizer, kw):
     ref = train_single_process(TINY, DATA, steps=STEPS, global_batch=BATCH, lr=LR,
                                optimizer=optimizer, **kw)
-    made, plain = [], baseline.make_optimizer
+    made, plain = [], optim.make_optimizer
 
     def offloaded(*args):                     # baseline's optimizer, wrapped
         made.append(offload.wrap(plain(*args), tier, tmp_path, prefetch=prefetch))
         return made[-1]
-    monkeypatch.setattr(baseline, "make_optimizer", offloaded)
+    monkeypatch.setattr(optim, "make_optimizer", offloaded)
     run = train_single_process(TINY, DATA, steps=STEPS, global_batch=BATCH, lr=LR,
                                optimizer=optimizer, **kw)
     _assert_same(run, ref, f"{optimizer} {tier} prefetch={prefetch}")

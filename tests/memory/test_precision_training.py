@@ -173,7 +173,7 @@ def test_an_inf_on_one_rank_skips_the_step_and_halves_the_scale_on_every_rank(ze
 
 
 def test_train_cli_runs_bf16_on_dp2_zero1(capsys):
-    from minidist.train import main
+    from minidist.train_cli import main
     rc = main(["--precision", "bf16", "--grad-reduce", "low", "--dp", "2", "--zero", "1",
                "--steps", "3", "--batch", "8", "--run-dir", "none"])
     out = capsys.readouterr().out

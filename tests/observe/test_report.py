@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from minidist.observe import report
-from minidist.train import main as train_main
+from minidist.train_cli import main as train_main
 
 CLI = ["--dp", "2", "--tp", "2", "--task", "reverse", "--length", "3", "--n-layer", "2",
        "--n-embd", "16", "--n-head", "2", "--batch", "4", "--steps", "3", "--every", "1",

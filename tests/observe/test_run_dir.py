@@ -19,7 +19,8 @@ from minidist.observe import metrics, run_dir
 from minidist.runtime import RankFailure, call
 from minidist.runtime import flight as _flight
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, main as train_main, train_on_rank
+from minidist.train import Plan, train_on_rank
+from minidist.train_cli import main as train_main
 
 DATA = DataConfig(task="reverse", length=3)
 TINY = model_config_for(DATA, n_layer=2, n_embd=16, n_head=2, dtype="float64")

@@ -5,7 +5,8 @@ their sharded state is the whole state cut the same way."""
 import numpy as np
 import pytest
 
-from minidist.baseline import make_optimizer, model_config_for
+from minidist.baseline import model_config_for
+from minidist.optim import make_optimizer
 from minidist.data import DataConfig
 from minidist.nn import GPT
 from minidist.optim import SGD

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import minidist
-from minidist.reliability.checkpoint import (PHASES, AsyncCheckpointer, CheckpointError,
+from minidist.reliability.async_checkpoint import AsyncCheckpointer
+from minidist.reliability.checkpoint import (PHASES, CheckpointError,
                                              CheckpointState, latest, load, save)
 from minidist.reliability import confined
 from minidist.runtime import spawn

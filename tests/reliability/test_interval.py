@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from minidist.reliability import interval as iv
+from minidist.reliability import interval_cli
 
 MIN, HOUR = 60.0, 3600.0
 
@@ -177,7 +178,8 @@ FAST = ["--runs", "50", "--points", "6", "--work", "100h"]
 
 
 def test_cli_prints_the_optima_and_the_table(capsys):
-    code = iv.main(["--checkpoint-cost", "30s", "--restart", "120s", "--mtbf", "3h"] + FAST)
+    code = interval_cli.main(["--checkpoint-cost", "30s", "--restart", "120s", "--mtbf", "3h"]
+                             + FAST)
     out = capsys.readouterr().out
     assert code == 0
     assert f"= {iv.format_duration(iv.young_interval(30, 3 * HOUR)):>10}" in out   # 13.42 min
@@ -189,7 +191,7 @@ def test_cli_prints_the_optima_and_the_table(capsys):
 
 
 def test_cli_llama3(capsys):
-    code = iv.main(["--checkpoint-cost", "30s", "--restart", "2m", "--gpus", "1024",
+    code = interval_cli.main(["--checkpoint-cost", "30s", "--restart", "2m", "--gpus", "1024",
                     "--llama3"] + FAST)
     out = capsys.readouterr().out
     assert code == 0 and "M = 44.50 h (MTBF)" in out and "16384 / 1024 GPUs = 44.50 h" in out
@@ -209,7 +211,7 @@ def test_cli_llama3(capsys):
 ])
 def test_cli_usage_errors_are_one_line(argv, says, capsys):
     try:
-        code = iv.main(argv)
+        code = interval_cli.main(argv)
     except SystemExit as e:                                     # argparse's own errors
         code = e.code
     res = capsys.readouterr()
@@ -218,14 +220,14 @@ def test_cli_usage_errors_are_one_line(argv, says, capsys):
 
 
 def test_cli_weibull_shape_says_what_the_columns_assume(capsys):
-    code = iv.main(["--checkpoint-cost", "30s", "--restart", "120s", "--mtbf", "3h",
+    code = interval_cli.main(["--checkpoint-cost", "30s", "--restart", "120s", "--mtbf", "3h",
                     "--weibull-shape", "0.7"] + FAST)
     out = capsys.readouterr().out
     assert code == 0 and "failures Weibull of shape 0.7" in out and "best simulated" in out
 
 
 def test_cli_as_a_module():
-    run = subprocess.run([sys.executable, "-m", "minidist.reliability.interval",
+    run = subprocess.run([sys.executable, "-m", "minidist", "interval",
                           "--checkpoint-cost", "30s", "--mtbf", "3x"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.startswith("error: cannot read '3x'")
@@ -234,7 +236,8 @@ def test_cli_as_a_module():
 def test_plot_is_written(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "interval.png"
-    code = iv.main(["--checkpoint-cost", "30s", "--mtbf", "3h", "--plot", str(out)] + FAST)
+    code = interval_cli.main(["--checkpoint-cost", "30s", "--mtbf", "3h", "--plot", str(out)]
+                             + FAST)
     assert code == 0 and f"plot written to {out}" in capsys.readouterr().out
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -243,7 +246,8 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.ticker"):
         monkeypatch.setitem(sys.modules, name, None)            # import now raises ImportError
     out = tmp_path / "interval.png"
-    code = iv.main(["--checkpoint-cost", "30s", "--mtbf", "3h", "--plot", str(out)] + FAST)
+    code = interval_cli.main(["--checkpoint-cost", "30s", "--mtbf", "3h", "--plot", str(out)]
+                             + FAST)
     res = capsys.readouterr()
     assert code == 1 and not out.exists() and "best analytic" in res.out
     assert res.err.count("\n") == 1 and "matplotlib is not installed" in res.err

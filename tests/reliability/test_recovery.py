@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from minidist import train, train_cli
+from minidist import train_cli
 from minidist.reliability import faults
 from minidist.reliability.checkpoint import PHASES
 
@@ -24,7 +24,7 @@ _REFERENCE: dict[str, str] = {}
 
 def _run(argv: list[str], capsys) -> tuple[int, str]:
     """(exit code, the launcher's stdout and stderr)."""
-    code = train.main(argv)
+    code = train_cli.main(argv)
     res = capsys.readouterr()
     return code, res.out + res.err
 
@@ -82,9 +82,9 @@ def test_a_checkpoint_loads_under_another_layout_and_continues(tmp_path, capsys)
 def test_resume_never_and_a_checkpoint_of_another_run_are_refused(tmp_path, capsys):
     ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"]
     assert _run(LAYOUTS["dp2"] + TINY + ck + ["--lr", "0.003"], capsys)[0] == 0
-    assert train.main(LAYOUTS["dp2"] + TINY + ck + ["--resume", "never"]) == 2
+    assert train_cli.main(LAYOUTS["dp2"] + TINY + ck + ["--resume", "never"]) == 2
     assert "--resume never, but" in capsys.readouterr().err
-    assert train.main(LAYOUTS["dp2"] + TINY + ck + ["--lr", "0.01", "--seed", "4"]) == 2
+    assert train_cli.main(LAYOUTS["dp2"] + TINY + ck + ["--lr", "0.01", "--seed", "4"]) == 2
     res = capsys.readouterr()
     err = res.err.strip().splitlines()
     assert len(err) == 1 and "holds a checkpoint of another run" in err[0], err
@@ -99,7 +99,7 @@ def test_a_bad_checkpoint_dir_is_refused_before_any_rank_starts(where, why, tmp_
     if where == "file":
         where = str(tmp_path / "file")
         (tmp_path / "file").write_text("not a directory\n")
-    assert train.main(LAYOUTS["dp2"] + TINY + ["--checkpoint-dir", where]) == 2
+    assert train_cli.main(LAYOUTS["dp2"] + TINY + ["--checkpoint-dir", where]) == 2
     res = capsys.readouterr()
     assert res.out.count("step") == 0 and why in res.err, res       # nothing trained
     assert len(res.err.strip().splitlines()) == 1, res.err
@@ -111,7 +111,7 @@ def test_a_directory_of_corrupt_checkpoints_is_one_line(tmp_path, capsys):
     assert _run(LAYOUTS["dp2"] + TINY + ck, capsys)[0] == 0
     for manifest in (tmp_path / "ck").glob("step*/manifest.json"):
         manifest.write_text("{garbage")
-    assert train.main(LAYOUTS["dp2"] + TINY + ck) == 2
+    assert train_cli.main(LAYOUTS["dp2"] + TINY + ck) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no intact checkpoint" in err[0], err
     assert "step00000009: " in err[0] and "not a valid manifest" in err[0], err
@@ -121,12 +121,12 @@ def test_restarting_under_mixed_precision_is_refused_in_one_line(tmp_path, capsy
     """Resuming a reduced-precision run is not built (no fp32 master weights in the
     checkpoint): refused before any rank starts, not as a traceback after the restart."""
     ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"]
-    assert train.main(LAYOUTS["dp2"] + TINY[:-4] + ck + ["--precision", "bf16",
+    assert train_cli.main(LAYOUTS["dp2"] + TINY[:-4] + ck + ["--precision", "bf16",
                                                          "--max-restarts", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "resuming under mixed precision is not built" in err[0], err
     assert _run(LAYOUTS["dp2"] + TINY[:-4] + ck + ["--precision", "bf16"], capsys)[0] == 0
-    assert train.main(LAYOUTS["dp2"] + TINY[:-4] + ck + ["--precision", "bf16"]) == 2
+    assert train_cli.main(LAYOUTS["dp2"] + TINY[:-4] + ck + ["--precision", "bf16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds a checkpoint of step 9" in err[0], err
 
@@ -137,7 +137,7 @@ def test_a_fault_inside_an_async_save_is_refused_as_it_could_not_fire(tmp_path, 
     argv = LAYOUTS["dp2"] + TINY + ["--checkpoint-dir", str(tmp_path), "--checkpoint-every",
                                     "3", "--async-checkpoint", "--inject",
                                     "sigkill:rank=1:step=5:point=save"]
-    assert train.main(argv) == 2
+    assert train_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--async-checkpoint writes in a background thread" in err[0], err
 
@@ -192,7 +192,7 @@ def test_a_bad_injection_is_one_line_with_exit_2(spec, why, tmp_path, capsys):
     layout = LAYOUTS["pp2" if "last pipeline" in why else "dp2"]
     argv = layout + TINY + ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4",
                             "--inject", spec]
-    assert train.main(argv) == 2
+    assert train_cli.main(argv) == 2
     err = capsys.readouterr().err
     assert why in err and len(err.strip().splitlines()) == 1, err
 
@@ -290,7 +290,7 @@ def test_elastic_shrinks_and_grows_and_equals_the_reference(extra, lines, tmp_pa
 
 
 def test_elastic_needs_checkpoints_and_restarts(capsys):
-    assert train.main(LAYOUTS["dp2"] + TINY + ["--elastic"]) == 2
+    assert train_cli.main(LAYOUTS["dp2"] + TINY + ["--elastic"]) == 2
     assert "give --elastic with --checkpoint-dir and --max-restarts >= 1" in \
         capsys.readouterr().err
 

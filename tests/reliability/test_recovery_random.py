@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from minidist import train
+from minidist import train_cli
 from minidist.reliability.checkpoint import PHASES
 
 pytestmark = pytest.mark.multiproc
@@ -52,7 +52,7 @@ def _digest(out: str) -> str:
 
 
 def _run(argv: list[str], capfd) -> tuple[int, str]:
-    code = train.main(argv)
+    code = train_cli.main(argv)
     res = capfd.readouterr()
     return code, res.out + res.err
 

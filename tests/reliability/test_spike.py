@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from minidist import train
+from minidist import train_cli
 from minidist.reliability.spike import WARMUP, Detector, Guard, SpikeDetected
 
 
@@ -99,7 +99,7 @@ TINY = ["--dp", "2", "--steps", "24", "--every", "100", "--n-layer", "1", "--n-e
 
 
 def _run(argv, capfd) -> tuple[int, str, str]:
-    code = train.main(argv)
+    code = train_cli.main(argv)
     out = capfd.readouterr().out
     return code, out, re.findall(r"^params sha256: (\w+)$", out, re.M)[-1]
 
@@ -125,7 +125,7 @@ def test_the_policies_in_a_run_with_an_injected_nan(tmp_path, capfd):
 
 
 def test_rollback_needs_checkpoints_and_a_restart(capsys):
-    assert train.main(TINY + ["--spike", "rollback"]) == 2
+    assert train_cli.main(TINY + ["--spike", "rollback"]) == 2
     assert "--spike rollback restarts from a checkpoint" in capsys.readouterr().err
 
 

@@ -10,7 +10,7 @@ from argparse import Namespace
 import numpy as np
 import pytest
 
-from minidist import train
+from minidist import train_cli
 from minidist.baseline import model_config_for, train_single_process
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPT
@@ -253,7 +253,7 @@ def test_a_slow_rank_is_named_and_rebalanced_and_the_result_does_not_change():
 
 @pytest.mark.multiproc
 def test_the_cli_names_the_slow_rank_within_a_few_steps(capfd):
-    code = train.main(["--dp", "2", "--steps", "10", "--every", "1", "--n-layer", "2",
+    code = train_cli.main(["--dp", "2", "--steps", "10", "--every", "1", "--n-layer", "2",
                        "--n-embd", "16", "--n-head", "2", "--batch", "8", "--straggler",
                        "detect", "--inject", "slow:rank=1:step=2:seconds=0.05"])
     out = capfd.readouterr().out                    # the ranks write to the inherited fd

@@ -1,0 +1,207 @@
+"""The layer order, read from minidist's own import graph: no cycle, no import against it.
+
+README's "Architecture" section states the stack; this test is its enforcement. It parses
+every module of the package (ast, nothing is imported), takes every `import` and
+`from ... import` of a minidist module, at the top or inside a function, and checks:
+
+    1. each edge goes to a module of the same layer or a lower one;
+    2. the graph has no cycle (a strongly connected component of more than one module).
+
+What breaks either rule today is listed below, each entry with its reason and the part of
+the redesign that removes it. The lists only shrink: an entry that no longer matches the
+code fails the test too, so a fixed violation is struck from the list in the same change.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
+
+# Lowest first. A module's layer is that of the longest prefix listed.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("minidist", "minidist.backend",
+              "minidist.observe.trace")),   # the Chrome trace format: imports nothing of
+    #                                         minidist; the runtime's hang report, the
+    #                                         schedule renderer and the run directory use it
+    ("runtime", ("minidist.runtime",)),
+    ("collectives", ("minidist.collectives",)),
+    ("autograd", ("minidist.autograd", "minidist.memory.recompute")),   # re-run in backward
+    ("nn", ("minidist.nn", "minidist.seed", "minidist.data")),
+    ("optim", ("minidist.optim",)),
+    ("parallel and modes", ("minidist.parallel", "minidist.canonical",
+                            "minidist.canonical_matmul", "minidist.canonical_attention",
+                            "minidist.memory")),
+    ("train", ("minidist.train", "minidist.baseline")),
+    ("tools", ("minidist.bench", "minidist.observe", "minidist.reliability",
+               "minidist.cluster", "minidist.hardware", "minidist.gpu",
+               "minidist.memory.budget", "minidist.memory.budget_models",
+               "minidist.memory.budget_measure", "minidist.memory.budget_fit")),
+    ("command line", ("minidist.__main__", "minidist.train_cli", "minidist.memory.budget_cli",
+                      "minidist.reliability.interval_cli", "minidist.cluster.cli",
+                      "minidist.hardware.roofline_cli")),
+]
+
+# (importer, imported): why it is there today, and what removes it.
+_MODE = ("the deterministic mode (tree sums, fixed tiles, token runs) is woven into autograd "
+         "and nn; the redesign moves it out, to swap modules and Functions from outside")
+_BASELINE_CLI = ("baseline.run, the main job's single-process path, prints the progress line "
+                 "and MFU; the command-line path is to leave the ground truth")
+AGAINST_THE_ORDER: dict[tuple[str, str], str] = {
+    ("minidist.autograd.functional", "minidist.canonical_matmul"): _MODE,
+    ("minidist.autograd.fused", "minidist.canonical_matmul"): _MODE,
+    ("minidist.nn.attention", "minidist.canonical_attention"): _MODE,
+    ("minidist.nn.gpt", "minidist.canonical_matmul"): _MODE,
+    ("minidist.nn.layers", "minidist.canonical_matmul"): _MODE,
+    ("minidist.baseline", "minidist.observe.peak"): _BASELINE_CLI,
+    ("minidist.baseline", "minidist.observe.progress"): _BASELINE_CLI,
+}
+
+# Today's cycles, as the sets of modules they join: why, and what removes them.
+CYCLES: dict[frozenset[str], str] = {
+    frozenset({"minidist.autograd", "minidist.autograd.function", "minidist.autograd.functional",
+               "minidist.autograd.fused", "minidist.autograd.gradcheck", "minidist.autograd.ops",
+               "minidist.autograd.tensor", "minidist.canonical_attention",
+               "minidist.canonical_matmul", "minidist.memory.recompute", "minidist.nn.attention",
+               "minidist.nn.layers", "minidist.nn.module", "minidist.seed"}): _MODE,
+    frozenset({"minidist.parallel.deterministic_expert", "minidist.parallel.expert"}):
+        "expert parallelism calls the deterministic mode's grains: " + _MODE,
+    frozenset({"minidist.parallel.data", "minidist.parallel.data_buckets"}):
+        "DataParallel picks its shared-memory fast path by swapping its class in __new__; "
+        "the engine choice is to be made where the layout is composed (parallel/compose.py)",
+    frozenset({"minidist.bench.train", "minidist.bench.train_layouts"}):
+        "bench train's layout tables reuse its Row and measurement, and its main dispatches "
+        "to them; to be split along the command line",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """{module: the minidist modules it imports}, from the source, top level or not."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                for a in node.names:       # `from pkg import mod` imports mod; `from
+                    sub = f"{base}.{a.name}"   # pkg import name` takes pkg's attribute
+                    found.add(sub if sub in paths else base)
+        graph[name] = {r for n in found if n.startswith("minidist")
+                       and (r := resolve(n)) is not None and r != name}
+    return graph
+
+
+def layer(name: str) -> int:
+    """The index in LAYERS of the longest listed prefix of `name`."""
+    best, at = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and len(p) > best:
+                best, at = len(p), i
+    assert at >= 0, f"{name} is in no layer: add it to LAYERS (and to README's stack)"
+    return at
+
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[frozenset[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(frozenset(comp))
+    return out
+
+
+def test_every_module_has_a_layer():
+    for name in imports():
+        layer(name)
+
+
+def test_no_import_runs_against_the_layer_order():
+    graph = imports()
+    found = {(a, b) for a, targets in graph.items() for b in targets if layer(b) > layer(a)}
+    new = sorted(found - set(AGAINST_THE_ORDER))
+    gone = sorted(set(AGAINST_THE_ORDER) - found)
+    assert not new, "imports against the layer order (" + " < ".join(
+        n for n, _ in LAYERS) + "):\n" + "\n".join(
+        f"  {a} ({LAYERS[layer(a)][0]}) imports {b} ({LAYERS[layer(b)][0]})" for a, b in new)
+    assert not gone, f"fixed, so strike them from AGAINST_THE_ORDER: {gone}"
+
+
+def test_no_import_cycle():
+    found = cycles(imports())
+    new = [sorted(c) for c in found if c not in CYCLES]
+    gone = [sorted(c) for c in CYCLES if c not in found]
+    assert not new, "import cycles:\n" + "\n".join(f"  {' <-> '.join(c)}" for c in new)
+    assert not gone, f"fixed (or changed), so update CYCLES: {gone}"
+
+
+def test_the_checker_finds_a_planted_cycle_and_a_planted_inversion():
+    graph = {"minidist.nn.a": {"minidist.nn.b"}, "minidist.nn.b": {"minidist.nn.a"},
+             "minidist.autograd.c": {"minidist.optim.d"}, "minidist.optim.d": set()}
+    assert cycles(graph) == [frozenset({"minidist.nn.a", "minidist.nn.b"})]
+    assert layer("minidist.optim.d") > layer("minidist.autograd.c")
+    assert layer("minidist.memory.budget_fit") > layer("minidist.memory.precision")
+
+
+if __name__ == "__main__":            # print today's violations (to seed or prune the lists)
+    g = imports()
+    for a, b in sorted((a, b) for a, t in g.items() for b in t if layer(b) > layer(a)):
+        print(f"against: {a} -> {b}")
+    for c in cycles(g):
+        print("cycle:", sorted(c))
+    sys.exit(pytest.main([__file__, "-q"]))

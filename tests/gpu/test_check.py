@@ -183,13 +183,6 @@ def test_latency_verdict_fails_the_flat_curve_of_the_first_h200_run():
     assert not check.latency_verdict(flat[:10], 50 * MB)[0]        # never beyond 4 x L2
 
 
-def test_gap():
-    a = (np.array([1.0, 2.0]), {"w": np.array([0.5, 0.25])})
-    b = (np.array([1.0, 2.5]), {"w": np.array([0.5, 0.0])})
-    assert check.gap(a, b) == 0.5
-    assert check.gap(a, (a[0], {"w": np.array([0.5, 1.25])})) == 1.0
-
-
 def test_verdict_lines_exit_code_and_a_part_that_raises(monkeypatch, capsys):
     fake = types.SimpleNamespace(__version__="0.0-test")
     monkeypatch.setattr(check, "gpu_status", lambda: (fake, "", 0))

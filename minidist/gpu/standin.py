@@ -21,8 +21,9 @@ here, raised at the launch that does it:
                        call raises CUDARuntimeError (cudaErrorIllegalAddress), and so does
                        every CUDA call after it, as a sticky error does on a real context
 
-Clocks. The host clock is real time minus the time the emulator and g++ take, plus a
-modeled cost per launch and allocation; the device clock is a queue: a launch starts when
+Clocks. Both are modeled, so that nothing here depends on how loaded the machine is: the
+host clock advances by a modeled cost per launch, allocation and compile (and by
+`charge_host(seconds)`, for host work a test wants to model); the device clock is a queue: a launch starts when
 the stream is free and the host has issued it, and takes a modeled time (pointer_chase:
 hops x the latency of the level its working set fits in; bandwidth_read: bytes / that
 level's bandwidth; hold: its cycles at 1 GHz; any other kernel: 2 us + its arrays' bytes /
@@ -39,7 +40,6 @@ import hashlib
 import os
 import re
 import tempfile
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,7 +146,7 @@ class StandIn:
         self.fault: tuple[str, int, str] | None = None  # planted: kernel, status, message
         self.sticky: CUDARuntimeError | None = None
         self.pending: CUDARuntimeError | None = None
-        self._t0, self._excluded, self._modeled = time.perf_counter(), 0.0, 0.0
+        self._modeled = 0.0                             # the host clock, seconds
         self.free_s = 0.0                               # when the modeled stream is idle
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._sources: dict[str, Path] = {}
@@ -172,7 +172,7 @@ class StandIn:
         self._check_alive()
         flat = list(inputs) + (list(result) if isinstance(result, tuple) else [result])
         nbytes = sum(a.nbytes for a in flat if isinstance(a, np.ndarray))
-        self._charge_host(5e-6)
+        self.charge_host(5e-6)
         start = max(self.free_s, self.host_clock())
         self.free_s = start + 2e-6 + nbytes / self.levels[-1].bandwidth
         if isinstance(result, tuple):
@@ -187,27 +187,17 @@ class StandIn:
 
     # --- clocks ---
     def host_clock(self) -> float:
-        """Seconds: real time, less the emulator's and the compiler's, plus modeled costs."""
-        return time.perf_counter() - self._t0 - self._excluded + self._modeled
+        """Seconds of modeled host time: launches, allocations, compiles, charge_host."""
+        return self._modeled
 
-    def _charge_host(self, seconds: float) -> None:
+    def charge_host(self, seconds: float) -> None:
+        """Model `seconds` of host work (what a slow Python wrapper would cost)."""
         self._modeled += seconds
-
-    def _excluding(self):
-        stand_in = self
-
-        class _Excluded:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                stand_in._excluded += time.perf_counter() - self.t
-        return _Excluded()
 
     # --- arrays (modeled as pool allocations: ~2 us of host time each) ---
     def _track(self, a: np.ndarray) -> np.ndarray:
         self._check_alive()
-        self._charge_host(2e-6)
+        self.charge_host(2e-6)
         a = self._as_device(a)
         self._live[id(a)] = a
         return a
@@ -300,9 +290,8 @@ class StandIn:
             raise StandInError(f"{kernel}: {len(args)} arguments for its {len(params)} "
                                f"parameters ({', '.join(p.name for p in params)})")
         values = [self._check_arg(kernel, p, a, module.float4) for p, a in zip(params, args)]
-        with self._excluding():
-            self.emu.launch(module.path, kernel, g, b, values, shared_mem)
-        self._charge_host(4e-6)
+        self.emu.launch(module.path, kernel, g, b, values, shared_mem)   # not host time
+        self.charge_host(4e-6)
         start = max(self.free_s, self.host_clock())
         self.free_s = start + self._device_seconds(kernel, params, values)
         self.launches.append((module.name_of(kernel), kernel))
@@ -363,9 +352,8 @@ class _Module:
         self.standin, self.path = standin, path
         self.kernels = read_kernels(path)
         self.float4 = bool(re.search(r"\bfloat4\b", strip_comments(path.read_text())))
-        with standin._excluding():
-            standin.emu.load(path)                       # g++ (NVRTC's part), not timed
-        standin._charge_host(0.05)
+        standin.emu.load(path)             # g++ (NVRTC's part): charged as 50 ms below
+        standin.charge_host(0.05)
 
     def name_of(self, kernel: str) -> str:
         return self.path.name
@@ -376,7 +364,7 @@ class _Module:
             raise StandInError(f"RawModule has no kernel {name!r}; it has {sorted(self.kernels)}")
         key = (str(self.path), name)
         self.standin.lookups[key] = self.standin.lookups.get(key, 0) + 1
-        self.standin._charge_host(5e-6)
+        self.standin.charge_host(5e-6)
         return _Function(self, name)
 
 

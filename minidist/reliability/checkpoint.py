@@ -129,11 +129,12 @@ def _discard(root_fd: int, root: Path, names: list[str], token: str,
         confined.remove(root_fd, aside, root / aside)
 
 
-def _step_entries(root_fd: int) -> list[tuple[int, str, bool]]:
-    """(step, name, is a real directory) of every step* entry, newest first; links and
-    files named like step directories are listed as not directories."""
-    found = [(int(m.group(1)), name, stat.S_ISDIR(mode)) for name, mode in
-             confined.entries(root_fd) if (m := STEP_DIR.fullmatch(name))]
+def _step_entries(listing: list[tuple[str, int]]) -> list[tuple[int, str, bool]]:
+    """(step, name, is a real directory) of every step* entry of a root's listing
+    (confined.entries), newest first; links and files named like step directories are
+    listed as not directories."""
+    found = [(int(m.group(1)), name, stat.S_ISDIR(mode)) for name, mode in listing
+             if (m := STEP_DIR.fullmatch(name))]
     return sorted(found, reverse=True)
 
 
@@ -319,7 +320,7 @@ def _commit_in(root_fd: int, root: Path, state: CheckpointState, world: int,
     finally:
         os.close(tmp_fd)
     committed = _pointer(root_fd, root)[0]      # newer entries are uncommitted leftovers
-    _discard(root_fd, root, [name for s, name, _ in _step_entries(root_fd)
+    _discard(root_fd, root, [name for s, name, _ in _step_entries(confined.entries(root_fd))
                              if s == step or (committed is not None and s > committed)], token)
     os.rename(tmp, final, src_dir_fd=root_fd, dst_dir_fd=root_fd)
     os.fsync(root_fd)
@@ -327,7 +328,7 @@ def _commit_in(root_fd: int, root: Path, state: CheckpointState, world: int,
     _write_atomic(root_fd, "latest", f"{final}\n".encode(), root / "latest", phase,
                   partial="latest_partial")
     phase("latest_replaced")
-    done = [(s, name) for s, name, is_dir in _step_entries(root_fd) if is_dir]
+    done = [(s, name) for s, name, is_dir in _step_entries(confined.entries(root_fd)) if is_dir]
     _discard(root_fd, root, [name for s, name in done if s > step]
              + ([name for s, name in done if s <= step][keep:] if keep else []), token, phase)
     for name, _ in confined.entries(root_fd):   # crashed saves' leftovers (names only)
@@ -408,11 +409,12 @@ def latest(root: str | os.PathLike) -> Found | None:
     except OSError:
         return None
     try:
-        entries = _step_entries(root_fd)
+        listing = confined.entries(root_fd)
+        entries = _step_entries(listing)
         named, note = _pointer(root_fd, root)
-        has_latest = any(name == "latest" for name, _ in confined.entries(root_fd))
     finally:
         os.close(root_fd)
+    has_latest = any(name == "latest" for name, _ in listing)
     skipped = [note] if note and (entries or has_latest) else []
     skipped += [f"{name}: a symbolic link or a file, not a checkpoint directory: ignored"
                 for _, name, is_dir in entries if not is_dir]

@@ -96,26 +96,13 @@ def open_regular(dir_fd: int, name: str, where: Path) -> tuple[int, int]:
         fd = os.open(name, _READ, dir_fd=dir_fd)
     except OSError as e:
         raise _refuse_link(e, where, dir_fd, name) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise Refused(f"{where}: is {_what(st.st_mode)}, not a regular file; refusing it")
-    return fd, st.st_size
+    return fd, _regular_size(fd, where)
 
 
 def read_bounded(dir_fd: int, name: str, where: Path, limit: int) -> bytes:
     """The bytes of the regular file `name` (rules 1-3), refused above `limit` bytes."""
     fd, size = open_regular(dir_fd, name, where)
-    try:
-        if size > limit:
-            raise Refused(f"{where}: {size} bytes, more than the {limit} such a file can "
-                          f"hold; refusing to read it")
-        data = read_exactly(fd, 0, size, where)
-        if os.pread(fd, 1, size):
-            raise Refused(f"{where}: grew while it was read; refusing it")
-        return data
-    finally:
-        os.close(fd)
+    return _read_and_close(fd, size, where, limit)
 
 
 def read_named(path: str | os.PathLike, limit: int) -> bytes:
@@ -124,14 +111,29 @@ def read_named(path: str | os.PathLike, limit: int) -> bytes:
     such as /dev/zero is refused, and so is a file above `limit` bytes, unread."""
     where = Path(path)
     fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    return _read_and_close(fd, _regular_size(fd, where), where, limit)
+
+
+def _regular_size(fd: int, where: Path) -> int:
+    """The size of the open file `fd`, which must be a regular file (closed if not)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise Refused(f"{where}: is {_what(st.st_mode)}, not a regular file; refusing it")
+    return st.st_size
+
+
+def _read_and_close(fd: int, size: int, where: Path, limit: int) -> bytes:
+    """The `size` bytes of the open regular file `fd` (refused above `limit`, or if it
+    grew meanwhile); closes `fd`."""
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Refused(f"{where}: is {_what(st.st_mode)}, not a regular file")
-        if st.st_size > limit:
-            raise Refused(f"{where}: {st.st_size} bytes, more than the {limit} such a file "
-                          f"can hold; refusing to read it")
-        return read_exactly(fd, 0, st.st_size, where)
+        if size > limit:
+            raise Refused(f"{where}: {size} bytes, more than the {limit} such a file can "
+                          f"hold; refusing to read it")
+        data = read_exactly(fd, 0, size, where)
+        if os.pread(fd, 1, size):
+            raise Refused(f"{where}: grew while it was read; refusing it")
+        return data
     finally:
         os.close(fd)
 

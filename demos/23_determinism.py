@@ -10,14 +10,14 @@ usual, the layouts agree to ~1e-15 but their hashes differ: each groups its sums
 differently. Deterministic, every hash is the same, and equal to the deterministic single
 process's: each sample is its own micro-batch and the samples' gradients are added in one
 fixed tree over their global indices, whoever holds them; tensor-parallel matmuls run
-over fixed tiles of the weights (minidist/canonical_matmul.py); every sum over positions
+over fixed tiles of the weights (minidist/deterministic/matmul.py); every sum over positions
 runs over fixed runs of positions (--token-tiles, what context parallelism needs); experts
 run each sample's tokens in a call of their own. The step times (information only) show
 what that costs.
 
 Run:       python demos/23_determinism.py [--steps 3 --batch 12 --dtype float32]
-Read with: minidist/canonical.py, minidist/parallel/deterministic.py,
-           minidist/canonical_matmul.py, minidist/parallel/deterministic_expert.py
+Read with: minidist/deterministic/ (its __init__ is the map: tree_sum.py, matmul.py,
+           layers.py, apply.py, step.py, expert.py)
 Paper:     Demmel & Nguyen 2013, "Fast reproducible floating-point summation" (the
            problem); Higham 1993 (pairwise summation)
 """

@@ -40,8 +40,8 @@ from typing import Callable
 import numpy as np
 
 from minidist import backend, optim
-from minidist.canonical import TreeSum, combine
-from minidist.canonical_matmul import Tokens, tile_model
+from minidist.deterministic.layers import determinize
+from minidist.deterministic.tree_sum import TreeSum, combine
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPT, DropoutKey, GPTConfig
 
@@ -88,12 +88,12 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     warmup_steps, cosine decay to min_lr at `steps`). on_step(step, loss, model) is called
     after each optimizer step (progress printing). deterministic: every sample is its own
     micro-batch, and the per-sample gradients and losses are added in the fixed tree of
-    minidist/canonical.py, so the bits depend on no grouping: grad_accum changes nothing,
+    minidist/deterministic/tree_sum.py, so the bits depend on no grouping: grad_accum changes nothing,
     and the layouts that do the same (train.py --deterministic) equal this run bit for bit.
     grain (deterministic only): samples per micro-batch (the leaves of the tree are runs of
     `grain` consecutive rows); every layout compared must use the same grain. token_tiles
     (deterministic only): every sum over positions is a tree over runs of T / token_tiles
-    of them (what context-parallel layouts need; canonical_attention.py).
+    of them (what context-parallel layouts need; deterministic/attention.py).
     """
     check_compatible(model_cfg, data_cfg)
     if steps < 0 or grad_accum < 1 or global_batch % grad_accum:
@@ -106,8 +106,7 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
         raise ValueError(f"lr_schedule={lr_schedule!r} is unknown; use 'constant' or 'cosine'.")
     model, data = GPT(model_cfg, seed), SyntheticData(data_cfg)
     if deterministic:                        # matmuls over the tiles every layout uses
-        tile_model(model, rows=None if token_tiles is None else
-                   Tokens(per_sequence=token_tiles))
+        determinize(model, token_tiles)
     opt = optim.make_optimizer(optimizer, model.parameters(), lr, weight_decay, betas,
                                momentum)
     losses, norms, lrs = [], [], []
@@ -152,7 +151,7 @@ def _accumulate_gradients(model: GPT, data: SyntheticData, step: int, global_bat
 def _accumulate_canonical(model: GPT, data: SyntheticData, step: int, global_batch: int,
                           seed: int, grain: int = 1) -> float:
     """_accumulate_gradients with `grain` samples per micro-batch, whose gradients and losses
-    are summed in the aligned tree of canonical.py (leaf b: rows b grain .. (b+1) grain - 1)."""
+    are summed in the aligned tree of tree_sum.py (leaf b: rows b grain .. (b+1) grain - 1)."""
     ids = data.global_indices(step, global_batch)                    # (B,)
     x, y = data.batch(ids)                                           # (B, T) each
     n_tokens = int((y != -100).sum())                                # over the GLOBAL batch
@@ -254,7 +253,7 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--deterministic", action="store_true",
                     help="bitwise the same parameters and losses under every dp x ZeRO layout "
                          "and micro-batch count: one sample per micro-batch, summed in a "
-                         "fixed tree (minidist/canonical.py)")
+                         "fixed tree (minidist/deterministic/tree_sum.py)")
     ap.add_argument("--grain", type=int, default=1,
                     help="--deterministic: samples per leaf of the tree (default 1); larger "
                          "is faster, and runs compare bitwise only at the same grain")

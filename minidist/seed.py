@@ -45,14 +45,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minidist import backend
-
-if TYPE_CHECKING:                                     # pragma: no cover
-    from minidist.nn.module import Module
 
 _KINDS = ("normal", "zeros", "ones", "constant")
 
@@ -151,8 +147,9 @@ def draw(init: Init, shape: tuple[int, ...], seed: int, name: str,
     return (full * init.std).astype(dtype)
 
 
-def init_parameters(module: "Module", seed: int, prefix: str = "") -> None:
-    """Fill every parameter of `module` in place with its (seed, full name) draw.
+def init_parameters(module, seed: int, prefix: str = "") -> None:
+    """Fill every parameter of `module` (an nn.Module) in place with its (seed, full name)
+    draw.
 
     `prefix` is prepended to the names, so a sub-module built on its own (a pipeline stage
     holding "blocks.2") can be initialised exactly as inside the whole model.

@@ -53,10 +53,11 @@ from minidist import optim
 from minidist.baseline import check_compatible
 from minidist.data import DataConfig, SyntheticData
 from minidist.nn import GPTConfig
-from minidist.parallel import deterministic as determinism
+from minidist.deterministic import step as determinism
+from minidist.deterministic.expert import ExpertGrains
+from minidist.deterministic.layout import determinize_layout
 from minidist.parallel import placement, schedules
 from minidist.parallel.compose import Plan, build
-from minidist.parallel.deterministic_expert import ExpertGrains
 
 __all__ = ["Plan", "RankResult", "StepEnd", "train_on_rank"]
 
@@ -146,7 +147,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
     device_memory (bytes, or a size such as "64MB"): the steps run under memory/ledger.py's
     Ledger with that per-rank budget, which raises DeviceOutOfMemory past it; memory_ledger:
     the same without a budget. RankResult.memory["ledger"] is then its summary() (peaks).
-    deterministic (parallel/deterministic.py): bitwise train_single_process(deterministic=
+    deterministic (minidist/deterministic/): bitwise train_single_process(deterministic=
     True, grain=grain); every micro-batch is one grain of `grain` rows, whatever
     plan.micro_batches says, so each dp rank's rows must be a multiple of grain;
     token_tiles: runs of T / token_tiles positions summed in the tree too (context
@@ -175,7 +176,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
         lay.engine.load_full_state(*initial_state)
     engine, grad, data = lay.engine, lay.grad_group, SyntheticData(data_cfg)
     if deterministic:                          # the tp-shardable matmuls over fixed tiles
-        determinism.tile_model(lay.model, token_tiles)
+        determinize_layout(lay.model, token_tiles)
         named = list(lay.model.named_parameters())
         experts = None if lay.ep_group is None else \
             ExpertGrains(lay.model, lay.ep_group, lay.expert_group)
@@ -224,7 +225,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
                 injector.slow(step, sum(len(mb.x) for mb in batches))
             with contextlib.nullcontext() if injector is None else \
                     injector.nan_loss(lay.model, step):
-                if deterministic and stage is None:     # parallel/deterministic.py: the
+                if deterministic and stage is None:     # deterministic/step.py: the
                     loss, norm = determinism.step(engine, named, batches, first // grain,
                                                   global_batch // grain, n_tokens,  # the
                                                   lay.dp_group, lr_s, clip_grad,    # update

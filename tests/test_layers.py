@@ -15,6 +15,7 @@ code fails the test too, so a fixed violation is struck from the list in the sam
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -33,8 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("autograd", ("minidist.autograd", "minidist.memory.recompute")),   # re-run in backward
     ("nn", ("minidist.nn", "minidist.seed", "minidist.data")),
     ("optim", ("minidist.optim",)),
-    ("parallel and modes", ("minidist.parallel", "minidist.canonical",
-                            "minidist.canonical_matmul", "minidist.canonical_attention",
+    ("parallel and modes", ("minidist.parallel", "minidist.deterministic",
                             "minidist.memory")),
     ("train", ("minidist.train", "minidist.baseline")),
     ("tools", ("minidist.bench", "minidist.observe", "minidist.reliability",
@@ -47,29 +47,20 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 # (importer, imported): why it is there today, and what removes it.
-_MODE = ("the deterministic mode (tree sums, fixed tiles, token runs) is woven into autograd "
-         "and nn; the redesign moves it out, to swap modules and Functions from outside")
 _BASELINE_CLI = ("baseline.run, the main job's single-process path, prints the progress line "
                  "and MFU; the command-line path is to leave the ground truth")
 AGAINST_THE_ORDER: dict[tuple[str, str], str] = {
-    ("minidist.autograd.functional", "minidist.canonical_matmul"): _MODE,
-    ("minidist.autograd.fused", "minidist.canonical_matmul"): _MODE,
-    ("minidist.nn.attention", "minidist.canonical_attention"): _MODE,
-    ("minidist.nn.gpt", "minidist.canonical_matmul"): _MODE,
-    ("minidist.nn.layers", "minidist.canonical_matmul"): _MODE,
     ("minidist.baseline", "minidist.observe.peak"): _BASELINE_CLI,
     ("minidist.baseline", "minidist.observe.progress"): _BASELINE_CLI,
 }
 
 # Today's cycles, as the sets of modules they join: why, and what removes them.
 CYCLES: dict[frozenset[str], str] = {
-    frozenset({"minidist.autograd", "minidist.autograd.function", "minidist.autograd.functional",
-               "minidist.autograd.fused", "minidist.autograd.gradcheck", "minidist.autograd.ops",
-               "minidist.autograd.tensor", "minidist.canonical_attention",
-               "minidist.canonical_matmul", "minidist.memory.recompute", "minidist.nn.attention",
-               "minidist.nn.layers", "minidist.nn.module", "minidist.seed"}): _MODE,
-    frozenset({"minidist.parallel.deterministic_expert", "minidist.parallel.expert"}):
-        "expert parallelism calls the deterministic mode's grains: " + _MODE,
+    frozenset({"minidist.autograd.function", "minidist.autograd.functional",
+               "minidist.autograd.fused", "minidist.autograd.ops", "minidist.autograd.tensor"}):
+        "a Tensor's operators (+, @, .sum) are the autograd's Functions, and every Function "
+        "returns a Tensor: tensor.py imports ops.py and functional.py at its end (micrograd "
+        "keeps the two in one file); one package, one unit",
     frozenset({"minidist.parallel.data", "minidist.parallel.data_buckets"}):
         "DataParallel picks its shared-memory fast path by swapping its class in __new__; "
         "the engine choice is to be made where the layout is composed (parallel/compose.py)",
@@ -205,3 +196,17 @@ if __name__ == "__main__":            # print today's violations (to seed or pru
     for c in cycles(g):
         print("cycle:", sorted(c))
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# The core a reader follows carries no mode that is not its own: the deterministic mode
+# lives in minidist/deterministic/ and swaps modules and Functions from outside.
+CORE = ("autograd", "nn", "optim", "parallel")
+MODE_WORDS = re.compile(r"determinis|canonical|tiles|tree.?sum", re.IGNORECASE)
+
+
+def test_the_core_holds_nothing_of_the_deterministic_mode():
+    found = [f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
+             for folder in CORE for path in sorted((PACKAGE / folder).rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if MODE_WORDS.search(line)]
+    assert not found, "the deterministic mode in the core:\n" + "\n".join(found[:20])

@@ -157,38 +157,25 @@ class Embedding(Function):
 
     Backward: the same row may be picked many times, so the rows of g are
     summed into dw with add.at:  dw[v] = sum of g[n] over all n with ids[n] = v.
-
-    tokens (canonical_matmul.Tokens, the deterministic mode): each run of positions adds
-    into a table of its own, and the tables are summed in the aligned tree over the runs'
-    global index (exchanged when other ranks hold other positions).
     """
 
     @staticmethod
-    def forward(ctx: Context, w: Any, ids: Any, *, tokens: Any = None) -> Any:
+    def forward(ctx: Context, w: Any, ids: Any) -> Any:
         ctx.save_for_backward(ids)
-        ctx.shape, ctx.tokens = w.shape, tokens
+        ctx.shape = w.shape
         return w[ids]
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         xp = backend.xp
         (ids,) = ctx.saved_tensors
-        if ctx.tokens is None:
-            dw = xp.zeros(ctx.shape, dtype=g.dtype)
-            xp.add.at(dw, ids.reshape(-1), g.reshape(-1, ctx.shape[1]))
-            return dw, None
-        from minidist.canonical_matmul import tree_over_tiles
-        rows = ids.reshape(-1, ids.shape[-1])                          # (B, T_r)
-        index, count = ctx.tokens.leaves(rows.shape)
-        leaf = xp.repeat(xp.arange(len(index)), rows.size // len(index))
-        parts = xp.zeros((len(index),) + tuple(ctx.shape), dtype=g.dtype)
-        xp.add.at(parts, (leaf, rows.reshape(-1)), g.reshape(-1, ctx.shape[1]))
-        return tree_over_tiles(parts, index, count, ctx.tokens.exchange), None
+        dw = xp.zeros(ctx.shape, dtype=g.dtype)
+        xp.add.at(dw, ids.reshape(-1), g.reshape(-1, ctx.shape[1]))
+        return dw, None
 
 
-def embedding(weight: Tensor, ids: Any, tokens: Any = None) -> Tensor:
-    """Look up rows of `weight` (V, C) for integer `ids` (...) -> (..., C); tokens: the
-    deterministic mode's sum of the gradient over runs of positions (Embedding)."""
+def embedding_ids(weight: Tensor, ids: Any) -> Any:
+    """ids (...) as an integer array, checked against the rows of `weight` (V, C)."""
     ids = ids.data if isinstance(ids, Tensor) else backend.xp.asarray(ids)
     V = weight.shape[0]
     if ids.dtype.kind not in "iu":
@@ -198,7 +185,12 @@ def embedding(weight: Tensor, ids: Any, tokens: Any = None) -> Tensor:
             f"embedding: ids range over [{int(ids.min())}, {int(ids.max())}] but the table "
             f"has {V} rows; every id must lie in [0, {V - 1}]. Check the vocabulary size."
         )
-    return Embedding.apply(weight, ids, tokens=tokens)
+    return ids
+
+
+def embedding(weight: Tensor, ids: Any) -> Tensor:
+    """Look up rows of `weight` (V, C) for integer `ids` (...) -> (..., C) (Embedding)."""
+    return Embedding.apply(weight, embedding_ids(weight, ids))
 
 
 def dropout(x: Any, p: float, rng: Any, training: bool = True) -> Tensor:
@@ -265,13 +257,11 @@ def log_softmax(x: Any, axis: int = -1) -> Tensor:
     return fused.LogSoftmax.apply(x, axis=axis)
 
 
-def layer_norm(x: Any, weight: Any, bias: Any, eps: float = 1e-5, tokens: Any = None
-               ) -> Tensor:
-    """Normalise over the last axis, then scale by weight and shift by bias (fused.LayerNorm);
-    tokens (canonical_matmul.Tokens): the weight and bias gradients in its fixed tree."""
+def layer_norm(x: Any, weight: Any, bias: Any, eps: float = 1e-5) -> Tensor:
+    """Normalise over the last axis, then scale by weight and shift by bias (fused.LayerNorm)."""
     if precision is not None:
         x, weight, bias = (precision.upcast(v) for v in (x, weight, bias))
-    return fused.LayerNorm.apply(x, weight, bias, eps=eps, tokens=tokens)
+    return fused.LayerNorm.apply(x, weight, bias, eps=eps)
 
 
 def gelu(x: Any, approximate: str = "tanh") -> Tensor:
@@ -282,19 +272,29 @@ def gelu(x: Any, approximate: str = "tanh") -> Tensor:
 
 
 def cross_entropy(logits: Tensor, targets: Any, ignore_index: int = -100,
-                  reduction: str = "mean", tree: bool = False, tokens: Any = None) -> Tensor:
+                  reduction: str = "mean") -> Tensor:
     """Softmax cross-entropy of logits (..., V) against integer targets (...).
 
     reduction: "mean" over targets != ignore_index (0 if there are none), "sum",
-    or "none" (a loss per position, shape of targets, 0 where ignored). tree: the
-    softmax's sum over V in canonical.py's fixed tree (the deterministic mode); tokens:
-    the sum over positions in one too (canonical_matmul.Tokens; reduction "sum").
+    or "none" (a loss per position, shape of targets, 0 where ignored).
     """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'.")
+    t = cross_entropy_targets(logits, targets, ignore_index)
+    if precision is not None:
+        logits = precision.upcast(logits)
+    z = logits if logits.ndim == 2 else ops.reshape(logits, -1, logits.shape[-1])
+    loss = fused.CrossEntropy.apply(z, t=t.reshape(-1), ignore_index=ignore_index,
+                                    reduction=reduction)
+    return ops.reshape(loss, t.shape) if reduction == "none" else loss
+
+
+def cross_entropy_targets(logits: Tensor, targets: Any, ignore_index: int = -100) -> Any:
+    """targets (...) as an array, checked against logits (..., V): the same leading shape,
+    every counted target a class in 0..V-1."""
     xp = backend.xp
     t = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
     V = logits.shape[-1]
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'.")
     if t.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: targets have shape {t.shape}, expected "
                          f"{logits.shape[:-1]} (the logits' shape without the last axis).")
@@ -304,13 +304,7 @@ def cross_entropy(logits: Tensor, targets: Any, ignore_index: int = -100,
             f"cross_entropy: targets range over [{int(counted.min())}, {int(counted.max())}] "
             f"but there are {V} classes; use 0..{V - 1}, or ignore_index={ignore_index} to skip."
         )
-    if precision is not None:
-        logits = precision.upcast(logits)
-    z = logits if logits.ndim == 2 else ops.reshape(logits, -1, V)
-    loss = fused.CrossEntropy.apply(z, t=t.reshape(-1), ignore_index=ignore_index,
-                                    reduction=reduction, tree=tree, tokens=tokens,
-                                    shape=tuple(t.shape))
-    return ops.reshape(loss, t.shape) if reduction == "none" else loss
+    return t
 
 
 exp = ops.Exp.apply

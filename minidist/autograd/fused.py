@@ -86,43 +86,47 @@ class LayerNorm(Function):
     Backward (with dxhat = g * w):
         dx = r * (dxhat - mean_j dxhat_j - xhat * mean_j (dxhat_j * xhat_j))
         dw = sum over all leading axes of g * xhat,   db = same sum of g.
-    Inputs: x (..., C); w, b (C,) or None (then that term is left out). tokens: dw and
-    db summed over the tokens in the aligned tree of canonical.py (canonical_matmul.Tokens,
-    the deterministic mode's, which sequence-parallel ranks reproduce) instead of NumPy's.
+    Inputs: x (..., C); w, b (C,) or None (then that term is left out).
     """
 
     @staticmethod
-    def forward(ctx: Context, x: Any, w: Any, b: Any, *, eps: float = 1e-5,
-                tokens: Any = None) -> Any:
+    def forward(ctx: Context, x: Any, w: Any, b: Any, *, eps: float = 1e-5) -> Any:
         xp = backend.xp
         xc = x - x.mean(axis=-1, keepdims=True)
         r = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)   # (..., 1)
         xhat = xc
         xhat *= r                                                          # in place: xc is ours
         ctx.save_for_backward(xhat, r, w)
-        ctx.tokens = tokens
         y = xhat if w is None else xhat * w
         return y if b is None else y + b
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
-        xhat, r, w = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad
-        C = xhat.shape[-1]
-        dx = dw = db = None
-        if need_x:
-            dxhat = g if w is None else g * w
-            dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
-            dxhat_xhat = dxhat * xhat
-            dx -= xhat * dxhat_xhat.mean(axis=-1, keepdims=True)
-            dx *= r
-        sum_tokens = ctx.tokens.sum if ctx.tokens is not None else \
-            (lambda v: v.reshape(-1, C).sum(axis=0))
-        if need_w:
-            dw = sum_tokens(g * xhat)
-        if need_b:
-            db = sum_tokens(g)
-        return dx, dw, db
+        return layer_norm_grads(ctx, g, sum_leading_axes)
+
+
+def sum_leading_axes(v: Any) -> Any:
+    """v (..., C) -> (C,): the sum over every axis but the last (NumPy's order)."""
+    return v.reshape(-1, v.shape[-1]).sum(axis=0)
+
+
+def layer_norm_grads(ctx: Context, g: Any, sum_over_tokens) -> tuple:
+    """LayerNorm's (dx, dw, db) for g (..., C), with dw and db added over the tokens (the
+    leading axes) by sum_over_tokens (..., C) -> (C,)."""
+    xhat, r, w = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad
+    dx = dw = db = None
+    if need_x:
+        dxhat = g if w is None else g * w
+        dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
+        dxhat_xhat = dxhat * xhat
+        dx -= xhat * dxhat_xhat.mean(axis=-1, keepdims=True)
+        dx *= r
+    if need_w:
+        dw = sum_over_tokens(g * xhat)
+    if need_b:
+        db = sum_over_tokens(g)
+    return dx, dw, db
 
 
 class CrossEntropy(Function):
@@ -133,38 +137,15 @@ class CrossEntropy(Function):
     there are none), "sum" does not, "none" returns one loss per row.
     Backward, per counted row with weight w_n (1/count, 1 or g_n):
         dz_n = w_n * (softmax(z_n) - onehot(t_n)).
-    The softmax is computed once, in the forward, and reused. tree: the sum over V in
-    the aligned tree of canonical.py (the deterministic mode's, which vocabulary-parallel
-    ranks reproduce: parallel/vocab.py) instead of NumPy's. tokens (canonical_matmul.Tokens,
-    with shape the targets' (B, T_r)): the sum over tokens in the same kind of tree,
-    exchanged when other ranks hold other positions (context parallelism).
+    The softmax is computed once, in the forward, and reused.
     """
 
     @staticmethod
-    def forward(ctx: Context, z: Any, *, t: Any, ignore_index: int, reduction: str,
-                tree: bool = False, tokens: Any = None, shape: tuple = ()) -> Any:
-        xp = backend.xp
-        N = z.shape[0]
-        rows = xp.arange(N)
-        keep = t != ignore_index                                   # (N,) bool
-        t_safe = xp.where(keep, t, 0)
-        z_max = z.max(axis=1, keepdims=True)                       # (N, 1)
-        p = xp.exp(z - z_max)
-        if tree:
-            from minidist.canonical_matmul import tree_over_tiles
-            V = p.shape[1]
-            sums = tree_over_tiles(p.T, tuple(range(V)), V, None)[:, None]
-        else:
-            sums = p.sum(axis=1, keepdims=True)
-        p /= sums                                                  # softmax (N, V)
-        losses = (xp.log(sums[:, 0]) + z_max[:, 0]) - z[rows, t_safe]
-        w = keep.astype(z.dtype)                                   # 1 counted, 0 ignored
-        losses[~keep] = 0     # not losses *= w: an ignored row's z[0] may be -inf (padding)
-        ctx.save_for_backward(p, t_safe, w)
-        ctx.reduction, ctx.count = reduction, int(keep.sum())
+    def forward(ctx: Context, z: Any, *, t: Any, ignore_index: int, reduction: str) -> Any:
+        losses = softmax_losses(ctx, z, t, ignore_index, reduction, sum_over_classes)
         if reduction == "none":
             return losses
-        total = losses.sum() if tokens is None else tokens.sum(losses.reshape(shape))
+        total = losses.sum()
         return total if reduction == "sum" else total / max(ctx.count, 1)
 
     @staticmethod
@@ -177,6 +158,32 @@ class CrossEntropy(Function):
         dz = p * w[:, None]
         dz[backend.xp.arange(p.shape[0]), t_safe] -= w
         return (dz,)
+
+
+def sum_over_classes(p: Any) -> Any:
+    """p (N, V) -> (N, 1): the sum over each row (NumPy's order)."""
+    return p.sum(axis=1, keepdims=True)
+
+
+def softmax_losses(ctx: Context, z: Any, t: Any, ignore_index: int, reduction: str,
+                   row_sums) -> Any:
+    """CrossEntropy's per-row losses (N,), 0 where ignored, the softmax's denominators
+    added by row_sums (N, V) -> (N, 1); saves what its backward needs on ctx."""
+    xp = backend.xp
+    N = z.shape[0]
+    rows = xp.arange(N)
+    keep = t != ignore_index                                   # (N,) bool
+    t_safe = xp.where(keep, t, 0)
+    z_max = z.max(axis=1, keepdims=True)                       # (N, 1)
+    p = xp.exp(z - z_max)
+    sums = row_sums(p)
+    p /= sums                                                  # softmax (N, V)
+    losses = (xp.log(sums[:, 0]) + z_max[:, 0]) - z[rows, t_safe]
+    w = keep.astype(z.dtype)                                   # 1 counted, 0 ignored
+    losses[~keep] = 0     # not losses *= w: an ignored row's z[0] may be -inf (padding)
+    ctx.save_for_backward(p, t_safe, w)
+    ctx.reduction, ctx.count = reduction, int(keep.sum())
+    return losses
 
 
 class Gelu(Function):

@@ -1,6 +1,6 @@
 """Benchmark: what the deterministic mode costs in step time, against the normal mode.
 
-The deterministic mode (parallel/deterministic.py, train.py --deterministic) trains
+The deterministic mode (minidist/deterministic/, train.py --deterministic) trains
 bitwise the same parameters under every layout it covers and in one process: each
 micro-batch is one grain of G rows, and the grains' gradients are added in one fixed tree
 over the global batch. It pays for this with smaller matmuls (G rows instead of B/dp),
@@ -42,7 +42,7 @@ Run:  python -m minidist bench determinism [--layouts dp=2,tp=2] [--grains 1,max
       [--n-head 4] [--length 64] [--dtype float32] [--token-tiles N]  (about a minute)
       A layout is a Plan: key=value items joined by ':', e.g. dp=2:zero=1, pp=2,
       pp=2:schedule=gpipe, dp=2:tp=2 (keys: see LAYOUT_KEYS).
-Read next: parallel/deterministic.py, canonical.py
+Read next: deterministic/__init__.py (the mode's map), deterministic/step.py
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ LAYOUT_KEYS = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "cp": ("
                "ep": ("ep", int), "zero": ("zero", int), "schedule": ("schedule", str),
                "v": ("virtual_stages", int), "cp_algo": ("cp_algo", str),
                "sp": ("sequence_parallel", bool)}
-_CHECK_FRAME = re.compile(r'deterministic\.py", line \d+, in check\b')
+_CHECK_FRAME = re.compile(r'deterministic/step\.py", line \d+, in check\b')
 
 
 @dataclass
@@ -142,7 +142,7 @@ def _on_rank(ctx, cfg, data_cfg, plan: Plan, steps: int, batch: int, grain: int 
 
 def refusal(e: RankFailure) -> str | None:
     """The one-line message if `e` is the deterministic mode refusing the layout (a
-    ValueError from parallel/deterministic.check on some rank), else None."""
+    ValueError from deterministic/step.check on some rank), else None."""
     for text in [e.failures.get(e.rank, "")] + list(e.failures.values()):
         if not text.startswith("ValueError: "):
             continue

@@ -14,9 +14,9 @@ mask makes uneven: position i attends to i + 1 keys.
 `attention_core` is the part every layout shares: softmax(q k^T / sqrt(D) + M) v for any
 set of heads and any set of query and key positions, the mask and the dropout masks taken
 from GLOBAL positions, so context parallelism (ring attention, Ulysses) can run it on the
-blocks it holds and still draw the single process's numbers. With `selective` on (set by
-the Block from GPTConfig(recompute="selective")) memory/recompute.selective_attention runs
-the core instead: its T^2 arrays (`attention_weights`) are rebuilt from q and k in the
+blocks it holds and still draw the single process's numbers. With `selective` on (passed
+by the Block from GPTConfig(recompute="selective")) memory/recompute.selective_attention
+runs the core instead: its T^2 arrays (`attention_weights`) are rebuilt from q and k in the
 backward instead of kept, and q, k, v are all it keeps (Korthikanti et al. 2022,
 arXiv:2205.05198, Sec. 5). The numbers are the same, bit for bit.
 
@@ -37,7 +37,6 @@ import numpy as np
 from minidist import backend
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
-from minidist.canonical_attention import canonical_attention
 from minidist.memory import recompute as recomputation
 from minidist.nn.layers import STD, Dropout, DropoutKey, Linear
 from minidist.nn.module import Module
@@ -72,23 +71,43 @@ def attention_weights(q: Tensor, k: Tensor, q_pos, k_pos, drop: Dropout,
                            3: (np.asarray(k_pos), T)})
 
 
+class LocalAttention:
+    """The attention core of a rank that holds the whole sequence: attention_core over all
+    T positions, or, with `selective`, memory/recompute.selective_attention (the same
+    numbers; the attention weights rebuilt in the backward instead of kept).
+
+    An attention core is any object with this `attention` method; a layout that computes
+    attention another way gives the layer its own (context parallelism's ring attention
+    or Ulysses: parallel/context.py)."""
+
+    def __init__(self, selective: bool = False) -> None:
+        self.selective = selective
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, drop: Dropout,
+                  key: DropoutKey | None, first_head: int, n_head: int) -> Tensor:
+        """q, k, v (B, h, T, D) of heads first_head.. of n_head -> y (B, h, T, D)."""
+        T = q.shape[2]
+        pos = np.arange(T)
+        args = (pos, pos, drop, key, first_head, n_head, T)
+        if self.selective:
+            return recomputation.selective_attention(attention_weights, q, k, v, *args)
+        return attention_core(q, k, v, *args)
+
+
 class CausalSelfAttention(Module):
     """Multi-head attention with a causal mask; heads = n_head, head dim D = C / n_head.
 
     `attend` is the part between the two projections: it takes qkv (B, T, 3 h D) for any
     number h of whole heads, so a tensor-parallel rank (parallel/tensor.py) runs the same
     code on its h = H / W_tp heads, telling dropout where its heads sit among all H.
-    `context` (None: the whole sequence is here) is set by context parallelism, which
-    then runs the attention of this rank's positions over the cp group. `selective`
-    (False: keep every activation) rebuilds the attention weights in the backward.
+    `core` computes the attention of those heads (LocalAttention: the whole sequence is
+    here; `selective` rebuilds the attention weights in the backward); context
+    parallelism replaces it with one that runs over the cp group.
     """
 
-    context = None
-    selective = False
-    canonical = None       # deterministic mode: canonical_matmul.Tokens of the query runs
-
     def __init__(self, n_embd: int, n_head: int, bias: bool = True, dropout: float = 0.0,
-                 dtype: str = "float64", proj_std: float = STD) -> None:
+                 dtype: str = "float64", proj_std: float = STD,
+                 selective: bool = False) -> None:
         if n_head < 1 or n_embd % n_head != 0:
             raise ValueError(f"CausalSelfAttention: n_embd={n_embd} is not divisible by "
                              f"n_head={n_head}; choose n_head among the divisors of n_embd.")
@@ -97,6 +116,7 @@ class CausalSelfAttention(Module):
         self.proj = Linear(n_embd, n_embd, bias, dtype, std=proj_std)
         self.attn_drop = Dropout(dropout)
         self.resid_drop = Dropout(dropout)
+        self.core = LocalAttention(selective)
 
     def forward(self, x: Tensor, key: DropoutKey | None = None) -> Tensor:
         y = self.attend(self.qkv(x), key)                      # (B, T, 3C) -> (B, T, C)
@@ -114,20 +134,5 @@ class CausalSelfAttention(Module):
         q = q.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
         k = k.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
         v = v.reshape(B, T, h, D).transpose(0, 2, 1, 3)         # (B, h, T, D)
-        if self.canonical is not None:                     # canonical_attention.py
-            y = canonical_attention(q, k, v, self.canonical, self.attn_drop, key,
-                                    first_head, self.n_head)
-        elif self.context is None:
-            pos = np.arange(T)
-            args = (pos, pos, self.attn_drop, key, first_head, self.n_head, T)
-            y = recomputation.selective_attention(attention_weights, q, k, v, *args) \
-                if self.selective else attention_core(q, k, v, *args)   # (B, h, T, D)
-        elif self.selective:
-            raise ValueError("CausalSelfAttention: selective recomputation wraps the "
-                             "single-rank attention core; under context parallelism ring "
-                             "attention already rebuilds its probabilities block by block "
-                             "and Ulysses is not wrapped. Use recompute='full' or 'none' "
-                             "with cp > 1.")
-        else:
-            y = self.context.attention(q, k, v, self.attn_drop, key, first_head, self.n_head)
+        y = self.core.attention(q, k, v, self.attn_drop, key, first_head, self.n_head)
         return y.transpose(0, 2, 1, 3).reshape(B, T, h * D)     # (B, T, h, D) -> (B, T, h D)

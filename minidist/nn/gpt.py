@@ -43,7 +43,6 @@ from minidist import backend
 from minidist import seed as seeding
 from minidist.autograd import Tensor, no_grad
 from minidist.autograd import functional as F
-from minidist.canonical_matmul import tiled_matmul
 from minidist.memory import recompute as recomputation
 from minidist.nn.attention import CausalSelfAttention
 from minidist.nn.layers import STD, MLP, DropoutKey, Dropout, Embedding, LayerNorm, Linear
@@ -124,7 +123,8 @@ class Block(Module):
         C, dt = cfg.n_embd, cfg.dtype
         proj_std = STD / math.sqrt(2 * cfg.n_layer)
         self.ln_1 = LayerNorm(C, cfg.bias, dt)
-        self.attn = CausalSelfAttention(C, cfg.n_head, cfg.bias, cfg.dropout, dt, proj_std)
+        self.attn = CausalSelfAttention(C, cfg.n_head, cfg.bias, cfg.dropout, dt, proj_std,
+                                        selective=cfg.recompute == "selective")
         self.ln_2 = LayerNorm(C, cfg.bias, dt)
         hidden = cfg.mlp_ratio * C
         if cfg.is_moe(layer):
@@ -134,7 +134,6 @@ class Block(Module):
         else:
             self.mlp = MLP(C, hidden, cfg.bias, cfg.dropout, dt, proj_std)
         self.recompute = cfg.recompute
-        self.attn.selective = cfg.recompute == "selective"
 
     def forward(self, x: Tensor, key: DropoutKey | None = None) -> tuple[Tensor, Tensor | None]:
         if self.recompute == "full":
@@ -162,12 +161,7 @@ class GPTLayout:
                             sits, {1: (first position or positions, T)}  {} here
         logits(x, w)        the LM head: x (B, T, C) @ w (C, V)          -> (B, T, V)
         loss_sum(z, y)      sum over counted tokens of CE(z, y)          -> scalar
-    head_tiles (canonical_matmul.Tiles, set by the deterministic mode): the LM head over
-    fixed tiles and the loss's sum over V in a fixed tree; None: one matmul, NumPy's sum.
     """
-
-    head_tiles = None
-    rows = loss_tokens = None       # ... and under context parallelism (canonical_matmul)
 
     def positions(self, T: int):
         return backend.xp.arange(T)
@@ -176,13 +170,10 @@ class GPTLayout:
         return {}
 
     def logits(self, x: Tensor, w: Tensor) -> Tensor:
-        if self.head_tiles is not None:
-            return tiled_matmul(x, w, self.head_tiles, self.rows)
         return x @ w                                             # (B, T, C) @ (C, V)
 
     def loss_sum(self, logits: Tensor, targets) -> Tensor:
-        return F.cross_entropy(logits, backend.xp.asarray(targets), reduction="sum",
-                               tree=self.head_tiles is not None, tokens=self.loss_tokens)
+        return F.cross_entropy(logits, backend.xp.asarray(targets), reduction="sum")
 
 
 class GPT(Module):

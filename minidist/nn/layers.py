@@ -25,7 +25,6 @@ from minidist import backend
 from minidist import seed as seeding
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
-from minidist.canonical_matmul import add_bias, tiled_matmul
 from minidist.nn.module import Module, Parameter
 
 STD = 0.02                                            # GPT-2's initialiser
@@ -41,12 +40,7 @@ class DropoutKey:
 
 
 class Linear(Module):
-    """y = x @ W + b with W (in_features, out_features). `tiles` (canonical_matmul.Tiles,
-    set by the deterministic mode): x @ W over fixed tiles of W; None: one matmul.
-    `tokens` (canonical_matmul.Tokens, idem): the bias gradient summed over the tokens in
-    a fixed tree; None: NumPy's sum."""
-
-    tiles = tokens = rows = None
+    """y = x @ W + b with W (in_features, out_features)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dtype: str = "float64", std: float = STD) -> None:
@@ -54,9 +48,8 @@ class Linear(Module):
         self.bias = Parameter((out_features,), seeding.zeros(), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = x @ self.weight if self.tiles is None else \
-            tiled_matmul(x, self.weight, self.tiles, self.rows)   # (..., C) @ (C, F)
-        return y if self.bias is None else add_bias(y, self.bias, self.tokens)
+        y = x @ self.weight                                  # (..., C) @ (C, F)
+        return y if self.bias is None else y + self.bias
 
 
 class Embedding(Module):
@@ -66,18 +59,12 @@ class Embedding(Module):
                  std: float = STD) -> None:
         self.weight = Parameter((num_embeddings, dim), seeding.normal(std), dtype)
 
-    tokens = None          # deterministic mode: the gradient summed over runs in a tree
-
     def forward(self, ids) -> Tensor:
-        return F.embedding(self.weight, ids, self.tokens)   # (...) -> (..., C)
+        return F.embedding(self.weight, ids)               # (...) -> (..., C)
 
 
 class LayerNorm(Module):
-    """(x - mean) / sqrt(var + eps) * g + b over the last axis (biased variance). `tokens`
-    (canonical_matmul.Tokens, set by the deterministic mode): the gradients of g and b
-    summed over the tokens in a fixed tree; None: NumPy's sum."""
-
-    tokens = None
+    """(x - mean) / sqrt(var + eps) * g + b over the last axis (biased variance)."""
 
     def __init__(self, dim: int, bias: bool = True, dtype: str = "float64",
                  eps: float = 1e-5) -> None:
@@ -86,7 +73,7 @@ class LayerNorm(Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, self.weight, self.bias, eps=self.eps, tokens=self.tokens)
+        return F.layer_norm(x, self.weight, self.bias, eps=self.eps)
 
 
 class Dropout(Module):

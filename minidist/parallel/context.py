@@ -107,7 +107,12 @@ def parallelize_context(model, context: ContextParallel):
     layout that puts its tokens at their global positions. Under tensor parallelism the
     TensorParallel must carry the same context (compose.build does both)."""
     for block in model.blocks:
-        block.attn.context = context
+        if getattr(block.attn.core, "selective", False):
+            raise ValueError("context parallelism: selective recomputation wraps the "
+                             "single-rank attention core; ring attention already rebuilds "
+                             "its probabilities block by block and Ulysses is not wrapped. "
+                             "Use recompute='full' or 'none' with cp > 1.")
+        block.attn.core = context            # its `attention` runs over the cp group
     if type(model.layout) is GPTLayout:
         model.layout = ContextParallelLayout(context)
     return model

@@ -51,7 +51,7 @@ elements in all: 2(W-1)/W Ψ sent per rank with the ring (direct: on average ove
 ranks, but a tensor of at most 4 KiB is read whole by every peer, (W-1) n per rank,
 collectives/direct_small.py), and one latency per parameter, which the buckets save.
 Numerics: algo "auto" on a shared-memory group means "direct": the sum is folded in rank
-order, so replicas are bitwise identical and equal to a canonical fold; the other
+order, so replicas are bitwise identical and equal to the rank-order fold; the other
 algorithms keep replicas bitwise identical too (finished chunks are copied).
 A parameter that got no gradient on this rank is summed as zeros (every rank must join each
 all-reduce); the GPT has none: a MoE expert without tokens still runs, on 0 rows.

@@ -55,7 +55,6 @@ from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
 from minidist.nn.moe import MoE, Routing
 from minidist.nn.module import ModuleSubset
-from minidist.parallel.deterministic_expert import alias
 
 
 class AllToAll(Function):
@@ -77,13 +76,7 @@ class AllToAll(Function):
 
 
 class ExpertParallelMoE(MoE):
-    """A MoE layer whose experts are split over `group`; the same numbers as MoE.
-    grain_aliases (the deterministic mode sets it to {}): each expert runs once per source
-    rank, on an alias whose gradient stays that grain's (parallel/deterministic_expert.py),
-    kept under (micro_batch, expert, source): micro_batch is set before each forward."""
-
-    grain_aliases = None
-    micro_batch = 0
+    """A MoE layer whose experts are split over `group`; the same numbers as MoE."""
 
     def __init__(self, moe: MoE, group) -> None:
         W, E = group.size, moe.n_experts
@@ -137,26 +130,33 @@ class ExpertParallelMoE(MoE):
         """Run each local expert on its rows from every source (source order), and put
         the results back in the received layout: source-major, then expert, then slot."""
         W, per = recv_counts.shape
-        start = np.concatenate([[0], np.cumsum(recv_counts.reshape(-1))])   # (W per + 1,)
-        block = lambda s, j: np.arange(start[s * per + j], start[s * per + j + 1])  # noqa
+        blocks = received_blocks(recv_counts)
         pieces: dict[tuple[int, int], Tensor] = {}
         first = self.group.rank * per
-        if self.grain_aliases is not None:     # deterministic mode: a call per source grain
-            for j in range(per):               # on an alias (parallel/deterministic_expert)
-                for s in range(W):
-                    key = self.micro_batch, first + j, s
-                    self.grain_aliases[key] = alias(self.experts[first + j])
-                    pieces[s, j] = self.grain_aliases[key](received[block(s, j)])
-        for j in range(per if self.grain_aliases is None else 0):
-            rows = np.concatenate([block(s, j) for s in range(W)]).astype(np.int64)
+        for j in range(per):
+            rows = np.concatenate([blocks[s, j] for s in range(W)]).astype(np.int64)
             y = self.experts[first + j](received[rows])                 # (n_j, C)
             at = 0
             for s in range(W):
                 n = int(recv_counts[s, j])
                 pieces[s, j] = y[at:at + n]
                 at += n
-        ordered = [pieces[s, j] for s in range(W) for j in range(per)]
-        return F.concatenate(ordered, axis=0) if ordered else received[:0]
+        return in_received_order(pieces, received, W, per)
+
+
+def received_blocks(recv_counts: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+    """{(source s, local expert j): the indices of its rows among the received ones},
+    which arrive source-major, then expert, then slot; recv_counts (W, E/W)."""
+    W, per = recv_counts.shape
+    start = np.concatenate([[0], np.cumsum(recv_counts.reshape(-1))])   # (W per + 1,)
+    return {(s, j): np.arange(start[s * per + j], start[s * per + j + 1])
+            for s in range(W) for j in range(per)}
+
+
+def in_received_order(pieces: dict, received: Tensor, W: int, per: int) -> Tensor:
+    """The outputs {(s, j): rows} stacked as the received rows were (source-major)."""
+    ordered = [pieces[s, j] for s in range(W) for j in range(per)]
+    return F.concatenate(ordered, axis=0) if ordered else received[:0]
 
 
 def _rows_of(r: Routing, counts: np.ndarray) -> np.ndarray:

@@ -289,7 +289,7 @@ class PipelineStage:
             y, term = self.model.blocks[i](y, mb.dropout_key)            # (B, T, C)
             if term is not None:                                     # a MoE block's
                 aux_terms.append(term)
-                self.aux_values[a.micro_batch, i] = term.data        # (deterministic.py)
+                self.aux_values[a.micro_batch, i] = term.data        # kept for the caller
         if k == self.last_vstage:      # outputs and labels of the same micro-batch, a.m
             y = ce = self.model.loss(self.model.head(y), mb.y, self.n_tokens)
             for term in aux_terms:     # GPT.loss's sum of its aux terms, in order

@@ -32,16 +32,6 @@ into the computation, so their .grad arrives summed over tp. Forgetting that sum
 classic SP bug; check mode catches it (parallel/sharding.py compares the replicated
 gradients across tp).
 
-Deterministic mode (parallel/deterministic.py): a tiled matmul (canonical_matmul.py)
-already adds its split sums over tp in the single process's fixed tree, so the edges of a
-region only move data. A column-parallel layer all-gathers x along T and its backward keeps
-this rank's positions of dx, which the tiled matmul left whole on every rank; a row-parallel
-layer keeps its positions of the whole y and all-gathers dy (GatherWholeSequence,
-ScatterWholeSequence). The sums over positions skip f and add every token in one tree over
-the global token index, exchanged over tp (canonical_matmul.Tokens, set by tile_model on
-the LayerNorms and the row-parallel biases). The position embedding keeps f: each row of its
-gradient is nonzero on one rank only, and x + 0 = x exactly.
-
 One rank's view (tp rank r of W, T = W T_tp):
     1. the embedding's partial sums are reduce-scattered: x[B, T_tp, C], positions
        r T_tp .. (r+1) T_tp - 1;
@@ -85,13 +75,6 @@ def reduce_scatter_sequence(x: np.ndarray, tp) -> np.ndarray:
     return mine.reshape((B, T // W) + x.shape[2:])
 
 
-def my_positions(x: np.ndarray, tp) -> np.ndarray:
-    """This rank's T_tp positions of a whole x[B, T, ...] (a copy): those all_gather_sequence
-    puts at r T_tp."""
-    Tl = x.shape[1] // tp.group.size
-    return x[:, tp.group.rank * Tl:(tp.group.rank + 1) * Tl].copy()
-
-
 def _conjugates(name: str, doc: str, forward, backward) -> type:
     """An autograd Function that moves x by forward(x, tp) and its gradient by
     backward(dy, tp): the four data movements at the edges of the SP regions."""
@@ -111,26 +94,7 @@ GatherFromSequenceRegion = _conjugates(
 ReduceScatterToSequenceRegion = _conjugates(
     "ReduceScatterToSequenceRegion", "Forward reduce-scatter along T; backward all-gather "
     "along T (Korthikanti's g-bar).", reduce_scatter_sequence, all_gather_sequence)
-GatherWholeSequence = _conjugates(
-    "GatherWholeSequence", "Deterministic mode: forward all-gather along T; backward this "
-    "rank's positions of dy, which is whole on every rank (a tiled matmul's exchanged dx).",
-    all_gather_sequence, my_positions)
-ScatterWholeSequence = _conjugates(
-    "ScatterWholeSequence", "Deterministic mode: forward this rank's positions of a whole y "
-    "(a tiled row-parallel matmul's, the same on every rank); backward all-gather dy along "
-    "T.", my_positions, all_gather_sequence)
 
-
-def gather_whole_sequence(x: Tensor, tp) -> Tensor:
-    """x[B, T_tp, C] -> x[B, T, C] Replicate, into a tiled column-parallel matmul."""
-    pl.expect(x, "tp", pl.Shard(1), name="x", where="all-gather into a tiled matmul (SP)")
-    return pl.tag(GatherWholeSequence.apply(x, tp=tp), "tp", pl.Replicate())
-
-
-def scatter_whole_sequence(y: Tensor, tp) -> Tensor:
-    """y[B, T, C] Replicate -> y[B, T_tp, C], out of a tiled row-parallel matmul."""
-    pl.expect(y, "tp", pl.Replicate(), name="y", where="my positions of a tiled matmul (SP)")
-    return pl.tag(ScatterWholeSequence.apply(y, tp=tp), "tp", pl.Shard(1))
 
 
 class AllGatherMatmul(Function):
@@ -186,31 +150,22 @@ def reduce_scatter_to_sequence_region(x: Tensor, tp) -> Tensor:
 
 class SequenceParallelLayerNorm(LayerNorm):
     """LayerNorm on x[B, T_tp, C]; its gain and shift pass through f, so their gradient,
-    a partial sum over this rank's positions, is summed over tp in the backward. With
-    `tokens` (deterministic mode) no f: the sum over every token, exchanged over tp, is
-    added in the fixed tree (canonical_matmul.Tokens) and whole on every rank."""
+    a partial sum over this rank's positions, is summed over tp in the backward."""
 
     def __init__(self, full: LayerNorm, tp) -> None:
         self.weight, self.bias, self.eps, self.tp = full.weight, full.bias, full.eps, tp
 
     def forward(self, x: Tensor) -> Tensor:
         pl.expect(x, "tp", pl.Shard(1), name="x", where="SequenceParallelLayerNorm")
-        if self.tokens is not None:
-            return F.layer_norm(x, self.weight, self.bias, eps=self.eps, tokens=self.tokens)
         b = None if self.bias is None else self.tp.sum_grad(self.bias)
         return F.layer_norm(x, self.tp.sum_grad(self.weight), b, eps=self.eps)
 
 
 class SequenceParallelPositions(Embedding):
-    """The position embedding on this rank's positions; its gradient is summed over tp
-    (with `tokens`, the deterministic mode's token tiles: in their tree, exchanged)."""
-
-    tokens = None
+    """The position embedding on this rank's positions; its gradient is summed over tp."""
 
     def __init__(self, full: Embedding, tp) -> None:
         self.weight, self.tp = full.weight, tp
 
     def forward(self, ids) -> Tensor:
-        if self.tokens is not None:
-            return F.embedding(self.weight, ids, self.tokens)
         return F.embedding(self.tp.sum_grad(self.weight), ids)

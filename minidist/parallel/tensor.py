@@ -42,7 +42,6 @@ from minidist import backend
 from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
-from minidist.canonical_matmul import add_bias, tiled_matmul
 from minidist.nn.attention import CausalSelfAttention
 from minidist.nn.gpt import GPTLayout
 from minidist.nn.layers import MLP, Linear
@@ -97,7 +96,7 @@ class TensorParallel:
 
     group: object
     sequence_parallel: bool = False
-    algo: str = "auto"              # all-reduce / reduce-scatter ("direct": canonical order)
+    algo: str = "auto"              # all-reduce / reduce-scatter ("direct": rank order)
     gather_algo: str = "auto"
     context: object = None          # parallel/context.ContextParallel when cp > 1
 
@@ -111,16 +110,9 @@ class TensorParallel:
         return sp.gather_from_sequence_region(x, self) if self.sequence_parallel \
             else copy_to_tensor_region(x, self)
 
-    def matmul(self, x: Tensor, w: Tensor, tiles=None, rows=None) -> Tensor:
+    def matmul(self, x: Tensor, w: Tensor) -> Tensor:
         """A column-parallel matmul: f(x) @ w, or under SP the all-gather along T fused with
-        the matmul (sequence.AllGatherMatmul keeps only the shard for the backward). tiles
-        (the deterministic mode): x @ w over those tiles, whose backward exchanges the
-        partial dx in place of f's all-reduce (canonical_matmul.py); under SP x is
-        all-gathered first and dx, whole on every rank, cut back to my positions."""
-        if tiles is not None:                 # SP: the exact all-gather, then the tiles
-            x = sp.gather_whole_sequence(x, self) if self.sequence_parallel else x
-            pl.expect(x, "tp", pl.Replicate(), name="x", where="a tiled column-parallel matmul")
-            return pl.tag(tiled_matmul(x, w, tiles, rows), "tp", pl.Shard(2))
+        the matmul (sequence.AllGatherMatmul keeps only the shard for the backward)."""
         if self.sequence_parallel:
             return sp.all_gather_matmul(x, w, self)
         return pl.tag(self.enter(x) @ w, "tp", pl.Shard(2))
@@ -161,13 +153,9 @@ class ColumnParallelLinear(Module):
         self.bias = None if full.bias is None else shard_parameter(full.bias,
                                                                    pl.Shard(0, blocks), tp)
 
-    tiles = None             # deterministic mode: canonical_matmul.Tiles of my columns
-    tokens = None            # ... and the Tokens of the bias gradient (every position)
-    rows = None              # ... and the runs of rows (--token-tiles)
-
     def forward(self, x: Tensor) -> Tensor:
-        y = self.tp.matmul(x, self.weight, self.tiles, self.rows)   # (B, T, C) @ (C, F_tp)
-        y = y if self.bias is None else add_bias(y, self.bias, self.tokens)
+        y = self.tp.matmul(x, self.weight)                          # (B, T, C) @ (C, F_tp)
+        y = y if self.bias is None else y + self.bias
         return pl.tag(y, "tp", pl.Shard(2))
 
 
@@ -175,8 +163,7 @@ class RowParallelLinear(Module):
     """y[B, T, C] = g(x[B, T, F_tp] @ W[F_tp, C]) + b: input features split over tp.
 
     The matmul gives a partial sum {U_tp}; g all-reduces it (SP: reduce-scatter along T);
-    the replicated bias is added once, after the reduction. With tiles (deterministic
-    mode) the tiled matmul exchanges the sum itself: no g (SP: keep my positions).
+    the replicated bias is added once, after the reduction.
     """
 
     def __init__(self, full: Linear, tp: TensorParallel) -> None:
@@ -184,24 +171,10 @@ class RowParallelLinear(Module):
         self.weight = shard_parameter(full.weight, pl.Shard(0), tp)
         self.bias = full.bias
 
-    tiles = None             # deterministic mode: canonical_matmul.Tiles of my rows
-    tokens = None            # ... and the Tokens of the bias gradient (SP: exchanged)
-    rows = None              # ... and the runs of rows (--token-tiles)
-
     def forward(self, x: Tensor) -> Tensor:
         pl.expect(x, "tp", pl.Shard(2), name="x", where="RowParallelLinear")
-        if self.tiles is None:
-            y = self.tp.exit(pl.tag(x @ self.weight, "tp", pl.Partial()))   # (B, T, C)
-            return y if self.bias is None else y + self.tp.sum_grad(self.bias)
-        # the sum over my rows' tiles is exchanged inside: no g (canonical_matmul.py)
-        y = pl.tag(tiled_matmul(x, self.weight, self.tiles, self.rows), "tp", pl.Replicate())
-        if self.tp.sequence_parallel:         # the whole y on every rank: keep my positions
-            y = sp.scatter_whole_sequence(y, self.tp)                       # (B, T_tp, C)
-        if self.bias is None:
-            return y
-        if self.tokens is None:               # no tree: f sums the partial bias gradients
-            return y + self.tp.sum_grad(self.bias)
-        return add_bias(y, self.bias, self.tokens)      # the tree over every token: no f
+        y = self.tp.exit(pl.tag(x @ self.weight, "tp", pl.Partial()))       # (B, T, C)
+        return y if self.bias is None else y + self.tp.sum_grad(self.bias)
 
 
 class TensorParallelAttention(CausalSelfAttention):
@@ -217,7 +190,7 @@ class TensorParallelAttention(CausalSelfAttention):
         self.qkv = ColumnParallelLinear(full.qkv, tp, blocks=3)    # [C, 3 C_tp]
         self.proj = RowParallelLinear(full.proj, tp)               # [C_tp, C]
         self.attn_drop, self.resid_drop = full.attn_drop, full.resid_drop
-        self.selective = full.selective                 # recompute the core (memory/)
+        self.core = full.core                # the attention of my heads (nn/attention.py)
 
     def forward(self, x: Tensor, key=None) -> Tensor:
         first = self.tp.group.rank * (self.n_head // self.tp.group.size)
@@ -267,20 +240,21 @@ class TensorParallelLayout(GPTLayout):
 
     def logits(self, x: Tensor, w: Tensor) -> Tensor:
         """Column-parallel LM head: logits[B, T, V_tp] (SP: after the all-gather along T)."""
+        self.check_head()
+        return self.tp.matmul(x, w)                                 # (B, T, C) @ (C, V_tp)
+
+    def check_head(self) -> None:
+        """In check mode, PlacementError unless the LM head is sharded by vocabulary."""
         if pl.checking() and not isinstance(pl.placement_of(self.head_param, "tp"), pl.Shard):
             raise pl.PlacementError(
                 f"{self.tp.prefix} the LM head weight is {pl.placement_of(self.head_param, 'tp')}"
                 " over tp, but a tensor-parallel GPT must shard it by vocabulary (Shard); an "
                 "unsharded head computes all V logits on every rank (picotron #23).")
-        return self.tp.matmul(x, w, self.head_tiles, self.rows)    # (B, T, C) @ (C, V_tp)
 
     def loss_sum(self, logits: Tensor, targets) -> Tensor:
         """The same scalar on every tp rank (the vocabulary-parallel loss all-reduces):
         Replicate, so that a MoE's auxiliary losses (Replicate too) may be added to it."""
-        loss = vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size,
-                                            exchange=None if self.head_tiles is None
-                                            else self.head_tiles.exchange,
-                                            tokens=self.loss_tokens)
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size)
         return pl.tag(loss, "tp", pl.Replicate())
 
 

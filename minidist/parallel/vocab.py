@@ -36,13 +36,10 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
-
 from minidist import backend
 from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
-from minidist.canonical_matmul import tree_over_tiles
 from minidist.nn.layers import Embedding
 from minidist.nn.module import Parameter
 from minidist.parallel import placement as pl
@@ -82,36 +79,21 @@ class VocabParallelEmbedding(Embedding):
         ids = xp.asarray(ids)
         mine = (ids >= lo) & (ids < hi)                                  # (B, T)
         local = xp.where(mine, ids - lo, 0)
-        rows = F.embedding(self.weight, local, self.tokens) * \
-            mine[..., None].astype(self.weight.dtype)
+        rows = self.lookup(local) * mine[..., None].astype(self.weight.dtype)
         return self.tp.exit(pl.tag(rows, "tp", pl.Partial()))           # all-reduce or RS
+
+    def lookup(self, local) -> Tensor:
+        """Rows of my shard for local ids (B, T) in [0, V_tp) -> (B, T, C)."""
+        return F.embedding(self.weight, local)
 
 
 class VocabParallelCrossEntropy(Function):
     """sum over counted tokens of CE, from vocabulary-sharded logits z (N, V_tp)."""
 
     @staticmethod
-    def forward(ctx, z, *, t, tp, lo: int, vocab_size: int, exchange=None, tokens=None,
-                shape: tuple = ()):
-        xp, g = backend.xp, tp.group
-        N, Vl = z.shape
-        z = xp.where(lo + xp.arange(Vl) >= vocab_size, -math.inf, z)    # mask the padding
-        m = C.all_reduce(z.max(axis=1), op="max", group=g, algo=tp.algo)          # (N,)
-        e = xp.exp(z - m[:, None])                                       # (N, V_tp)
-        if exchange is not None:      # deterministic mode: the single process's tree over V
-            s = tree_over_tiles(e.T, tuple(range(lo, lo + Vl)), vocab_size, exchange,
-                                vocab_size)
-        else:
-            s = C.all_reduce(e.sum(axis=1), op="sum", group=g, algo=tp.algo)     # (N,)
-        counted = t != -100
-        mine = counted & (t >= lo) & (t < lo + Vl)
-        t_local = xp.where(mine, t - lo, 0)
-        zt = C.all_reduce(xp.where(mine, z[xp.arange(N), t_local], 0.0), op="sum", group=g,
-                          algo=tp.algo)                                  # (N,)
-        losses = (xp.log(s) + m - zt) * counted
-        e /= s[:, None]                                                  # softmax (N, V_tp)
-        ctx.save_for_backward(e, t_local, mine, counted)
-        return losses.sum() if tokens is None else tokens.sum(losses.reshape(shape))
+    def forward(ctx, z, *, t, tp, lo: int, vocab_size: int):
+        exp_sums = functools.partial(all_reduced_row_sums, tp=tp)
+        return vocab_parallel_losses(ctx, z, t, tp, lo, vocab_size, exp_sums).sum()
 
     @staticmethod
     def backward(ctx, g):
@@ -122,14 +104,42 @@ class VocabParallelCrossEntropy(Function):
         return (dz,)
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int,
-                                 exchange=None, tokens=None) -> Tensor:
+def all_reduced_row_sums(e, tp):
+    """s_n = sum over the whole vocabulary of e (N, V_tp): my rows' sums, all-reduced."""
+    return C.all_reduce(e.sum(axis=1), op="sum", group=tp.group, algo=tp.algo)
+
+
+def vocab_parallel_losses(ctx, z, t, tp, lo: int, vocab_size: int, exp_sums):
+    """The losses (N,) of the module docstring (0 where not counted), s_n added by
+    exp_sums(e) for e (N, V_tp) -> (N,); saves the softmax and targets on ctx for
+    VocabParallelCrossEntropy.backward."""
+    xp, g = backend.xp, tp.group
+    N, Vl = z.shape
+    z = xp.where(lo + xp.arange(Vl) >= vocab_size, -math.inf, z)        # mask the padding
+    m = C.all_reduce(z.max(axis=1), op="max", group=g, algo=tp.algo)              # (N,)
+    e = xp.exp(z - m[:, None])                                           # (N, V_tp)
+    s = exp_sums(e)                                                      # (N,)
+    counted = t != -100
+    mine = counted & (t >= lo) & (t < lo + Vl)
+    t_local = xp.where(mine, t - lo, 0)
+    zt = C.all_reduce(xp.where(mine, z[xp.arange(N), t_local], 0.0), op="sum", group=g,
+                      algo=tp.algo)                                      # (N,)
+    losses = (xp.log(s) + m - zt) * counted
+    e /= s[:, None]                                                      # softmax (N, V_tp)
+    ctx.save_for_backward(e, t_local, mine, counted)
+    return losses
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int) -> Tensor:
     """sum over counted (b, t) of CE(logits, targets) for logits[B, T, V_tp] (this rank's
-    vocabulary shard); targets (B, T) with -100 = ignored. Refuses any other logits.
-    exchange (the deterministic mode's all_gather over tp, canonical_matmul.Tiles.exchange):
-    the exp-sum over V in canonical.py's fixed tree, the one the single process's
-    cross_entropy(tree=True) adds, the other ranks' nodes through exchange; tokens
-    (canonical_matmul.Tokens, --token-tiles): the sum over positions in a tree as well."""
+    vocabulary shard); targets (B, T) with -100 = ignored. Refuses any other logits."""
+    z, t, lo = vocab_shard(logits, targets, tp, vocab_size)
+    return VocabParallelCrossEntropy.apply(z, t=t, tp=tp, lo=lo, vocab_size=vocab_size)
+
+
+def vocab_shard(logits: Tensor, targets, tp, vocab_size: int) -> tuple:
+    """(z (B T, V_tp), t (B T,), lo) from logits[B, T, V_tp] and targets (B, T); a
+    ValueError (PlacementError in check mode) unless the logits are this rank's shard."""
     lo, hi = vocab_range(vocab_size, tp)
     if logits.shape[-1] != hi - lo:
         raise ValueError(
@@ -139,9 +149,5 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int,
             f"logits would count every class {tp.group.size} times (loss off by "
             f"log {tp.group.size}).")
     pl.expect(logits, "tp", pl.Shard(2), name="logits", where="vocab_parallel_cross_entropy")
-    t_shape = backend.xp.asarray(targets).shape
     t = backend.xp.asarray(targets).reshape(-1)
-    z = logits.reshape(-1, hi - lo)                                      # (B T, V_tp)
-    return VocabParallelCrossEntropy.apply(z, t=t, tp=tp, lo=lo, vocab_size=vocab_size,
-                                           exchange=exchange, tokens=tokens,
-                                           shape=tuple(t_shape))
+    return logits.reshape(-1, hi - lo), t, lo

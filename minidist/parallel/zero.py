@@ -372,4 +372,4 @@ def _check_args(stage, optimizer, algo) -> None:
         raise ValueError(f"ZeroEngine: optimizer={optimizer!r} is unknown; use 'adamw' or 'sgd'.")
     if algo not in ALGOS:
         raise ValueError(f"ZeroEngine: algo={algo!r} has no reduce_scatter; use one of "
-                         f"{ALGOS} ('auto' = 'direct', canonical order, on shared memory).")
+                         f"{ALGOS} ('auto' = 'direct', rank order, on shared memory).")

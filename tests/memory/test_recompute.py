@@ -17,8 +17,8 @@ from minidist.baseline import model_config_for, train_single_process
 from minidist.data import DataConfig, SyntheticData
 from minidist.memory import recompute as rc
 from minidist.nn import GPT, DropoutKey, GPTConfig, Linear
-from minidist.nn.attention import CausalSelfAttention
 from minidist.parallel import tensor_memory as tm
+from minidist.parallel.context import ContextParallel, parallelize_context
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 
@@ -69,10 +69,9 @@ def test_cli_passes_recompute_and_refuses_selective_with_context_parallelism():
 
 
 def test_selective_attention_under_context_parallelism_is_refused():
-    attn = CausalSelfAttention(16, 2)
-    attn.selective, attn.context = True, object()
-    with pytest.raises(ValueError, match="context parallelism"):
-        attn(Tensor(np.zeros((1, 4, 16)), requires_grad=True))
+    model = GPT(_cfg(0, "selective"), seed=0)
+    with pytest.raises(ValueError, match="context parallelism: selective recomputation"):
+        parallelize_context(model, ContextParallel(group=None))
 
 
 # --- one process -----------------------------------------------------------------------------

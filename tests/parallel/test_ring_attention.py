@@ -131,8 +131,8 @@ def _module_run(attn, x_rows, gy_rows):
 
 def _module_on_rank(ctx, layout):
     attn = _attention_module(0.1)
-    attn.context = ContextParallel(ctx.world, "ring", layout)     # as compose.build makes it
-    mine = attn.context.positions(T)
+    attn.core = ContextParallel(ctx.world, "ring", layout)     # as parallelize_context does
+    mine = attn.core.positions(T)
     return _module_run(attn, X[:, mine], GY[:, mine])
 
 

@@ -1,4 +1,4 @@
-"""Canonical matmuls (canonical_matmul.py): x @ W over fixed tiles equals x @ W to rounding,
+"""Tiled matmuls (deterministic/matmul.py): x @ W over fixed tiles equals x @ W to rounding,
 its gradients are right, and a rank holding some column tiles or some row tiles computes,
 with the exchange over its group, the single process's bits exactly."""
 
@@ -9,8 +9,8 @@ import pytest
 
 from minidist import collectives as C
 from minidist.autograd import Tensor
-from minidist.canonical import TreeSum, combine, stacked_nodes
-from minidist.canonical_matmul import Tiles, tiled_matmul, tree_over_tiles
+from minidist.deterministic.matmul import Tiles, tiled_matmul, tree_over_tiles
+from minidist.deterministic.tree_sum import TreeSum, combine, stacked_nodes
 from minidist.runtime import spawn
 
 K, N, k, n = 24, 32, 6, 4            # 4 x 8 tiles

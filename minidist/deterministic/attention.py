@@ -1,4 +1,4 @@
-"""Canonical attention: causal attention computed query tile by query tile over the whole
+"""Canonical attention: causal attention computed query run by query run over the whole
 sequence's keys, so that a context-parallel rank holding some query tiles computes exactly
 the single process's numbers for them.
 
@@ -7,18 +7,20 @@ key's gradient is a sum over the queries that read it,
     dK = sum over queries i of dS[i]^T q_i,      dV = sum over queries i of P[i]^T dY_i.
 Context parallelism (parallel/context.py) gives each rank some positions, so each rank
 holds a part of those sums; ring attention also merges the keys block by block with an
-online softmax. Both group the additions by the layout. The deterministic mode
-(parallel/deterministic.py) needs one grouping for every layout, so here:
-    1. the sequence is cut into runs of T / per_sequence positions (canonical_matmul.
-       Tokens); a context-parallel rank holds whole runs;
+online softmax. Both group the additions by the layout. The deterministic mode (this
+package) needs one grouping for every layout, so here:
+    1. the sequence is cut into runs of T / per_sequence positions (matmul.Tokens); a
+       context-parallel rank holds whole runs;
     2. every rank gets the whole sequence's K and V (an all_gather over cp: exact data
        movement), in global position order;
     3. each query run is one batched matmul slice, (run, D) @ (D, T), the same shape in
        every layout; the softmax is per row;
     4. dK and dV come out per query run, (T, D) each, and are summed over the runs in the
-       aligned tree of their global index (canonical.py), the other ranks' nodes through
+       aligned tree of their global index (tree_sum.py), the other ranks' nodes through
        the exchange, after which each rank keeps its own positions' rows.
 The single process runs the same code with every run local and no exchange.
+`CanonicalAttention` is the attention core (nn/attention.py) that determinize gives every
+attention layer when the mode runs with token tiles, in the single process and every layout.
 
 One rank's view (cp rank r; q, k, v (B, h, T_r, D) of my positions P_r, m = T_r / run):
     K = my k at P_r among everyone's (all_gather), (B, h, T, D), repeated for my m runs
@@ -32,7 +34,7 @@ Communication: the all_gather of k and v (B h T_r D each) forward; the nodes of 
 (at most ~2 log2(per_sequence) arrays of B h T D per rank) backward.
 Reference: Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv:2407.21783, Sec. 3.3.2
     (context parallelism by all-gathering K and V).
-Read next: parallel/deterministic_context.py.
+Read next: deterministic/context.py.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from minidist import backend
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
 from minidist.autograd.function import Context, Function
-from minidist.canonical_matmul import Tokens, tree_over_tiles
+from minidist.deterministic.matmul import Tokens, tree_over_tiles
 
 
 class SequenceForRuns(Function):
@@ -96,3 +98,16 @@ def canonical_attention(q: Tensor, k: Tensor, v: Tensor, tokens: Tokens, drop, k
     att = F.softmax(scores, axis=-1).reshape(B, h, Tr, T)
     att = drop(att, key, {1: (first_head, n_head), 2: (pos, T), 3: (np.arange(T), T)})
     return (att.reshape(B, h, m, Tr // m, T) @ V).reshape(B, h, Tr, D)
+
+
+class CanonicalAttention:
+    """The attention core (nn/attention.py's protocol) of the deterministic mode with token
+    tiles: canonical_attention over the runs of `tokens`, whatever else the layout does."""
+
+    def __init__(self, tokens: Tokens) -> None:
+        self.tokens = tokens
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, drop, key, first_head: int,
+                  n_head: int) -> Tensor:
+        """My queries q (B, h, T_r, D) over the whole sequence -> y (B, h, T_r, D)."""
+        return canonical_attention(q, k, v, self.tokens, drop, key, first_head, n_head)

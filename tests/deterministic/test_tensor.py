@@ -4,8 +4,8 @@ single process: losses, gradient norms and every parameter, compared with ==.
 
 What SP changes: the LayerNorm gains and shifts and the row-parallel biases see this rank's
 positions only; their gradients are sums over the global token index in one fixed tree,
-exchanged over tp (canonical_matmul.Tokens), in place of Megatron's f. The helpers are
-those of test_deterministic.py, repeated so that each file stands alone."""
+exchanged over tp (deterministic/matmul.Tokens), in place of Megatron's f. The helpers are
+those of test_step.py, repeated so that each file stands alone."""
 
 import functools
 

@@ -1,4 +1,4 @@
-"""Deterministic mode (parallel/deterministic.py): every dp size, ZeRO stage, pipeline
+"""Deterministic mode (minidist/deterministic/, its step in step.py): every dp size, ZeRO stage, pipeline
 schedule, tensor-parallel size (with and without SP), expert and context parallelism and
 micro-batch count, float64 and float32, trains the same bits as the deterministic single
 process: losses, gradient norms and every parameter, compared with ==, not a tolerance.
@@ -129,7 +129,7 @@ TP_PLANS = [Plan(tp=2), Plan(tp=4), Plan(dp=2, tp=2, zero=3),
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("plan", TP_PLANS, ids=[p.describe() for p in TP_PLANS])
 def test_tensor_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, plan):
-    """Column and row shards are whole tiles of canonical_matmul.py; the vocabulary-parallel
+    """Column and row shards are whole tiles of deterministic/matmul.py; the vocabulary-parallel
     loss sums over V in the single process's tree; the norm is over whole gradients."""
     for r, run in enumerate(spawn(plan.world_size, _rank_b, _cfg4(dtype), plan, B)):
         _same(run, _reference(dtype, B), f"{plan.describe()} rank {r}")

@@ -1,20 +1,20 @@
-"""Canonical matmuls: y = x @ W computed over fixed tiles of W, so that a tensor-parallel
-shard of W is whole tiles and computes exactly the single process's numbers.
+"""Tiled matmuls: y = x @ W computed over fixed tiles of W, so that a tensor-parallel shard
+of W is whole tiles and computes exactly the single process's numbers.
 
 A BLAS matmul's bits depend on the shape of the call, not only on the numbers in it. On the
 OpenBLAS that NumPy ships, (x @ W)[:, j] and x @ W[:, j-range] differ in the last bit for
 about 40 % of shapes (measured over M, K, N up to 1000, float32 and float64): the kernel
 that computes an element, and how it splits the sum over K, depend on N and K and on where
 the column falls. A tensor-parallel rank multiplies by its columns or rows of W, so its
-matmuls have other shapes than the single process's, and the deterministic mode (parallel/
-deterministic.py) cannot get the same bits from them.
+matmuls have other shapes than the single process's, and the deterministic mode (this
+package) cannot get the same bits from them.
 
 The fix: cut W (K, N) into tiles of k x n elements, fixed by the model (not by the layout),
 with every tensor-parallel shard a set of whole tiles (a column-parallel W keeps some
 column tiles, a row-parallel W some row tiles). Every BLAS call then multiplies one tile,
 the same shape in every layout, and a batched matmul of contiguous tiles gives each tile
 the bits of a separate call (also measured). The sums over tiles use the aligned tree of
-canonical.py, over the global tile index:
+tree_sum.py, over the global tile index:
 
     y[:, J]      = tree over I of  x[:, I] @ W[I, J]          (I: K-tiles, J: N-tiles)
     dx[:, I]     = tree over J of  g[:, J] @ W[I, J]^T
@@ -22,15 +22,15 @@ canonical.py, over the global tile index:
                                                                tokens; see `rows` below)
 One rank's view (tensor parallelism): a column-parallel W holds N-tiles J_r: y[:, J_r]
 needs nothing from the others, dx is a sum over J that every rank holds a part of, so the
-ranks exchange the aligned nodes of their parts (canonical.gather_nodes) and each combines
+ranks exchange the aligned nodes of their parts (tree_sum.gather_nodes) and each combines
 the same tree: what Megatron's f all-reduces. A row-parallel W holds K-tiles I_r and
 exchanges the nodes of y the same way (Megatron's g). The single process computes the same
 nodes itself. Padding tiles (a vocabulary padded to tp V_tp, parallel/vocab.py) are left
 out of the sums over N.
 
 Shapes: x (..., K_r), W (K_r, N_r) this rank's tiles; y (..., N_r). The tiles used by the
-GPT (`tile_model`, `gpt_tiles`): head_dim columns for qkv (so a rank's heads
-are whole tiles), head_dim rows for the attention projection, F/H for the MLP, and one
+GPT (`gpt_tiles`, given by deterministic/layers.py): head_dim columns for qkv (so a rank's
+heads are whole tiles), head_dim rows for the attention projection, F/H for the MLP, and one
 vocabulary column for the LM head (whose shards V_tp = ceil(V / tp) share no other unit).
 Cost: the same multiply-adds as x @ W in smaller calls, plus (K/k - 1) additions of an
 output per N-tile and a copy of each operand into tiles; the exchange replaces an
@@ -39,18 +39,18 @@ Sums over tokens: a LayerNorm's gain and shift and a Linear's bias get, as gradi
 sum over the tokens of the micro-batch, which sequence parallelism cuts (a rank holds some
 positions of every row). `Tokens` adds them in the aligned tree over the global token
 index b T + t (row b, global position t; one token per grain), and exchanges the nodes
-when other ranks hold the other positions; `tile_model` gives every LayerNorm and every
+when other ranks hold the other positions; `determinize` gives every LayerNorm and every
 tiled Linear one, in the single process (no exchange) and in every layout alike.
 Rows (--token-tiles N, what context parallelism needs: a cp rank holds some positions of
 every sequence, so the sum over M tokens of dW is cut too, and a BLAS result also depends
 on the number of rows): with `rows`, a Tokens of N runs per sequence, x is cut into runs
 of T / N positions, every call multiplies one run, and dW is summed over the runs in the
-aligned tree, exchanged over cp (parallel/deterministic_context.py).
+aligned tree, exchanged over cp (deterministic/context.py).
 Reference: the problem is the one of Demmel & Nguyen 2013 ("Fast reproducible
     floating-point summation"); fixed-split reductions are also how cuBLAS/cuDNN's
     deterministic modes are described (a fixed order per output element).
-Read next: parallel/deterministic_tensor.py (tp shards as whole tiles), then
-canonical_attention.py.
+Read next: deterministic/layers.py (the layers that use them), then deterministic/tensor.py
+(tp shards as whole tiles).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd.function import Context, Function
-from minidist.canonical import combine, gather_nodes, stacked_nodes
+from minidist.deterministic.tree_sum import combine, gather_nodes, stacked_nodes
 
 
 @dataclass(frozen=True)
@@ -216,9 +216,9 @@ class BiasAdd(Function):
         return g, (ctx.tokens.sum(g) if ctx.needs_input_grad[1] else None)
 
 
-def add_bias(x, b, tokens: Tokens | None):
-    """x + b, its bias gradient summed over `tokens` (BiasAdd); x + b as usual when None."""
-    return x + b if tokens is None else BiasAdd.apply(x, b, tokens=tokens)
+def add_bias(x, b, tokens: Tokens):
+    """x + b, its bias gradient summed over `tokens` in the aligned tree (BiasAdd)."""
+    return BiasAdd.apply(x, b, tokens=tokens)
 
 
 def gpt_tiles(cfg) -> dict[str, tuple[int, int]]:
@@ -227,41 +227,3 @@ def gpt_tiles(cfg) -> dict[str, tuple[int, int]]:
     C, H = cfg.n_embd, cfg.n_head
     D, Fh = C // H, cfg.mlp_ratio * C // H
     return {"attn.qkv": (C, D), "attn.proj": (D, C), "mlp.fc": (C, Fh), "mlp.proj": (Fh, C)}
-
-
-def _whole(p, k: int, n: int, transposed: bool = False, valid=None) -> Tiles:
-    K, N = p.shape[::-1] if transposed else p.shape
-    return Tiles.whole(K, N, k, n)
-
-
-def tile_model(model, tiles_of: Callable = _whole,
-               tokens_of: Callable = lambda module: Tokens(), rows: Tokens | None = None
-               ) -> None:
-    """Give a GPT's matmuls (gpt_tiles, and the LM head by single vocabulary columns)
-    their Tiles: tiles_of(weight, k, n, transposed, valid), all of each weight by
-    default; and every LayerNorm and tiled Linear its Tokens, tokens_of(module), all
-    positions here by default. parallel/deterministic_tensor.py passes ones that know
-    tp shards and sequence parallelism. rows (Tokens with per_sequence runs; the
-    deterministic mode's token tiles, which context parallelism needs): the tiled
-    matmuls' runs of rows, the attention's query runs (canonical_attention.py), the
-    embeddings' and the loss's sums over positions."""
-    from minidist.nn.attention import CausalSelfAttention      # (they import this module)
-    from minidist.nn.layers import Embedding, LayerNorm
-    cfg = model.cfg
-    for name, m in model.named_modules():
-        if isinstance(m, LayerNorm):
-            m.tokens = tokens_of(m)
-        for suffix, (k, n) in gpt_tiles(cfg).items():
-            if name.endswith(suffix) and hasattr(m, "weight"):
-                m.tiles, m.tokens, m.rows = tiles_of(m.weight, k, n), tokens_of(m), rows
-        if rows is not None and isinstance(m, CausalSelfAttention):
-            m.canonical = rows
-        if rows is not None and isinstance(m, Embedding):
-            m.tokens = rows
-    if rows is not None:
-        model.layout.rows = rows
-        model.layout.loss_tokens = Tokens(rows.positions, rows.exchange)
-    head = getattr(model, "wte" if cfg.tie_weights else "lm_head", None)
-    if head is not None:                       # (a middle pipeline stage has no head)
-        model.layout.head_tiles = tiles_of(head.weight, cfg.n_embd, 1, cfg.tie_weights,
-                                           cfg.vocab_size)

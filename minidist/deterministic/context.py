@@ -10,14 +10,14 @@ adds the partial sums in the gradient sync over dp x cp; here, with --token-tile
 sequence is cut into N runs of T / N positions (each cp rank must hold whole runs: N a
 multiple of 2 cp for the zig-zag layout, of cp for the contiguous one), and:
     - the tiled matmuls multiply one run of rows per BLAS call and sum dW over the runs
-      in the aligned tree over their global index (canonical_matmul.TiledMatMul, rows);
+      in the aligned tree over their global index (matmul.TiledMatMul, rows);
     - attention computes each query run over the whole sequence's K and V
-      (canonical_attention.py), dK and dV summed over the runs in the same tree;
+      (deterministic/attention.py), dK and dV summed over the runs in the same tree;
     - the embeddings add each run into a table of its own, summed in the tree; LayerNorm,
-      biases and the loss sum over single tokens in the tree (canonical_matmul.Tokens);
+      biases and the loss sum over single tokens in the tree (matmul.Tokens);
 and each of these sums exchanges its nodes over cp, so every cp rank ends the backward of
 a grain with the grain's whole gradient, bitwise the single process's (which runs the same
-code over all N runs, with no exchange). The grain sum of parallel/deterministic.py then
+code over all N runs, with no exchange). The grain sum of deterministic/step.py then
 runs over dp as usual, and the root is handed to the engine by rank 0 of dp x cp.
 
 One rank's view (cp rank r, runs R_r of my positions): forward as the single process on
@@ -28,9 +28,9 @@ Communication: per layer and grain, the nodes of every weight's gradient (at mos
 mode's one reduction per step; the reference pays it for exactness.
 Under SP too: a SequenceParallelLayerNorm's, a row-parallel bias's and the position
 embedding's sums run over this tp rank's slice of my positions and exchange over tp, then
-over cp (parallel/deterministic_tensor.py).
-Not covered: cp with MoE (refused by deterministic.check).
-Read next: canonical_attention.py.
+over cp (deterministic/tensor.py).
+Not covered: cp with MoE (refused by step.check).
+Read next: deterministic/attention.py.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 
 from minidist import collectives as C
-from minidist.canonical_matmul import Tokens
+from minidist.deterministic.matmul import Tokens
 from minidist.parallel.context import sequence_positions
 
 

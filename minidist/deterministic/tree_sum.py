@@ -1,4 +1,4 @@
-"""Canonical sums: add per-grain partial results in one fixed order, whoever computes them.
+"""The aligned tree sum: add per-grain partial results in one fixed order, whoever computes them.
 
 Floating-point addition is not associative: (a + b) + c and a + (b + c) can differ in the
 last bit. A gradient is a sum over samples, so the bits of a trained model depend on how
@@ -36,12 +36,14 @@ One rank's view (rank r of a group, holding grains [a_r, b_r) of G):
 Cost: G - 1 additions in all (as a plain sum), plus an exchange of at most 2 log2(G) + 1
 values per rank instead of one: a reference's price for exact reproducibility.
 
-Used by the deterministic mode (`--deterministic`): baseline.py sums per-sample gradients
-and losses with it, and the layouts do the same over their groups.
+Used by the deterministic mode (`--deterministic`, this package): baseline.py sums
+per-sample gradients and losses with it, and the layouts do the same over their groups
+(deterministic/step.py); every other fixed-order sum of the mode is this tree too.
 References: Demmel & Nguyen 2013, "Fast reproducible floating-point summation" (the
     problem and an order-independent alternative); the pairwise (tree) summation of
     Higham 1993, "The accuracy of floating point summation", SIAM J. Sci. Comput. 14(4).
-Read next: baseline.py (train_single_process, deterministic=True).
+Read next: deterministic/matmul.py, then baseline.py (train_single_process,
+deterministic=True).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Deterministic mode: every layout adds the same numbers in the same order, so the trained
-parameters and losses are bitwise those of one process.
+"""The deterministic step: each grain's gradient on its own, the grains added in one fixed
+tree over their global index, whichever rank computed them.
 
 A dp rank normally sums its micro-batches' gradients, then the ranks sum their partial sums
 (all-reduce, reduce-scatter): how the samples are grouped shows in the last bits. Here the
-grain is one sample (canonical.py): every layout computes each sample's gradient with the
+grain is one sample (tree_sum.py): every layout computes each sample's gradient with the
 same operations on the same shapes, and the samples' gradients are added in one fixed tree
 over their global row indices 0..B-1, as train_single_process(deterministic=True) does.
 
@@ -14,7 +14,7 @@ here for a grain of one sample):
        engine.no_sync(); push (i, my local gradient) into a TreeSum and zero the local
        gradient; push (i, its loss) into a second TreeSum
     2. all_gather the nodes of both trees over dp (the node count and ranges first)
-    3. root = canonical.combine(every node, B): the same bits on every rank; the norm of
+    3. root = tree_sum.combine(every node, B): the same bits on every rank; the norm of
        the root in parameter order and its clipping, exactly as the single process
     4. hand the root to the engine through its own reduction: rank 0's local gradient
        becomes the root, every other rank's becomes zeros, and engine.step() reduces as
@@ -38,28 +38,9 @@ reproducible run; layouts agree with each other and with the single process at t
 grain, and each dp rank must hold whole grains. A larger grain runs larger matmuls (closer
 to the plain mode's speed) and fewer leaves; grain = B / dp is the plain mode's own
 micro-batch.
-Tensor parallelism (parallel/deterministic_tensor.py): the single process and every layout
-compute the tp-shardable matmuls over the same fixed tiles (canonical_matmul.py), and a
-tp rank's partial sums over split tiles are exchanged and added in the same tree; the
-LayerNorm and bias gradients are sums over tokens in a fixed tree, exchanged over tp when
-sequence parallelism cuts them; the norm is over whole (tp-gathered) gradients.
-Expert parallelism (parallel/deterministic_expert.py): an expert runs each source grain's
-tokens in a call of its own, on an alias whose gradient is that grain's; the experts'
-grains are added in the same tree over their replicas (edp), and their roots replace the
-experts' slices of the dense root.
-Context parallelism (parallel/deterministic_context.py, with token_tiles): every sum over
-positions is a tree over fixed runs of positions, exchanged over cp, and attention runs
-over all-gathered K and V with the queries in runs (canonical_attention.py).
-Covered: dp of any size, ZeRO 0-3, pp (every schedule; MoE blocks too, whose aux terms
-the stages gather to add them in the model's order), tp with or without SP, ep (with pp
-too), cp (ring
-or Ulysses layouts, zig-zag or contiguous, with --token-tiles), and their products, any
-micro-batch count, with any activation recomputation, float64 and float32. Not covered
-(refused by train.py): cp with MoE (a rank's experts would run on its positions' tokens
-only, and their gradients would need the position runs too).
 Communication: the nodes (at most about 2 log2(B) gradients per rank, all-gathered) plus
 the engine's usual reduction of one gradient; the reference pays it for exactness.
-Read next: canonical.py, then train.py (--deterministic).
+Read next: train.py (--deterministic), which calls check, determinize and step.
 """
 
 from __future__ import annotations
@@ -70,8 +51,8 @@ import math
 import numpy as np
 
 from minidist import collectives as C
-from minidist.canonical import TreeSum, combine, gather_nodes
-from minidist.parallel.deterministic_tensor import square_sums, tile_model  # noqa: F401
+from minidist.deterministic.tensor import square_sums
+from minidist.deterministic.tree_sum import TreeSum, combine, gather_nodes
 from minidist.optim.clip import clip_to
 
 
@@ -104,6 +85,10 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
                          f"{', '.join(f'{k}={v}' for k, v in others.items())}, whose "
                          f"sums across ranks run over other grains. Drop those axes, or "
                          f"run without --deterministic (equal within ~1e-12 in float64).")
+    if plan.precision != "fp32" or plan.grad_reduce != "fp32":
+        raise ValueError("--deterministic with mixed precision: not supported; the tiled "
+                         "matmuls and tree sums run in the model's dtype. Drop --precision "
+                         "(and --grad-reduce), or --deterministic.")
     if guard is not None:
         raise ValueError("--deterministic with --spike: not supported together yet; the "
                          "spike guard steps the engine itself.")
@@ -117,7 +102,7 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
 
 
 def _over(group):
-    """all_gather over group, for canonical.gather_nodes."""
+    """all_gather over group, for tree_sum.gather_nodes."""
     return functools.partial(C.all_gather, group=group, algo="ring")
 
 
@@ -159,7 +144,7 @@ def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: 
     of them is leaf `first` of the `leaves` of the global batch); returns (global loss or
     0.0, gradient norm). named: the model's (name, parameter) pairs; tp_group: the tensor-
     parallel group when the parameters are tp shards (their norm is over whole ones);
-    experts: deterministic_expert.ExpertGrains under expert parallelism (the experts'
+    experts: deterministic/expert.ExpertGrains under expert parallelism (the experts'
     gradients come from it); order: the single process's parameter names (default: named's);
     owners: the engine's gradient group when it is more than `group` (dp x cp: its rank 0
     hands the root over, since every cp rank holds the whole root)."""

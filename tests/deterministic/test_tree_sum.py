@@ -1,11 +1,11 @@
-"""Canonical sums (minidist/canonical.py): the aligned tree's value does not depend on who
-summed which grains. The values are chosen so that the order of additions shows in the
+"""The aligned tree sum (deterministic/tree_sum.py): the tree's value does not depend on
+who summed which grains. The values are chosen so that the order of additions shows in the
 bits (magnitudes from 1e-8 to 1e8), so an equality here is a real one."""
 
 import numpy as np
 import pytest
 
-from minidist.canonical import TreeSum, combine, is_aligned
+from minidist.deterministic.tree_sum import TreeSum, combine, is_aligned
 
 
 def _grains(count, seed=0, shape=(5,)):

@@ -4,15 +4,15 @@ a call of their own, and its gradient is summed over the grains in the fixed tre
 Under expert parallelism (parallel/expert.py) a rank's experts receive, in one micro-batch,
 the tokens of one grain from EVERY rank of its ep group (the ranks run their micro-batches
 in lock step). Two things then differ from the single process, which runs each grain on
-its own (one sample per micro-batch, parallel/deterministic.py):
+its own (one sample per micro-batch, deterministic/step.py):
     1. the expert's matmuls run on the tokens of W grains stacked, another shape than the
        single process's call on one grain's tokens (and BLAS bits depend on the shape);
     2. the expert's gradient is a sum over those W grains in whatever order the backward
        reaches them, where the single process adds grains in the aligned tree over the
        global batch.
-So, in the deterministic mode, ExpertParallelMoE runs its expert once per source grain, on
-an ALIAS of the expert: a copy of the module whose parameters are new leaf tensors sharing
-the expert's values (`alias`). The call has the single process's shape, and its
+So the deterministic mode replaces each ExpertParallelMoE by its twin GrainExpertMoE, which
+runs its expert once per source grain, on an ALIAS of the expert: a copy of the module
+whose parameters are new leaf tensors sharing the expert's values (`alias`). The call has the single process's shape, and its
 gradient lands in that alias alone: one leaf per (expert, grain). `ExpertGrains` collects
 them after each micro-batch, keyed by the grain's global index (the source rank's first
 grain, all-gathered over ep once a step, plus the micro-batch index), and at the end of the
@@ -35,7 +35,7 @@ again; the recomputed ones are those the backward reaches, and the ones read.
 Under pipeline parallelism several micro-batches are in flight: the aliases are kept per
 (micro-batch, expert, source), `at(j)` naming the micro-batch before each action, and
 taken when the stage's schedule ends.
-Read next: parallel/expert.py (ExpertParallelMoE._compute).
+Read next: deterministic/layout.py.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ import numpy as np
 from minidist import backend
 from minidist import collectives as C
 from minidist.autograd import Tensor
-from minidist.canonical import combine, gather_nodes, stacked_nodes
+from minidist.deterministic.tree_sum import combine, gather_nodes, stacked_nodes
 from minidist.nn.module import Module, Parameter
+from minidist.parallel.expert import ExpertParallelMoE, in_received_order, \
+    is_expert_parameter, received_blocks
 
 
 def alias(module: Module, prefix: str = "", leaves: dict | None = None) -> Module:
@@ -68,17 +70,36 @@ def alias(module: Module, prefix: str = "", leaves: dict | None = None) -> Modul
     return new
 
 
+class GrainExpertMoE(ExpertParallelMoE):
+    """ExpertParallelMoE (its twin: the same router, experts and group) running each local
+    expert once per source rank's grain, on an alias, kept under (micro_batch, expert,
+    source) in `grain_aliases`; ExpertGrains sets micro_batch before each forward."""
+
+    grain_aliases: dict
+    micro_batch: int
+
+    def _compute(self, received: Tensor, recv_counts: np.ndarray) -> Tensor:
+        W, per = recv_counts.shape
+        blocks = received_blocks(recv_counts)
+        pieces: dict[tuple[int, int], Tensor] = {}
+        first = self.group.rank * per
+        for j in range(per):
+            for s in range(W):
+                key = self.micro_batch, first + j, s
+                self.grain_aliases[key] = alias(self.experts[first + j])
+                pieces[s, j] = self.grain_aliases[key](received[blocks[s, j]])
+        return in_received_order(pieces, received, W, per)
+
+
 class ExpertGrains:
     """This rank's expert gradients per grain over one step (module docstring)."""
 
     def __init__(self, model, ep_group, expert_group) -> None:
-        from minidist.parallel.expert import ExpertParallelMoE, is_expert_parameter
+        """model: determinized (its MoE layers GrainExpertMoE)."""
         self.ep, self.edp = ep_group, expert_group
         self.layers = {name: m for name, m in model.named_modules()
-                       if isinstance(m, ExpertParallelMoE)}
+                       if isinstance(m, GrainExpertMoE)}
         self.named = [(n, p) for n, p in model.named_parameters() if is_expert_parameter(n)]
-        for layer in self.layers.values():
-            layer.grain_aliases = {}                  # ExpertParallelMoE: one call per grain
         self.leaves: dict[int, np.ndarray] = {}
 
     def begin(self, first: int) -> None:

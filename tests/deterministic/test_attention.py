@@ -1,4 +1,4 @@
-"""Canonical attention (canonical_attention.py): query runs over the whole sequence compute
+"""Canonical attention (deterministic/attention.py): query runs over the whole sequence compute
 causal attention and its gradients (equal to the plain attention core to rounding), and
 the sequence is refused when a rank's positions are not whole runs."""
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from minidist.autograd import Tensor
-from minidist.canonical_attention import canonical_attention
-from minidist.canonical_matmul import Tokens
+from minidist.deterministic.attention import canonical_attention
+from minidist.deterministic.matmul import Tokens
 from minidist.nn.attention import attention_core
 from minidist.nn.layers import Dropout
 

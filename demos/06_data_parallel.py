@@ -29,7 +29,7 @@ import numpy as np                             # noqa: E402
 from minidist.baseline import model_config_for, train_single_process    # noqa: E402
 from minidist.data import DataConfig, SyntheticData                     # noqa: E402
 from minidist.nn import GPT, DropoutKey                                 # noqa: E402
-from minidist.parallel.data import DataParallel                         # noqa: E402
+from minidist.parallel.data_buckets import BucketedDataParallel         # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
 
 # --- settings (each can be overridden on the command line) ---
@@ -51,8 +51,8 @@ def rank_main(ctx, cfg, data_cfg, args):
     """Everything here runs on every rank; ctx.rank says which one we are."""
     W, r = ctx.world_size, ctx.rank
     model = GPT(cfg, args.seed)                           # same seed: same numbers everywhere
-    dp = DataParallel(model, ctx.world, lr=args.lr, bucket_bytes=args.bucket_bytes,
-                      algo=args.algo)
+    dp = BucketedDataParallel(model, ctx.world, lr=args.lr, bucket_bytes=args.bucket_bytes,
+                              algo=args.algo)
     data, B, M = SyntheticData(data_cfg), args.global_batch, args.micro_batches
     rows = B // (W * M)                                   # rows per micro-batch on this rank
     losses, sent = [], []

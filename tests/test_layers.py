@@ -61,12 +61,6 @@ CYCLES: dict[frozenset[str], str] = {
         "a Tensor's operators (+, @, .sum) are the autograd's Functions, and every Function "
         "returns a Tensor: tensor.py imports ops.py and functional.py at its end (micrograd "
         "keeps the two in one file); one package, one unit",
-    frozenset({"minidist.parallel.data", "minidist.parallel.data_buckets"}):
-        "DataParallel picks its shared-memory fast path by swapping its class in __new__; "
-        "the engine choice is to be made where the layout is composed (parallel/compose.py)",
-    frozenset({"minidist.bench.train", "minidist.bench.train_layouts"}):
-        "bench train's layout tables reuse its Row and measurement, and its main dispatches "
-        "to them; to be split along the command line",
 }
 
 

@@ -43,7 +43,7 @@ import shlex                                   # noqa: E402
 import sys                                     # noqa: E402
 
 from minidist.baseline import CliParser, at_least, model_config_for   # noqa: E402
-from minidist.bench.train import Row, measure  # noqa: E402
+from minidist.bench.train_runs import Row, measure  # noqa: E402
 from minidist.data import DataConfig           # noqa: E402
 from minidist.memory.ledger import format_bytes  # noqa: E402
 from minidist.memory.offload import TIERS      # noqa: E402

@@ -53,82 +53,17 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse                                # noqa: E402
 import shlex                                   # noqa: E402
-import statistics                              # noqa: E402
 import sys                                     # noqa: E402
-from dataclasses import dataclass              # noqa: E402
 
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import CliParser, model_config_for  # noqa: E402
+from minidist.bench import train_layouts as lay  # noqa: E402
 from minidist.bench.collectives import parse_bytes  # noqa: E402
+from minidist.bench.train_runs import Row, best_of  # noqa: E402
 from minidist.data import DataConfig           # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
-from minidist.parallel import ring_attention as ra  # noqa: E402
-from minidist.runtime.launch import spawn      # noqa: E402
-from minidist.train import Plan, train_on_rank  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Row:
-    """One run of the table (times in seconds, medians over the measured steps)."""
-
-    name: str
-    dp: int
-    tokens_per_s: float
-    step: float
-    compute: float
-    comm_wait: float
-    cpu: float
-    sent: int
-    sent_by_axis: dict | None = None            # rank 0's {"dp": B, "tp": B} per step
-    plan: Plan | None = None
-    act: int = 0                                # activation bytes per layer, measured
-    hidden: float = float("nan")                # ring: share of the send time hidden
-
-
-@dataclass
-class _Alone:
-    """A one-rank context around a one-member group: this rank trains by itself."""
-
-    world: object
-    world_size: int = 1
-    rank: int = 0
-
-
-def _on_rank(ctx, model_cfg, data_cfg, plan: Plan, steps: int, batch: int, alone: bool):
-    if alone:                                  # every rank creates every group, in order
-        mine = [ctx.new_group((r,), name=f"alone{r}") for r in range(ctx.world_size)]
-        ctx = _Alone(mine[ctx.rank])
-    marks = [(0.0, 0.0)]                       # ring (send, wait) seconds after each step
-    ra.RING_TIMES.reset()
-    snap = lambda step, loss: marks.append((ra.RING_TIMES.send_s, ra.RING_TIMES.wait_s))  # noqa
-    r = train_on_rank(ctx, model_cfg, data_cfg, plan, steps=steps, global_batch=batch,
-                      lr=1e-3, on_step=snap if plan.cp > 1 else None)
-    ring = [(s1 - s0, w1 - w0) for (s0, w0), (s1, w1) in zip(marks, marks[1:])]
-    return r.timing, [b["sent"] for b in r.bytes_per_step], r.bytes_by_axis, ring
-
-
-def measure(name: str, model_cfg, data_cfg, plan: Plan, steps: int, warmup: int,
-            global_batch: int, alone: int = 0) -> Row:
-    """Spawn plan.world_size ranks training `global_batch` (or `alone` ranks, each training
-    its own `global_batch`), train `warmup + steps` steps, reduce the timings to a Row."""
-    ranks = alone or plan.world_size
-    runs = spawn(ranks, _on_rank, model_cfg, data_cfg, plan, warmup + steps, global_batch,
-                 bool(alone))
-    keep = slice(warmup, warmup + steps)
-    slowest = [max(t) for t in zip(*(run[0]["step"][keep] for run in runs))]
-    mean = lambda key: [float(np.mean(t)) for t in                       # noqa: E731
-                        zip(*(run[0][key][keep] for run in runs))]
-    ring = [np.sum(per_rank, axis=0) for per_rank in zip(*(run[3][keep] for run in runs))]
-    hidden = [1 - wait / send for send, wait in ring if send > 0]       # all ranks, per step
-    step = statistics.median(slowest)
-    by_axis = {a: int(statistics.median(b[a] for b in runs[0][2][keep]))
-               for a in runs[0][2][0]} if steps else {}
-    return Row(name, ranks if not alone else 1,
-               global_batch * (alone or 1) * data_cfg.block_size / step, step,
-               statistics.median(mean("compute")), statistics.median(mean("comm_wait")),
-               statistics.median(mean("cpu")), int(statistics.median(runs[0][1][keep])),
-               by_axis, plan, hidden=statistics.median(hidden) if hidden else float("nan"))
+from minidist.train import Plan                # noqa: E402
 
 
 def _zero_available() -> str | None:
@@ -156,19 +91,7 @@ def run_table(a: argparse.Namespace, cfg, data_cfg) -> list[Row]:
         else:
             runs.append((f"dp={a.dp} zero-{k}", plan(a.dp, zero=k), 0))
     batch = lambda p: a.batch_per_rank * p.dp                            # noqa: E731
-    return _best_of(a.repeats, [(n, p, alone, batch(p)) for n, p, alone in runs], common)
-
-
-def _best_of(repeats: int, runs: list, common: dict) -> list[Row]:
-    """Each run (name, plan, alone, global batch) `repeats` times, interleaved so that the
-    machine's load hits all alike; each keeps its fastest repeat."""
-    best: dict[str, Row] = {}
-    for _ in range(repeats):
-        for name, p, alone, batch in runs:
-            row = measure(name, plan=p, alone=alone, global_batch=batch, **common)
-            if name not in best or row.tokens_per_s > best[name].tokens_per_s:
-                best[name] = row
-    return [best[name] for name, *_ in runs]
+    return best_of(a.repeats, [(n, p, alone, batch(p)) for n, p, alone in runs], common)
 
 
 def render(rows: list[Row], psi: int, itemsize: int) -> str:
@@ -224,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--bucket-bytes", type=parse_bytes, default=64 << 10,
                    help="DDP bucket size (default 64K: several buckets, so overlap matters)")
-    from minidist.bench import train_layouts as lay
     lay.add_ep_arguments(p)
     a = p.parse_args(argv)
     if a.ep != 1:                                  # the MoE GPT: its own table and defaults

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist.baseline import model_config_for
-from minidist.bench.train import Row, _best_of
+from minidist.bench.train_runs import Row, best_of
 from minidist.data import DataConfig
 from minidist.nn import GPT
 from minidist.parallel import context_memory as cm, placement as pl
@@ -101,7 +101,7 @@ def run_strong_table(a: argparse.Namespace, cfg, data_cfg) -> list[Row]:
         runs += [(f"{pre}tp={a.tp}{' sp' if sp else ''}", plan(tp=a.tp, sequence_parallel=sp))
                  for sp in ([False, True] if a.sp else [False])]
     common = dict(model_cfg=cfg, data_cfg=data_cfg, steps=a.steps, warmup=a.warmup)
-    rows = _best_of(a.repeats, [(n, q, 0, a.batch) for n, q in runs], common)
+    rows = best_of(a.repeats, [(n, q, 0, a.batch) for n, q in runs], common)
     return [Row(**{**r.__dict__, "act": spawn(r.plan.tp * r.plan.cp, _act_on_rank, cfg,
                                               a.batch // r.plan.dp, r.plan)[0]}) for r in rows]
 
@@ -307,7 +307,7 @@ def render_ep(rows: list[EpRow], cfg) -> str:
         cells += [f"{r.dp_sync:>12,d}", f"{dp_f:>13,d}", f"{r.edp_sync:>12,d}", f"{edp_f:>13,d}"]
         lines.append("".join(cells + [f"{r.imbalance:>15.3f}", f"{r.drop:>7.1%}"]))
     if any(r.plan.ep > 1 and r.plan.dp > 2 for r in rows):
-        lines.append("dp sync with ep at dp > 2: the plain engine (fast_path=False, for the edp "
+        lines.append("dp sync with ep at dp > 2: the plain engine (DataParallel, for the edp "
                      "groups) all-reduces each parameter alone, and one of <= 4 KiB\n(direct_"
                      "small) is read by all D-1 peers: (D-1) n B, not 2(D-1)/D n B")
     if any(r.plan.world_size > cores for r in rows):

@@ -51,6 +51,7 @@ from minidist.parallel.context import ALGOS as CP_ALGOS
 from minidist.parallel.context import LAYOUTS as CP_LAYOUTS
 from minidist.parallel.context import ContextParallel
 from minidist.parallel.data import ALGOS, DataParallel
+from minidist.parallel.data_buckets import BucketedDataParallel
 from minidist.parallel.expert import is_expert_parameter
 from minidist.parallel.pipeline import PipelineCut, PipelineStage, make_links, split_layers
 from minidist.parallel.schedules import SCHEDULES, PipelineSchedule, make_schedule
@@ -352,11 +353,13 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
     if plan.zero == 0:
         group_of = {} if not experts else {id(p): experts["edp"] for n, p in zip(
             sharding.names, sharding.params) if is_expert_parameter(n)}
-        engine = DataParallel(sharding.model, grad, bucket_bytes=plan.bucket_bytes,
-                              algo=plan.algo, overlap=plan.overlap,
-                              replica_check_every=plan.replica_check_every,
-                              sharding=sharding, group_of=group_of,
-                              fast_path=not experts, **opt)
+        # the fast path where the group has shared memory; the plain engine under MPI and
+        # for experts, whose gradients sum over their own group (group_of)
+        buckets = getattr(grad, "supports_shared", False) and not experts
+        engine = (BucketedDataParallel if buckets else DataParallel)(
+            sharding.model, grad, bucket_bytes=plan.bucket_bytes, algo=plan.algo,
+            overlap=plan.overlap, replica_check_every=plan.replica_check_every,
+            sharding=sharding, group_of=group_of, **opt)
     else:
         from minidist.parallel.zero import ZeroEngine
         ep = {"expert_group": experts["edp"]} if experts else {}

@@ -26,12 +26,12 @@ waits for the sums. Two details make it right rather than merely plausible:
       gradient waits until every gradient before it in that order has started.
 
 The fast path, parallel/data_buckets.py: one collective per tensor costs a latency per
-parameter and a copy in and out of .grad. On a group with shared memory, DataParallel(...)
-builds data_buckets.BucketedDataParallel instead: gradients live in a few flat buckets in
-shared memory (.grad is a view) and each bucket is summed in place, one collective per
-bucket. Same interface, same bits with algo "direct" (tests/parallel/test_data.py trains
-both paths and compares). Without shared memory (MPI, runtime/mpi.py), or with
-fast_path=False, DataParallel is the plain engine below.
+parameter and a copy in and out of .grad. data_buckets.BucketedDataParallel, a subclass,
+keeps the gradients in a few flat buckets in shared memory (.grad is a view) and sums
+each bucket in place, one collective per bucket. Same interface, same bits with algo
+"direct" (tests/parallel/test_data.py trains both paths and compares). The layout picks
+the engine (parallel/compose.py: the buckets where the group has shared memory, this
+plain engine under MPI, runtime/mpi.py, for expert parallelism, or when the plan asks).
 
 One rank's view of one step (M micro-batches):
     1. micro-batches 0..M-2 inside `no_sync()`: forward, backward; .grad accumulates
@@ -91,18 +91,16 @@ class ReplicaDivergence(RuntimeError):
 class DataParallel(Engine):
     """The ZeRO-stage-0 engine of train.py: replicated model, all-reduced gradients.
 
-    The interface is parallel/engine.py's (shared with parallel/zero.py's ZeroEngine).
-    DataParallel(...) on a group with shared memory returns the fast path,
-    data_buckets.BucketedDataParallel (a subclass: only the gradient sync differs);
-    fast_path=False, a group without shared memory, or a subclass gets this plain one.
-    bucket_bytes sizes the fast path's buckets (the plain path has none).
+    The interface is parallel/engine.py's (shared with parallel/zero.py's ZeroEngine);
+    data_buckets.BucketedDataParallel is its fast path (a subclass: only the gradient sync
+    differs). bucket_bytes sizes the fast path's buckets (the plain path has none).
     """
 
     def __init__(self, model: Module, group, *, optimizer: str = "adamw", lr: float = 1e-3,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  momentum: float = 0.0, bucket_bytes: int = 1 << 20, algo: str = "auto",
                  overlap: bool = True, replica_check_every: int = 0, sharding=None,
-                 fast_path: bool = True, group_of: dict | None = None) -> None:
+                 group_of: dict | None = None) -> None:
         _check_args(group, bucket_bytes, algo, replica_check_every)
         self.model, self.group, self.algo, self.overlap = model, group, algo, bool(overlap)
         self.sharding, self.replica_check_every = sharding, replica_check_every
@@ -110,7 +108,8 @@ class DataParallel(Engine):
         # expert parallelism, parallel/expert.py); the plain engine only
         self.group_of = dict(group_of or {})
         if self.group_of and type(self) is not DataParallel:
-            raise ValueError("DataParallel: group_of needs the plain engine (fast_path=False)")
+            raise ValueError("DataParallel: group_of needs the plain engine (the buckets "
+                             "sum every gradient over one group)")
         named = list(model.named_parameters())
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.opt = make_optimizer(optimizer, self.params, lr, weight_decay, betas, momentum)
@@ -173,17 +172,6 @@ class DataParallel(Engine):
             raise RuntimeError(f"{self.group.prefix} local_grad: this parameter has no "
                                "gradient yet; call it after the backward passes of the step.")
         return p.grad
-
-    # --- which engine: the fast path where the group has shared memory ---
-    def __new__(cls, *args, **kwargs):
-        """DataParallel(model, group, ...) -> BucketedDataParallel if group.supports_shared
-        and fast_path (default True); this plain engine otherwise, and for subclasses."""
-        group = args[1] if len(args) > 1 else kwargs.get("group")
-        if cls is DataParallel and kwargs.get("fast_path", True) \
-                and getattr(group, "supports_shared", False):
-            from minidist.parallel.data_buckets import BucketedDataParallel
-            cls = BucketedDataParallel
-        return super().__new__(cls)
 
     # --- what train.py calls (no_sync() is inherited from Engine) ---
     def forward(self, idx, targets, *, n_tokens: int, aux_weight: float = 1.0,
@@ -282,13 +270,3 @@ def _check_args(group, bucket_bytes, algo: str, replica_check_every) -> None:
             or replica_check_every < 0:
         raise ValueError(f"DataParallel: replica_check_every={replica_check_every!r} must "
                          "be an int >= 0 (0 = never check).")
-
-
-def __getattr__(name: str):
-    """plan_buckets and BucketedDataParallel live in the fast-path module; importing them
-    from here too keeps `from minidist.parallel.data import plan_buckets` working (loaded
-    lazily: data_buckets.py imports this module)."""
-    if name in ("plan_buckets", "BucketedDataParallel"):
-        from minidist.parallel import data_buckets
-        return getattr(data_buckets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """Data parallelism, fast path: gradients in shared-memory buckets, summed in place.
 
 parallel/data.py is the algorithm: one all_reduce(.grad) per parameter, started by a grad
-hook, waited for in step(). This module is the same engine made cheaper, and it is what
-DataParallel(...) builds on a group that has shared memory (the spawn runtime; not MPI).
+hook, waited for in step(). This module is the same engine made cheaper, for a group that
+has shared memory (the spawn runtime; not MPI); parallel/compose.py picks it there.
 It changes HOW the sum travels, never WHICH numbers are added in which order: with algo
 "direct" (or "auto") both paths fold every element in rank order 0..W-1, so they give the
 same bits (tests/parallel/test_data.py trains both and compares).
@@ -93,9 +93,16 @@ class _Bucket:
 class BucketedDataParallel(DataParallel):
     """DataParallel with its gradients in shared-memory buckets (see the module docstring).
 
-    Same constructor and interface as DataParallel, which builds this class itself when
-    the group supports shared memory; only the gradient sync below differs.
+    Same constructor and interface as DataParallel; the group must have shared memory.
+    Only the gradient sync below differs.
     """
+
+    def __init__(self, model, group, **kwargs) -> None:
+        if not getattr(group, "supports_shared", False):
+            raise ValueError(f"BucketedDataParallel: group '{getattr(group, 'name', '?')}' "
+                             "has no shared memory (MPI?), where its buckets live; use the "
+                             "plain DataParallel there.")
+        super().__init__(model, group, **kwargs)
 
     def _setup_gradients(self, bucket_bytes: int) -> None:
         """Cut the parameters into buckets, each a shared region; .grad views into them."""

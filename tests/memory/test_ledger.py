@@ -24,7 +24,7 @@ from minidist.nn import GPT
 from minidist.nn.layers import Linear
 from minidist.observe.flops import FlopLedger
 from minidist.optim import AdamW
-from minidist.parallel.data import DataParallel
+from minidist.parallel.data_buckets import BucketedDataParallel
 from minidist.parallel.zero import ZeroEngine
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
@@ -232,7 +232,8 @@ def test_single_process_gpt_model_state_and_saved_activations():
 
 def _engine_on_rank(ctx, stage):
     model = GPT(TINY, seed=0)
-    engine = DataParallel(model, ctx.world) if stage == 0 else ZeroEngine(model, ctx.world, stage)
+    engine = BucketedDataParallel(model, ctx.world) if stage == 0 else \
+        ZeroEngine(model, ctx.world, stage)
     ledger = Ledger()
     ledger.track_engine(engine)
     idx = np.random.default_rng(ctx.rank).integers(0, TINY.vocab_size, (2, 8))

@@ -9,10 +9,11 @@ import pytest
 from minidist.baseline import model_config_for, train_single_process
 from minidist.collectives import direct_small
 from minidist.data import DataConfig, SyntheticData
-from minidist.nn import GPT
+from minidist.nn import GPT, GPTConfig
 from minidist.parallel import schedules
-from minidist.parallel.data import ALGOS, DataParallel, ReplicaDivergence, plan_buckets
-from minidist.parallel.data_buckets import BucketedDataParallel
+from minidist.parallel.compose import build
+from minidist.parallel.data import ALGOS, DataParallel, ReplicaDivergence
+from minidist.parallel.data_buckets import BucketedDataParallel, plan_buckets
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
@@ -22,6 +23,12 @@ DATA = DataConfig(task="sort", length=4)
 TINY = model_config_for(DATA, n_layer=2, n_embd=16, n_head=2, dtype="float64")
 STEPS, GLOBAL_BATCH, LR, WD = 3, 24, 1e-2, 0.01      # 24 splits over W x M in every case
 SMALL_BUCKET = 2048                                    # several buckets for the tiny GPT
+
+
+def _engine(buckets: bool) -> type:
+    """The fast path (shared-memory buckets) or the plain engine."""
+    return BucketedDataParallel if buckets else DataParallel
+
 
 CASES = [  # (W, micro_batches, extra Plan fields)
     (1, 1, {}), (1, 2, {}), (2, 1, {}), (2, 2, {"overlap": False}),
@@ -84,8 +91,7 @@ def test_bytes_per_step_equal_the_formula(algo):
 def _overlap_probe(ctx, overlap, fast):
     """Return (no_sync stayed silent, collectives started when backward returned, total)."""
     model = GPT(TINY)
-    dp = DataParallel(model, ctx.world, lr=LR, bucket_bytes=SMALL_BUCKET, overlap=overlap,
-                      fast_path=fast)
+    dp = _engine(fast)(model, ctx.world, lr=LR, bucket_bytes=SMALL_BUCKET, overlap=overlap)
     assert isinstance(dp, BucketedDataParallel) is fast
     started = (lambda: dp._next) if fast else (lambda: len(dp._works))
     x, y = SyntheticData(DATA).global_batch(0, 4)                # (4, T) each
@@ -145,7 +151,7 @@ def test_bucket_size_must_be_positive(bad):
 
 
 def _backward_twice(ctx, fast):
-    dp = DataParallel(GPT(TINY), ctx.world, lr=LR, bucket_bytes=SMALL_BUCKET, fast_path=fast)
+    dp = _engine(fast)(GPT(TINY), ctx.world, lr=LR, bucket_bytes=SMALL_BUCKET)
     x, y = SyntheticData(DATA).global_batch(0, 2)
     dp.forward(x, y, n_tokens=8)[1].backward()             # launches every all-reduce
     with pytest.raises(RuntimeError, match="after its all-reduce started; call step"):
@@ -173,8 +179,8 @@ def _train_both_paths(ctx, M, algo="direct", paths=(False, True)):
     """Train 3 AdamW steps with the plain engine, then with the buckets, from one seed."""
     W, data, out = ctx.world_size, SyntheticData(DATA), {}
     for fast in paths:
-        dp = DataParallel(GPT(TINY), ctx.world, lr=LR, weight_decay=WD, algo=algo,
-                          bucket_bytes=SMALL_BUCKET, fast_path=fast)
+        dp = _engine(fast)(GPT(TINY), ctx.world, lr=LR, weight_decay=WD, algo=algo,
+                           bucket_bytes=SMALL_BUCKET)
         assert type(dp) is (BucketedDataParallel if fast else DataParallel)
         norms, sent = [], []
         for step in range(STEPS):
@@ -234,7 +240,7 @@ def test_plain_path_with_message_algorithms_matches_single_process(algo):
 
 def _hooks_in_rank_order(ctx):
     """Fire the hooks by hand, in an order that differs per rank, one parameter missing."""
-    dp = DataParallel(GPT(TINY), ctx.world, lr=LR, algo="direct", fast_path=False)
+    dp = DataParallel(GPT(TINY), ctx.world, lr=LR, algo="direct")
     order = dp.params if ctx.rank % 2 else dp.params[::-1]
     for i, p in enumerate(order):
         if ctx.rank == 1 and i == 3:
@@ -262,9 +268,11 @@ class _GroupWithoutSharedMemory:
     name, rank, size, prefix, supports_shared = "dp0", 0, 1, "[rank 0/1]", False
 
 
-def test_dataparallel_picks_the_fast_path_only_with_shared_memory():
+def test_the_plain_engine_runs_without_shared_memory_and_the_buckets_do_not():
     plain = DataParallel(GPT(TINY), _GroupWithoutSharedMemory(), lr=LR, algo="ring")
     assert type(plain) is DataParallel and not hasattr(plain, "buckets")
+    with pytest.raises(ValueError, match="no shared memory .* use the plain DataParallel"):
+        BucketedDataParallel(GPT(TINY), _GroupWithoutSharedMemory(), lr=LR)
     assert plain._algo == "ring" and [id(p) for p in plain.order] == \
         [id(p) for p in reversed(plain.params)]                 # the buckets' order
     auto = DataParallel(GPT(TINY), _GroupWithoutSharedMemory(), lr=LR)
@@ -276,15 +284,17 @@ def test_dataparallel_picks_the_fast_path_only_with_shared_memory():
     assert "fastest" not in ALGOS
 
 
-def _engine_types(ctx):
-    kinds = [type(DataParallel(GPT(TINY), ctx.world, lr=LR)),
-             type(DataParallel(GPT(TINY), ctx.world, lr=LR, fast_path=False)),
-             type(DataParallel(model=GPT(TINY), group=ctx.world, lr=LR))]
-    return [k.__name__ for k in kinds]
+def _engine_types(ctx, ep):
+    cfg = TINY if ep == 1 else GPTConfig(**{**TINY.__dict__, "moe_every": 1, "n_experts": 2})
+    lay = build(ctx, Plan(dp=ctx.world_size, ep=ep), cfg, seed=0, optimizer="adamw", lr=LR,
+                weight_decay=0.0, betas=(0.9, 0.999), momentum=0.0)
+    return type(lay.engine).__name__
 
 
 @pytest.mark.multiproc
-def test_on_shared_memory_dataparallel_is_the_bucketed_fast_path():
-    assert spawn(1, _engine_types) == [["BucketedDataParallel", "DataParallel",
-                                        "BucketedDataParallel"]]
+def test_the_layout_picks_the_bucketed_fast_path_on_shared_memory():
+    """compose.build chooses the engine: the buckets on shared memory; the plain engine for
+    expert parallelism, whose expert gradients sum over their own group."""
+    assert spawn(1, _engine_types, 1) == ["BucketedDataParallel"]
+    assert spawn(2, _engine_types, 2) == ["DataParallel"] * 2
     assert issubclass(BucketedDataParallel, DataParallel)

@@ -303,10 +303,10 @@ def test_resuming_under_the_same_plan_is_bitwise_the_uninterrupted_run(plan, moe
 # --- engines built by hand, without a ModelSharding ------------------------------------
 
 def _bare_engine_on_rank(ctx, zero: int, params: dict, state: dict):
-    from minidist.parallel.data import DataParallel
+    from minidist.parallel.data_buckets import BucketedDataParallel
     from minidist.parallel.zero import ZeroEngine
     model = GPT(_cfg(), SEED)
-    engine = DataParallel(model, ctx.world, lr=LR) if zero == 0 else \
+    engine = BucketedDataParallel(model, ctx.world, lr=LR) if zero == 0 else \
         ZeroEngine(model, ctx.world, zero, lr=LR)
     engine.load_full_state(params, state)
     return engine.full_params(), engine.full_optimizer_state()

@@ -21,8 +21,8 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse                                # noqa: E402
 
-from minidist.baseline import answer_accuracy, model_config_for, train_single_process  # noqa
-from minidist.data import DataConfig, SyntheticData                                  # noqa
+from minidist.baseline import train_single_process                                     # noqa
+from minidist.data import DataConfig, SyntheticData, answer_accuracy, model_config_for  # noqa
 from minidist.nn import GPT                                                          # noqa
 
 # --- settings (each can be overridden on the command line) ---

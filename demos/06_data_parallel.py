@@ -26,8 +26,8 @@ import hashlib                                 # noqa: E402
 
 import numpy as np                             # noqa: E402
 
-from minidist.baseline import model_config_for, train_single_process    # noqa: E402
-from minidist.data import DataConfig, SyntheticData                     # noqa: E402
+from minidist.baseline import train_single_process                      # noqa: E402
+from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT, DropoutKey                                 # noqa: E402
 from minidist.parallel.data_buckets import BucketedDataParallel         # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402

@@ -22,8 +22,8 @@ import argparse                                # noqa: E402
 
 import numpy as np                             # noqa: E402
 
-from minidist.baseline import model_config_for, train_single_process    # noqa: E402
-from minidist.data import DataConfig                                    # noqa: E402
+from minidist.baseline import train_single_process                      # noqa: E402
+from minidist.data import DataConfig, model_config_for                  # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel import zero_memory as zm                         # noqa: E402
 from minidist.parallel.flat import ownership_map, split_units           # noqa: E402

@@ -18,8 +18,8 @@ import argparse
 import numpy as np
 
 from minidist.autograd import Tensor
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.nn.attention import attention_core
 from minidist.nn.layers import Dropout
 from minidist.parallel.ring_attention import LAYOUTS, sequence_layout

@@ -20,8 +20,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.parallel.schedule_render import LEGEND, ascii, side_by_side
 from minidist.parallel.schedule_sim import (Timeline, bubble_closed_form, peak_activations,
                                             simulate)

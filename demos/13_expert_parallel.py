@@ -22,8 +22,8 @@ import numpy as np
 from minidist import seed as seeding
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.nn.moe import MoE
 from minidist.parallel.expert import ExpertParallelMoE
 from minidist.runtime.launch import spawn

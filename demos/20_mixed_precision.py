@@ -20,8 +20,7 @@ import argparse
 
 import numpy as np
 
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 

@@ -19,8 +19,7 @@ Paper:     Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054, Sec. 5 and Fig. 1;
 
 import argparse
 
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.memory.budget import MemoryPlan, estimate, zero_figure1
 from minidist.memory.budget_cli import fmt, parse_plan
 from minidist.memory.budget_measure import MEASURED, compare

@@ -27,8 +27,9 @@ import time
 
 import numpy as np
 
-from minidist.baseline import params_digest, train_single_process
+from minidist.baseline import train_single_process
 from minidist.data import DataConfig
+from minidist.deterministic.digest import params_digest
 from minidist.nn import GPTConfig
 from minidist.parallel.compose import Plan
 from minidist.runtime import spawn

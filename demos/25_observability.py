@@ -23,8 +23,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.observe import report, run_dir
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank

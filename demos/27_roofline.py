@@ -54,8 +54,7 @@ def model(a):
     if a.model != "tiny":
         from minidist.memory.budget_models import preset
         return preset(a.model), a.model
-    from minidist.baseline import model_config_for
-    from minidist.data import DataConfig
+    from minidist.data import DataConfig, model_config_for
     cfg = model_config_for(DataConfig(task="sort", length=6), n_layer=2, n_embd=32, n_head=4,
                            dtype="float32")
     return cfg, "tiny GPT (2 layers, C=32, H=4)"

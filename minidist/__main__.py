@@ -36,6 +36,8 @@ import runpy
 import signal
 import sys
 
+from minidist.cli import CliParser, at_least
+
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
 BENCHES = ("collectives", "autograd", "train", "pipeline", "checkpoint", "throughput",
            "recompute", "observe", "offload", "determinism")
@@ -50,7 +52,6 @@ def _error(message: str) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    from minidist.baseline import CliParser, at_least
 
     def ranks(text: str) -> set[int]:
         try:

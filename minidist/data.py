@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist import seed as seeding
+from minidist.nn import GPT, GPTConfig
 
 IGNORE_INDEX = -100
 TASKS = ("copy", "reverse", "sort", "add")
@@ -174,3 +175,33 @@ class SyntheticData:
         """One line for the demo: 'prompt | predicted   (ok / want answer)'."""
         verdict = "ok" if np.array_equal(predicted, answer) else "want " + self.decode(answer)
         return (f"{self.decode(prompt)} | {self.decode(predicted)}   ({verdict})")
+
+
+# --- the model a task needs, and how well it answers ---------------------------------
+
+def check_compatible(model_cfg: GPTConfig, data_cfg: DataConfig) -> None:
+    """ValueError unless the model's vocabulary and context fit the task."""
+    if model_cfg.vocab_size < data_cfg.vocab_size or model_cfg.block_size < data_cfg.block_size:
+        raise ValueError(
+            f"model vocab_size={model_cfg.vocab_size}, block_size={model_cfg.block_size} is too "
+            f"small for task {data_cfg.task!r}, which needs vocab_size >= {data_cfg.vocab_size} "
+            f"and block_size >= {data_cfg.block_size}; use model_config_for(data_cfg, ...).")
+
+
+def model_config_for(data_cfg: DataConfig, **overrides) -> GPTConfig:
+    """A GPTConfig whose vocab_size and block_size match the task; other fields overridable."""
+    fields = dict(vocab_size=data_cfg.vocab_size, block_size=data_cfg.block_size)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+def answer_accuracy(model: GPT, data: SyntheticData, n: int = 64, split: str = "eval"
+                    ) -> tuple[float, list[str]]:
+    """Greedy-decode the answers of n held-out samples; return (exact-match rate, lines)."""
+    c = data.cfg
+    samples = [data.sample(i, split) for i in range(n)]
+    prompts = np.stack([np.concatenate([p, [c.sep]]) for p, _ in samples])    # (n, L + 1)
+    out = model.generate(prompts, c.answer_len)[:, c.prompt_len + 1:]       # (n, A)
+    lines = [data.format_example(p, o, a) for (p, a), o in zip(samples, out)]
+    hits = sum(np.array_equal(o, a) for (_, a), o in zip(samples, out))
+    return hits / n, lines

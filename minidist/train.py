@@ -50,14 +50,15 @@ import numpy as np
 
 from minidist import collectives as C
 from minidist import optim
-from minidist.baseline import check_compatible
-from minidist.data import DataConfig, SyntheticData
-from minidist.nn import GPTConfig
+from minidist.data import DataConfig, SyntheticData, check_compatible
 from minidist.deterministic import step as determinism
 from minidist.deterministic.expert import ExpertGrains
 from minidist.deterministic.layout import determinize_layout
+from minidist.memory.ledger import Ledger
+from minidist.nn import GPTConfig
 from minidist.parallel import placement, schedules
 from minidist.parallel.compose import Plan, build
+from minidist.runtime.errors import rank_prefix
 
 __all__ = ["Plan", "RankResult", "StepEnd", "train_on_rank"]
 
@@ -320,8 +321,6 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
 def _ledger(ctx, engine, budget):
     """This rank's memory/ledger.py Ledger (budget: bytes, a size string or None), holding
     the engine's parameters, gradients and optimizer state."""
-    from minidist.memory.ledger import Ledger
-    from minidist.runtime.errors import rank_prefix
     ledger = Ledger(budget, prefix=rank_prefix(ctx.rank, ctx.world_size))
     ledger.track_engine(engine)
     return ledger

@@ -4,7 +4,8 @@ main() parses the options (baseline's, and the layout's: --dp, --tp, --cp, --pp,
 --zero, --schedule, ...; reliability's --checkpoint-dir, --inject, --spike, --straggler;
 memory's --recompute, --precision, --offload, --device-memory; --deterministic (--grain,
 --token-tiles); the run directory's --run-dir, --trace-steps), builds the job (GPTConfig,
-DataConfig, Plan), runs a single process through baseline.run when nothing asks for more,
+DataConfig, Plan), runs a single process (baseline.py's ground truth, _single_process) when
+nothing asks for more,
 and otherwise spawns the ranks through reliability/recovery.py (restarts, elastic), each
 running _rank_main: train_on_rank with its checkpoints, faults, straggler handling and
 run-directory observer, rank 0 printing the progress line of observe/progress.py. At the
@@ -23,16 +24,21 @@ import time
 
 import numpy as np
 
-from minidist import collectives as C
-from minidist import baseline
-from minidist.data import DataConfig
-from minidist.nn import GPTConfig
+from minidist import backend, baseline, collectives as C
+from minidist.cli import CliParser, at_least, cli_error
+from minidist.data import DataConfig, SyntheticData, answer_accuracy, model_config_for
+from minidist.deterministic.digest import params_digest
+from minidist.memory.ledger import parse_bytes
+from minidist.nn import GPT, GPTConfig
 from minidist.observe import run_dir
 from minidist.observe.peak import peak_flops
 from minidist.observe.progress import Progress
 from minidist.parallel.compose import Plan
+from minidist.parallel.schedule_csv import from_csv
+from minidist.parallel.schedules import SCHEDULES
 from minidist.reliability import confined, recovery, straggler as stragglers
 from minidist.reliability.checkpoint import CheckpointError, CheckpointStorageError
+from minidist.runtime import RankFailure
 from minidist.train import RankResult, StepEnd, train_on_rank
 
 
@@ -57,22 +63,22 @@ def main(argv: list[str] | None = None) -> int:
                 and not resilience.active and a.run_dir is None \
                 and a.device_memory is None and a.precision == "fp32" \
                 and a.offload == "none":
-            return baseline.run(a)
+            return _single_process(a)
         if a.device == "gpu":                    # backend.py: not staged for ranks yet
-            raise ValueError(baseline.backend.MULTI_RANK_GPU)
+            raise ValueError(backend.MULTI_RANK_GPU)
         cfg, data_cfg, plan = _job(a)
     except ValueError as e:
-        return baseline.cli_error(e)
+        return cli_error(e)
     layout = f"{plan.describe()}, ZeRO-{a.zero}" + (
         f", {plan.micro_batches} micro-batches" if plan.pp > 1 else "")
     print(f"task {a.task} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, {cfg.dtype} · batch "
-          f"{a.batch} on {layout} = {plan.world_size} ranks · {a.optimizer} lr {a.lr}",
-          flush=True)
+          f"{a.batch} on {layout} = {plan.world_size} ranks · {a.optimizer} lr {a.lr}\n"
+          f"algorithms: {plan.algorithms()}" + ("" if a.plain else " · --plain: the "
+                                                 "textbook ones"), flush=True)
     if a.steps == 0:
-        print(baseline.NOTHING_TRAINED)
+        print(NOTHING_TRAINED)
         return 0
     a.peak_flops = peak_flops(cfg.dtype).flops   # one rank's, for MFU (measured once, cached)
-    from minidist.runtime import RankFailure
     a.run_path = run_dir.for_cli(a, ["python", "-m", "minidist", "train",
                                      *(sys.argv[1:] if argv is None else argv)],
                                  cfg, data_cfg, plan)          # observe/run_dir.py
@@ -81,20 +87,142 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailure as e:
         return _rank_failed(e)
     except (ValueError, CheckpointError) as e:   # another run's, or no intact checkpoint
-        return baseline.cli_error(e)
+        return cli_error(e)
     finally:                                     # a failed run's directory is kept too
         if a.run_path is not None:
             run_dir.finish(a.run_path)
-    baseline.show_samples(cfg, data_cfg, run.params)
-    print(f"params sha256: {baseline.params_digest(run.params)}")
+    show_samples(cfg, data_cfg, run.params)
+    print(f"params sha256: {params_digest(run.params)}")
     if a.run_path is not None:
         print(f"run directory: {a.run_path} (python -m minidist report {a.run_path})")
     return _check(a, cfg, data_cfg, run, layout) if a.check else 0
 
 
+def train_arguments(prog: str) -> argparse.ArgumentParser:
+    """The model's, the task's and the run's options (_arguments adds the layout's)."""
+    ap = CliParser(prog=prog, description="Train the tiny GPT and show it solving held-out "
+                                          "prompts.")
+    ap.add_argument("--task", default="sort", choices=["copy", "reverse", "sort", "add"])
+    ap.add_argument("--length", type=int, default=6, help="prompt length (copy/reverse/sort)")
+    ap.add_argument("--steps", type=at_least(0), default=300,
+                    help="optimizer steps (0 trains nothing and shows no samples)")
+    ap.add_argument("--batch", type=at_least(1), default=32, help="global batch (sequences)")
+    ap.add_argument("--grad-accum", type=at_least(1), default=1)
+    ap.add_argument("--lr", type=at_least(0.0, float), default=3e-3)
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, default=32)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--moe-every", type=int, default=0, help="every k-th block a MoE (0: none)")
+    ap.add_argument("--n-experts", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=1, help="experts per token (MoE)")
+    ap.add_argument("--capacity-factor", type=float, default=1.25)
+    ap.add_argument("--moe-group-size", type=int, default=0,
+                    help="tokens per MoE routing group (0: one sequence)")
+    ap.add_argument("--z-loss", type=float, default=0.0, help="router z-loss coefficient")
+    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                    help="activation recomputation: selective = the attention core, full = "
+                         "every block (memory/recompute.py; the same numbers, less memory)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--deterministic", action="store_true",
+                    help="bitwise the same parameters and losses under every dp x ZeRO layout "
+                         "and micro-batch count: one sample per micro-batch, summed in a "
+                         "fixed tree (minidist/deterministic/tree_sum.py)")
+    ap.add_argument("--grain", type=int, default=1,
+                    help="--deterministic: samples per leaf of the tree (default 1); larger "
+                         "is faster, and runs compare bitwise only at the same grain")
+    ap.add_argument("--token-tiles", type=int, default=None,
+                    help="--deterministic: every sum over positions in a tree over this "
+                         "many runs per sequence (context parallelism needs it; runs "
+                         "compare bitwise only at the same value)")
+    ap.add_argument("--device", type=_device, default=os.environ.get(backend.DEVICE_ENV, ""),
+                    help="cpu (NumPy) or gpu (CuPy; needs the 'gpu' extra and a CUDA "
+                         f"device); default ${backend.DEVICE_ENV}, else cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--every", type=at_least(1), default=25, help="print every N steps")
+    return ap
+
+
+def _device(text: str) -> str:
+    """--device (and its default, $MINIDIST_DEVICE): 'cpu' or 'gpu' (backend.parse_device)."""
+    try:
+        return backend.parse_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def configs_from(a: argparse.Namespace) -> tuple[GPTConfig, DataConfig]:
+    """(model config, data config) from parsed train_arguments (ValueError if they make
+    no model or no task)."""
+    data_cfg = DataConfig(task=a.task, length=a.length, seed=a.seed)
+    cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
+                           moe_every=a.moe_every, n_experts=a.n_experts, top_k=a.top_k,
+                           capacity_factor=a.capacity_factor, moe_group_size=a.moe_group_size,
+                           z_loss_coef=a.z_loss, dtype=a.dtype, recompute=a.recompute)
+    return cfg, data_cfg
+
+
+def show_samples(cfg: GPTConfig, data_cfg: DataConfig, params: dict[str, np.ndarray]) -> float:
+    """Print a few held-out prompts with the trained model's answers; return the accuracy."""
+    model = GPT(cfg, seed=None)
+    model.load_state_dict(params)
+    acc, lines = answer_accuracy(model, SyntheticData(data_cfg))
+    print("held-out samples (prompt | model's answer):")
+    for line in lines[:6]:
+        print("  " + line)
+    print(f"exact-match accuracy on 64 held-out prompts: {acc:.0%}")
+    return acc
+
+
+def _single_process(a: argparse.Namespace) -> int:
+    """The main job on one process: baseline.train_single_process, the ground truth, with
+    the progress line and the held-out samples. Returns the exit code: 2 (one `error:`
+    line on stderr) if the options make no job.
+    --steps 0 trains nothing: it says so and shows no samples (an untrained model's answers
+    are noise, not a result)."""
+    try:
+        cfg, data_cfg = configs_from(a)
+        backend.use_device(getattr(a, "device", "cpu"))     # one line if there is no GPU
+    except ValueError as e:
+        return cli_error(e)
+    if a.batch % a.grad_accum:
+        k = a.grad_accum
+        fits = sorted({m for m in (a.batch - a.batch % k, a.batch - a.batch % k + k) if m})
+        return cli_error(f"--batch {a.batch} does not split into --grad-accum {k} equal "
+                         f"micro-batches; use a multiple of {k}, e.g. "
+                         f"{' or '.join(map(str, fits))}, or change --grad-accum.")
+    bar = Progress.for_model(cfg, a.batch, 1, a.steps, peak_flops=peak_flops(cfg.dtype).flops)
+    t0 = last = time.perf_counter()
+
+    def progress(step: int, loss: float, model: GPT) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if step % a.every == 0 or step == a.steps - 1:     # no communication; memory: not
+            print(bar.line(step, loss, now - t0, [[now - last, 0.0, 0.0]]),  # measured here
+                  flush=True)              # a reader of a pipe (| head) sees each step now
+        last = now
+
+    print(f"task {a.task} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, {cfg.dtype} · "
+          f"batch {a.batch} · {a.optimizer} lr {a.lr}", flush=True)
+    if a.steps == 0:
+        print(NOTHING_TRAINED)
+        return 0
+    result = baseline.train_single_process(
+        cfg, data_cfg, steps=a.steps, global_batch=a.batch, lr=a.lr, seed=a.seed,
+        grad_accum=a.grad_accum, optimizer=a.optimizer, on_step=progress,
+        deterministic=a.deterministic, grain=a.grain, token_tiles=a.token_tiles)
+    print(bar.summary(time.perf_counter() - t0))
+    show_samples(cfg, data_cfg, result.params)
+    print(f"params sha256: {params_digest(result.params)}")
+    return 0
+
+
+NOTHING_TRAINED = "--steps 0: nothing to train, so no held-out samples to show."
+
+
 def _arguments() -> argparse.ArgumentParser:
-    """baseline's options and the parallel ones."""
-    ap = baseline.train_arguments("python -m minidist train")
+    """train_arguments and the layout's options."""
+    ap = train_arguments("python -m minidist train")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (one rank each)")
     ap.add_argument("--ep", type=int, default=1,
@@ -116,6 +244,10 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"],
                     help="which positions each cp rank holds")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    ap.add_argument("--plain", action="store_true",
+                    help="the textbook algorithms instead of the fast paths: DDP with one "
+                         "all-reduce per parameter (parallel/data.py), ring reductions "
+                         "(collectives/ring.py); the same results")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "fp8"],
                     help="mixed precision (memory/precision.py): the model copy and "
                          "activations in bf16 / fp16 / fp8 GEMMs, fp32 master weights")
@@ -144,7 +276,6 @@ def _arguments() -> argparse.ArgumentParser:
 
 def _device_memory(text: str) -> int:
     """--device-memory: "64MB" -> 64000000 (memory/ledger.py's parse_bytes)."""
-    from minidist.memory.ledger import parse_bytes
     try:
         return parse_bytes(text)
     except ValueError as e:
@@ -175,7 +306,7 @@ def _job(a) -> tuple[GPTConfig, DataConfig, Plan]:
         print(f"note: n_layer {a.n_layer} -> {a.pp * chunks}, so that each of the pp x "
               f"virtual stages = {a.pp * chunks} pieces of the model holds a layer")
         a.n_layer = a.pp * chunks
-    cfg, data_cfg = baseline.configs_from(a)
+    cfg, data_cfg = configs_from(a)
     if cfg.recompute == "selective" and a.cp > 1:
         raise ValueError("--recompute selective recomputes the attention core of one rank; "
                          f"with --cp {a.cp} ring attention already rebuilds its probabilities "
@@ -186,6 +317,7 @@ def _job(a) -> tuple[GPTConfig, DataConfig, Plan]:
                 schedule=_schedule_argument(a.schedule), virtual_stages=a.virtual_stages,
                 layers_per_stage=a.layers_per_stage, precision=a.precision,
                 grad_reduce=a.grad_reduce, offload=a.offload, offload_dir=a.offload_dir)
+    plan = plan.textbook() if a.plain else plan
     plan.validate(cfg, a.batch, data_cfg.block_size)
     return cfg, data_cfg, plan
 
@@ -299,8 +431,6 @@ def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str
 
 def _schedule_argument(value: str):
     """--schedule: a schedule name, or the path of a CSV schedule (schedule_csv.py)."""
-    from minidist.parallel.schedule_csv import from_csv
-    from minidist.parallel.schedules import SCHEDULES
     if value in SCHEDULES:
         return value
     try:

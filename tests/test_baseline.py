@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 import minidist
-from minidist import baseline, optim
-from minidist.baseline import answer_accuracy, main, model_config_for, train_single_process
-from minidist.data import DataConfig, SyntheticData
+from minidist import optim
+from minidist.deterministic.digest import params_digest
+from minidist.train_cli import main
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, SyntheticData, answer_accuracy, model_config_for
 from minidist.nn import GPT
 
 DATA = DataConfig(task="sort", length=4, seed=1)
@@ -147,10 +149,10 @@ def test_cli_prints_progress_and_samples(capsys):
 
 def test_params_digest_names_every_byte_and_the_order():
     a = {"w": np.arange(3.0), "b": np.zeros(2, np.float32)}
-    d = baseline.params_digest(a)
-    assert d == baseline.params_digest({k: v.copy() for k, v in a.items()})
-    assert d != baseline.params_digest({"b": a["b"], "w": a["w"]})             # order
-    assert d != baseline.params_digest({"w": a["w"], "b": np.zeros(2)})       # dtype
+    d = params_digest(a)
+    assert d == params_digest({k: v.copy() for k, v in a.items()})
+    assert d != params_digest({"b": a["b"], "w": a["w"]})             # order
+    assert d != params_digest({"w": a["w"], "b": np.zeros(2)})       # dtype
     flipped = a["w"].copy()
     flipped.view(np.uint8)[0] ^= 1
-    assert d != baseline.params_digest({"w": flipped, "b": a["b"]})           # one bit
+    assert d != params_digest({"w": flipped, "b": a["b"]})           # one bit

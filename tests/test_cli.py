@@ -231,8 +231,8 @@ def test_the_verdict_says_matches_or_differs_from(capsys):
     from argparse import Namespace
     from types import SimpleNamespace
 
-    from minidist.baseline import model_config_for, train_single_process
-    from minidist.data import DataConfig
+    from minidist.baseline import train_single_process
+    from minidist.data import DataConfig, model_config_for
     from minidist.train_cli import _check
     data = DataConfig(task="reverse", length=3)
     cfg = model_config_for(data, n_layer=1, n_embd=8, n_head=2, dtype="float64")
@@ -252,3 +252,26 @@ def test_each_demo_header_carries_its_file_number():
     for path in sorted((ROOT / "demos").glob("[0-9][0-9]_*.py")):
         numbers = re.findall(r'print\(f?"demo (\d\d) ', path.read_text())
         assert numbers == [path.name[:2]], (path.name, numbers)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("extra, sync, reductions", [
+    ([], "DDP with shared-memory buckets (parallel/data_buckets.py)",
+     "direct reductions in rank order (collectives/direct.py)"),
+    (["--plain"], "DDP, one all-reduce per parameter (parallel/data.py)",
+     "ring reductions (collectives/ring.py)"),
+    (["--plain", "--zero", "2"], "ZeRO-2 (parallel/zero.py)",
+     "ring reductions (collectives/ring.py)")])
+def test_the_header_names_the_algorithms_and_plain_runs_the_textbook_ones(extra, sync,
+                                                                           reductions, capsys):
+    """The fast paths are the default; the header says which run, and --plain runs the
+    plain ones to the same verdict against the single process."""
+    from minidist.train_cli import main
+    args = ["--dp", "2", "--task", "copy", "--length", "3", "--steps", "2", "--n-layer", "1",
+            "--n-embd", "16", "--batch", "8", "--check", "--run-dir", "none"]
+    assert main(args + extra) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("algorithms: "))
+    assert line.startswith(f"algorithms: {sync} · {reductions}")
+    assert ("--plain: the textbook ones" in line) is not bool(extra)
+    assert "OK: dp=2 x tp=1" in out

@@ -7,8 +7,8 @@ import types
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.parallel.data import DataParallel
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn

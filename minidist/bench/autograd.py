@@ -44,7 +44,7 @@ import numpy as np                             # noqa: E402
 
 from minidist import optim                     # noqa: E402
 from minidist.autograd import function as autograd_function     # noqa: E402
-from minidist.baseline import CliParser        # noqa: E402
+from minidist.cli import CliParser             # noqa: E402
 from minidist.nn import GPT, GPTConfig         # noqa: E402
 
 SIZES = {

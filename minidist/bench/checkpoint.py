@@ -62,9 +62,9 @@ import time                                    # noqa: E402
 from pathlib import Path                       # noqa: E402
 
 from minidist import collectives as C          # noqa: E402
-from minidist.baseline import CliParser, model_config_for  # noqa: E402
 from minidist.bench import checkpoint_recovery as rec  # noqa: E402
-from minidist.data import DataConfig           # noqa: E402
+from minidist.cli import CliParser             # noqa: E402
+from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.reliability import confined, recovery      # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402

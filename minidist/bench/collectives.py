@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace     # noqa: E402
 
 import numpy as np                             # noqa: E402
 
-from minidist.baseline import CliParser        # noqa: E402
+from minidist.cli import CliParser             # noqa: E402
 from minidist.bench.collective_inputs import (count_wrong, counts, default_iters,  # noqa: E402,F401
                                               make_input)
 from minidist.bench.mpi_collectives import mpi_times     # noqa: E402

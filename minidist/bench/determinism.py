@@ -19,7 +19,7 @@ then the next repeat) so that the machine's load hits all alike.
                measured steps after --warmup; the row shows the median over --repeats
                runs (not the best: the typical run, load included)
     ratio      step ms / step ms of the same layout's normal row
-    sha256     the first 12 hex digits of minidist.baseline.params_digest of the final
+    sha256     the first 12 hex digits of minidist.deterministic.digest.params_digest of the final
                parameters (rank 0's gathered copy; "ranks differ" if the ranks' copies
                disagree, "varies" if the repeats' do)
     refused    a layout the deterministic mode does not cover yet: the ValueError that
@@ -59,9 +59,10 @@ import statistics                              # noqa: E402
 import sys                                     # noqa: E402
 from dataclasses import dataclass, field       # noqa: E402
 
-from minidist.baseline import (CliParser, at_least, model_config_for,  # noqa: E402
-                               params_digest, train_single_process)
-from minidist.data import DataConfig           # noqa: E402
+from minidist.baseline import train_single_process  # noqa: E402
+from minidist.cli import CliParser, at_least   # noqa: E402
+from minidist.data import DataConfig, model_config_for  # noqa: E402
+from minidist.deterministic.digest import params_digest  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.runtime.errors import RankFailure  # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402

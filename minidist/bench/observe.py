@@ -41,8 +41,8 @@ import tempfile                                # noqa: E402
 from dataclasses import dataclass              # noqa: E402
 from time import perf_counter                  # noqa: E402
 
-from minidist.baseline import CliParser, at_least, model_config_for  # noqa: E402
-from minidist.data import DataConfig           # noqa: E402
+from minidist.cli import CliParser, at_least   # noqa: E402
+from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.observe import run_dir           # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402
 from minidist.train import Plan, train_on_rank  # noqa: E402

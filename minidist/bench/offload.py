@@ -42,9 +42,9 @@ import argparse                                # noqa: E402
 import shlex                                   # noqa: E402
 import sys                                     # noqa: E402
 
-from minidist.baseline import CliParser, at_least, model_config_for   # noqa: E402
 from minidist.bench.train_runs import Row, measure  # noqa: E402
-from minidist.data import DataConfig           # noqa: E402
+from minidist.cli import CliParser, at_least   # noqa: E402
+from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.memory.ledger import format_bytes  # noqa: E402
 from minidist.memory.offload import TIERS      # noqa: E402
 from minidist.nn import GPT                    # noqa: E402

@@ -55,8 +55,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from minidist.baseline import CliParser, model_config_for
-from minidist.data import DataConfig, SyntheticData
+from minidist.cli import CliParser
+from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.observe.trace import Trace
 from minidist.parallel import placement as pl
 from minidist.parallel import schedule_render as render

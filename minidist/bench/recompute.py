@@ -59,8 +59,8 @@ import numpy as np                             # noqa: E402
 
 from minidist.autograd import Tensor          # noqa: E402
 from minidist.autograd.saved import saved_bytes  # noqa: E402
-from minidist.baseline import CliParser, at_least, model_config_for  # noqa: E402
-from minidist.data import DataConfig, SyntheticData  # noqa: E402
+from minidist.cli import CliParser, at_least  # noqa: E402
+from minidist.data import DataConfig, SyntheticData, model_config_for  # noqa: E402
 from minidist.memory import recompute as rc   # noqa: E402
 from minidist.nn import GPT, DropoutKey, GPTConfig  # noqa: E402
 

@@ -33,8 +33,8 @@ import shlex
 import statistics
 import sys
 
-from minidist.baseline import CliParser, at_least, model_config_for
-from minidist.data import DataConfig
+from minidist.cli import CliParser, at_least
+from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.observe import op_flops
 from minidist.observe.flops import PHASES, FlopLedger

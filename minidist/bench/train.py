@@ -57,11 +57,11 @@ import sys                                     # noqa: E402
 
 import numpy as np                             # noqa: E402
 
-from minidist.baseline import CliParser, model_config_for  # noqa: E402
 from minidist.bench import train_layouts as lay  # noqa: E402
 from minidist.bench.collectives import parse_bytes  # noqa: E402
 from minidist.bench.train_runs import Row, best_of  # noqa: E402
-from minidist.data import DataConfig           # noqa: E402
+from minidist.cli import CliParser             # noqa: E402
+from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.train import Plan                # noqa: E402
 

@@ -55,9 +55,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidist.baseline import model_config_for
 from minidist.bench.train_runs import Row, best_of
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.parallel import context_memory as cm, placement as pl
 from minidist.parallel import ring_attention as ra, tensor_memory as tm

@@ -21,7 +21,7 @@ import tempfile
 
 import numpy as np
 
-from minidist.baseline import CliParser, at_least, cli_error
+from minidist.cli import CliParser, at_least, cli_error
 from minidist.cluster import metrics, real, traces
 from minidist.cluster.placement import Cluster
 from minidist.cluster.policies import NAMES

@@ -53,6 +53,7 @@ import numpy as np
 from minidist import collectives as C
 from minidist.deterministic.tensor import square_sums
 from minidist.deterministic.tree_sum import TreeSum, combine, gather_nodes
+from minidist.nn import GPT
 from minidist.optim.clip import clip_to
 
 
@@ -117,7 +118,6 @@ def my_rows(rows, global_batch: int, dp: int, d: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=8)
 def param_order(cfg) -> list[str]:
     """The single process's parameter names in model.parameters() order (the norm's)."""
-    from minidist.nn import GPT
     return [name for name, _ in GPT(cfg, seed=None).named_parameters()]
 
 

@@ -431,8 +431,8 @@ def hierarchy(rig: Rig) -> Part:
 def training(rig: Rig, steps: int = 3, batch: int = 16) -> Part:
     """`steps` AdamW steps of a tiny GPT through backend.xp = rig.backend, against NumPy."""
     from minidist import backend
-    from minidist.baseline import model_config_for, train_single_process
-    from minidist.data import DataConfig
+    from minidist.baseline import train_single_process
+    from minidist.data import DataConfig, model_config_for
     data_cfg, device = DataConfig(task="sort", length=6), rig.backend
 
     def run(dtype: str, module: str) -> tuple[np.ndarray, dict]:

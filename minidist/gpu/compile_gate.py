@@ -49,6 +49,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from minidist.cli import CliParser, at_least
+
 KERNELS = Path(__file__).resolve().parent / "kernels"
 TABLE = KERNELS / "resources.json"
 ARCH = "sm_90"
@@ -269,7 +271,6 @@ def gate(files: list[Path] | None = None, jobs: int | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minidist.gpu.compile_gate [--update]`: the table, then OK or FAIL."""
-    from minidist.baseline import CliParser, at_least
     ap = CliParser(prog="python -m minidist.gpu.compile_gate",
                    description=__doc__.splitlines()[0])
     ap.add_argument("--update", action="store_true",

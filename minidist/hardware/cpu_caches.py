@@ -47,6 +47,8 @@ from pathlib import Path
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from minidist.cli import CliParser, at_least
+
 SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
 KB, MB = 1 << 10, 1 << 20
 
@@ -157,7 +159,6 @@ def report(points: list[Point], sizes: dict[str, int]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minidist.hardware.cpu_caches`: print this machine's cache plateaus."""
-    from minidist.baseline import CliParser, at_least
     ap = CliParser(prog="python -m minidist.hardware.cpu_caches",
                    description=__doc__.splitlines()[0])
     ap.add_argument("--max-mb", type=at_least(1), default=128,

@@ -36,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from minidist.cli import CliParser, at_least, cli_error
 from minidist.hardware import op_costs as oc
 from minidist.hardware.roofline import Op, Roof, gpt_ops, h200, step_seconds, totals
 
@@ -269,7 +270,6 @@ def plot(ops: list[Op], roofs: list[Roof], path: str, title: str) -> None:
 
 
 def _arguments():
-    from minidist.baseline import CliParser, at_least
     from minidist.hardware.roofline import PRECISIONS
     p = CliParser(prog="python -m minidist roofline", description=(
         "FLOPs, compulsory bytes and launches of every op of a GPT training step, fused and "
@@ -297,8 +297,7 @@ def _arguments():
 
 def _model(a):
     """(GPTConfig, batch, one-line name) of the parsed --model options."""
-    from minidist.baseline import model_config_for
-    from minidist.data import DataConfig
+    from minidist.data import DataConfig, model_config_for
     if a.model != "tiny":              # imported only here: it imports the parallel layers
         from minidist.memory.budget_models import preset
         return preset(a.model), a.batch or 8, a.model
@@ -310,7 +309,6 @@ def _model(a):
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minidist roofline`: print the tables, write the PNG; exit code."""
-    from minidist.baseline import cli_error
     a = _arguments().parse_args(argv)
     try:
         cfg, batch, name = _model(a)

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import re
 
-from minidist.baseline import CliParser, at_least, cli_error, model_config_for
-from minidist.data import DataConfig
+from minidist.cli import CliParser, at_least, cli_error
+from minidist.data import DataConfig, model_config_for
 from minidist.memory import budget_fit, budget_measure
 from minidist.memory.budget import CATEGORIES, MemoryPlan, estimate_stages
 from minidist.memory.budget_models import GPT3_SHAPES, parameter_count, preset

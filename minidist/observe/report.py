@@ -38,6 +38,7 @@ import re
 import sys
 from pathlib import Path
 
+from minidist.cli import CliParser, cli_error
 from minidist.observe import metrics, run_files
 from minidist.observe.run_dir import check_config, load
 from minidist.observe.run_files import RunFileError, check, field
@@ -204,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m minidist report RUN_DIR`: print the run's report and write its plots.
     Exit code 0; 2 (one `error:` line) if RUN_DIR is not a run directory, or one of its
     files is malformed, a link, not a regular file or too big (observe/run_files.py)."""
-    from minidist.baseline import CliParser, cli_error
     ap = CliParser(prog="python -m minidist report",
                    description="Summarise a run directory written by `python -m minidist "
                                "train` (and plot it, with the `plot` extra).")

@@ -42,10 +42,11 @@ Read next: parallel/schedules.py, then train.py.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from minidist.memory.offload import check_plan, offload_engine
 from minidist.nn import GPTConfig
 from minidist.parallel.context import ALGOS as CP_ALGOS
 from minidist.parallel.context import LAYOUTS as CP_LAYOUTS
@@ -54,9 +55,11 @@ from minidist.parallel.data import ALGOS, DataParallel
 from minidist.parallel.data_buckets import BucketedDataParallel
 from minidist.parallel.expert import is_expert_parameter
 from minidist.parallel.pipeline import PipelineCut, PipelineStage, make_links, split_layers
+from minidist.parallel.schedule_validate import validate
 from minidist.parallel.schedules import SCHEDULES, PipelineSchedule, make_schedule
 from minidist.parallel.sharding import ModelSharding
 from minidist.parallel.tensor import TensorParallel
+from minidist.parallel.zero import ZeroEngine
 from minidist.runtime.mesh import DeviceMesh
 
 
@@ -77,6 +80,10 @@ class Plan:
     MixedPrecision; grad_reduce "low" stores and sums the gradients in that format.
     Offloading (memory/offload.py): offload "host" or "disk" moves the optimizer state (and
     ZeRO-3's parameter shards) off the device; offload_dir: the disk tier's root directory.
+    The fast paths: algo "auto" reduces in rank order over shared memory ("direct",
+    collectives/direct.py) where the group has it, and `buckets` makes DDP keep its
+    gradients in shared-memory buckets (parallel/data_buckets.py); `textbook()` turns both
+    off (ring reductions, one all-reduce per parameter) and `algorithms()` names those in use.
     """
 
     dp: int = 1
@@ -91,6 +98,7 @@ class Plan:
     cp_layout: str = "zigzag"                 # "zigzag" (balanced causal work) or "contiguous"
     bucket_bytes: int = 1 << 20
     algo: str = "auto"
+    buckets: bool = True                      # DDP: the shared-memory bucket fast path
     overlap: bool = True
     replica_check_every: int = 0
     check_placements: bool | None = None     # None: MINIDIST_CHECK_PLACEMENTS decides
@@ -142,7 +150,6 @@ class Plan:
                              "sequence over the tensor-parallel ranks); set tp or drop SP.")
         self.policy()                            # validates precision and grad_reduce
         if self.offload != "none" or self.offload_dir is not None:
-            from minidist.memory.offload import check_plan
             check_plan(self)                     # memory/offload.py owns its options
 
     def policy(self):
@@ -184,6 +191,27 @@ class Plan:
             if self.policy() is not None else ""
         return f"{pp}dp={self.dp}{ep}{cp} x tp={self.tp}" \
             f"{' (SP)' if self.sequence_parallel else ''}{low}"
+
+    def textbook(self) -> "Plan":
+        """This plan with the plain algorithms a reader meets first: DDP with one all-reduce
+        per parameter (parallel/data.py), every reduction by the ring (collectives/ring.py)."""
+        return replace(self, algo="ring", buckets=False)
+
+    def algorithms(self, shared_memory: bool = True) -> str:
+        """The gradient sync and reduction algorithms this plan runs (on a runtime with
+        shared memory, or without: MPI), each with the file that holds it."""
+        algo = "direct" if self.algo == "auto" and shared_memory else self.algo
+        where = {"direct": "in rank order (collectives/direct.py)",
+                 "ring": "(collectives/ring.py)", "tree": "(collectives/tree.py)",
+                 "halving": "(collectives/halving_doubling.py)",
+                 "auto": "chosen by size (collectives/api.py)"}[algo]
+        if self.zero:
+            sync = f"ZeRO-{self.zero} (parallel/zero.py)"
+        elif self.buckets and shared_memory and self.ep == 1:
+            sync = "DDP with shared-memory buckets (parallel/data_buckets.py)"
+        else:
+            sync = "DDP, one all-reduce per parameter (parallel/data.py)"
+        return f"{sync} · {algo} reductions {where}"
 
     @property
     def checks(self) -> bool:
@@ -268,7 +296,6 @@ class Plan:
                          "multiple of T whose rows divide the rows per micro-batch.")
 
     def _validate_pipeline(self, cfg: GPTConfig) -> None:
-        from minidist.parallel.schedule_validate import validate
         if self.zero == 3:
             raise ValueError("Plan: ZeRO-3 with pipeline parallelism is refused, as DeepSpeed "
                              "does: it would all-gather every unit again for the forward and "
@@ -355,18 +382,16 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
             sharding.names, sharding.params) if is_expert_parameter(n)}
         # the fast path where the group has shared memory; the plain engine under MPI and
         # for experts, whose gradients sum over their own group (group_of)
-        buckets = getattr(grad, "supports_shared", False) and not experts
+        buckets = plan.buckets and getattr(grad, "supports_shared", False) and not experts
         engine = (BucketedDataParallel if buckets else DataParallel)(
             sharding.model, grad, bucket_bytes=plan.bucket_bytes, algo=plan.algo,
             overlap=plan.overlap, replica_check_every=plan.replica_check_every,
             sharding=sharding, group_of=group_of, **opt)
     else:
-        from minidist.parallel.zero import ZeroEngine
         ep = {"expert_group": experts["edp"]} if experts else {}
         engine = ZeroEngine(sharding.model, grad, plan.zero, algo=plan.algo,
                             sharding=sharding, **ep, **opt)
     if plan.offload != "none":                    # memory/offload.py: state off the device
-        from minidist.memory.offload import offload_engine
         offload_engine(engine, plan.offload, plan.offload_dir)
     if policy is not None:                        # fp32 master weights, loss scaling
         from minidist.memory.master_weights import MixedPrecision

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from minidist.cli import CliParser, at_least, cli_error
 from minidist.reliability.interval import (LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS,
                                            Recommendation, Simulation, _positive, efficiency,
                                            format_duration, llama3_mtbf, parse_duration,
@@ -73,7 +74,6 @@ def _plot(path: str, rec: Recommendation, sim: Simulation) -> None:
 
 
 def _arguments():
-    from minidist.baseline import CliParser, at_least
     ap = CliParser(prog="python -m minidist interval",
                    description="Young's and Daly's optimal checkpoint intervals, and the "
                                "efficiency of a sweep of intervals: analytic and simulated. "
@@ -140,7 +140,6 @@ def _header(a, rec: Recommendation, work: float) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: print the optima and the sweep table; exit 2 (one line) on a usage error."""
-    from minidist.baseline import cli_error
     a = _arguments().parse_args(argv)
     try:
         c, r, mtbf, work = _settings(a)

@@ -47,9 +47,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minidist.reliability import checkpoint as ckpt
-from minidist.reliability import confined
+from minidist import collectives as C
+from minidist.reliability import checkpoint as ckpt, confined, faults
 from minidist.reliability.async_checkpoint import AsyncCheckpointer
+from minidist.reliability.elastic import Elastic
+from minidist.reliability.faults import Injector
+from minidist.reliability.spike import Guard
+from minidist.reliability.straggler import add_arguments as straggler_arguments
+from minidist.runtime import RankFailure, spawn
 
 MAX_BACKOFF = 10.0             # seconds, the longest wait between attempts
 
@@ -165,7 +170,6 @@ def supervise(attempt: Callable[[int], Any], *, max_restarts: int, policy: Polic
     `elastic` (reliability/elastic.py) a failure may shrink the next attempt's layout,
     and an attempt that stopped early (capacity returns) is followed by a grown one.
     on_failure(error, resume step) may change the next attempt; it returns a log line."""
-    from minidist.runtime import RankFailure
     k = 0
     while True:
         try:
@@ -229,7 +233,6 @@ def add_arguments(ap) -> None:
                     help="loss-spike handling (reliability/spike.py)")
     ap.add_argument("--spike-skip-batches", type=int, default=5, metavar="N",
                     help="--spike rollback: batches skipped after rolling back")
-    from minidist.reliability.straggler import add_arguments as straggler_arguments
     straggler_arguments(ap)                       # --straggler off|detect|rebalance
     ap.add_argument("--inject", action="append", default=[], metavar="SPEC",
                     help="inject a fault, kind:rank=R:step=S[:point=P]... "
@@ -259,7 +262,6 @@ class Resilience:
 def options(a, world_size: int, pp: int = 1) -> Resilience:
     """The options (and $MINIDIST_INJECT) as a Resilience; ValueError for options that
     make no run: a fault that can never fire is one."""
-    from minidist.reliability import faults
     injected = [faults.parse(s) for s in a.inject] + faults.from_env()
     faults.check_ranks(injected, world_size)
     last_stage = range(world_size - world_size // pp, world_size)  # pp is the outer axis
@@ -346,8 +348,6 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
     them from the latest checkpoint after a failure (`supervise`); the RankResult's
     losses cover the whole run, the steps before the checkpoint included."""
     from dataclasses import replace
-    from minidist.reliability.elastic import Elastic
-    from minidist.runtime import spawn
     config, t0 = run_config(a, cfg, data_cfg), time.perf_counter()
     elastic = Elastic(plan, cfg, a.batch, data_cfg.block_size, a.steps, r.rejoin_after) \
         if r.elastic else None
@@ -397,9 +397,6 @@ def on_rank(ctx, a, plan, job: tuple,
     straggler handler), each with state_dict() and load_state_dict(); the spike guard
     joins them. Their state goes into every checkpoint and comes back from the one this
     attempt resumes, so a resumed run equals the uninterrupted one with every option."""
-    from minidist import collectives as C
-    from minidist.reliability.faults import Injector
-    from minidist.reliability.spike import Guard
     state, attempt, r, config, stop, offset, token = job
     start = 0 if state is None else state.step
     injector = Injector(list(r.faults), ctx.rank, attempt) if r.faults else None

@@ -8,10 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for
 from minidist.bench import checkpoint as bench
 from minidist.bench import checkpoint_recovery as rec
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.train import Plan
 

@@ -7,9 +7,8 @@ import os
 
 import pytest
 
-from minidist.baseline import model_config_for
 from minidist.bench import offload as bench
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.memory.ledger import format_bytes
 from minidist.memory.offload import PREFIX, TIERS
 from minidist.nn import GPT

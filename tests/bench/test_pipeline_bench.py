@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from minidist.baseline import model_config_for
 from minidist.bench import pipeline as bench
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.observe.trace import Trace
 from minidist.parallel import schedules
 from minidist.parallel.schedule_sim import peak_activations

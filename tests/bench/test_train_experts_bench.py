@@ -7,10 +7,9 @@ Nothing here looks at a time: only that the columns are there and positive."""
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for
 from minidist.bench import train as bench
 from minidist.bench import train_layouts as lay
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.runtime.launch import spawn
 from minidist.train import Plan
 

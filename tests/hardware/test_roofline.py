@@ -6,8 +6,7 @@ import math
 import pytest
 
 from minidist import optim
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig, SyntheticData
+from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.hardware import roofline as rl
 from minidist.hardware.op_costs import Kernel
 from minidist.memory.budget_models import preset

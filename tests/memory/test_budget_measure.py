@@ -7,8 +7,7 @@ to the byte here: a change in what a layer saves shows up as a failing test, not
 
 import pytest
 
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.memory.budget import MemoryPlan, estimate_stages
 from minidist.memory.budget_measure import MEASURED, compare, measure
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from minidist import optim
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.memory import offload
 from minidist.optim import SGD, AdamW
 from minidist.runtime.launch import spawn

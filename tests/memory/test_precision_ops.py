@@ -7,8 +7,7 @@ import pytest
 
 from minidist.autograd import functional as F
 from minidist.autograd.tensor import Tensor
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.memory import fp8
 from minidist.memory.master_weights import MasterWeights
 from minidist.memory.precision import PRECISIONS, Autocast, Policy, cast_parameters, round_to

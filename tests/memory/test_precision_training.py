@@ -8,8 +8,8 @@ import functools
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.parallel.flat import split_units
 from minidist.parallel.zero_memory import exact_bytes, formula_bytes

@@ -13,8 +13,8 @@ import pytest
 from minidist import train_cli as train
 from minidist.autograd import Tensor, no_grad
 from minidist.autograd.saved import saved_bytes
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig, SyntheticData
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.memory import recompute as rc
 from minidist.nn import GPT, DropoutKey, GPTConfig, Linear
 from minidist.parallel import tensor_memory as tm

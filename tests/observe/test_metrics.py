@@ -7,8 +7,7 @@ import math
 
 import pytest
 
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.observe import metrics, run_dir
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank

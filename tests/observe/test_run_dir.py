@@ -12,8 +12,7 @@ import pytest
 
 from minidist.autograd import Tensor
 from minidist.autograd import function as _function
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.observe import metrics, run_dir
 from minidist.runtime import RankFailure, call

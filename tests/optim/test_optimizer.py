@@ -5,9 +5,8 @@ their sharded state is the whole state cut the same way."""
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for
 from minidist.optim import make_optimizer
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.optim import SGD
 from minidist.parallel.flat import FlatShard, split_units

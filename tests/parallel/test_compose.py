@@ -8,8 +8,8 @@ import functools
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.parallel import schedules
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn

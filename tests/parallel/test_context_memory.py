@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from minidist.autograd import Tensor
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.parallel import context_memory as cm
 from minidist.parallel import ring_attention as ra
 from minidist.parallel import tensor_memory as tm

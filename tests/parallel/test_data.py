@@ -6,9 +6,9 @@ The plain engine (one all-reduce per parameter, parallel/data.py) and the bucket
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for, train_single_process
+from minidist.baseline import train_single_process
 from minidist.collectives import direct_small
-from minidist.data import DataConfig, SyntheticData
+from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel import schedules
 from minidist.parallel.compose import build

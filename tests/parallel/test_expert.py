@@ -113,8 +113,7 @@ def test_experts_must_split_over_ep():
 
 def _bytes(ctx, ep, top_k):
     """One step of a MoE GPT on dp=4: the ep group's bytes against take_traffic."""
-    from minidist.baseline import model_config_for
-    from minidist.data import DataConfig, SyntheticData
+    from minidist.data import DataConfig, SyntheticData, model_config_for
     from minidist.parallel import schedules
     from minidist.parallel.compose import build
     from minidist.train import Plan

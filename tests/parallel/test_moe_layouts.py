@@ -9,8 +9,8 @@ import pytest
 
 from minidist import seed as seeding
 from minidist.autograd import Tensor, gradcheck
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig, SyntheticData
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.nn import GPT, MoE
 from minidist.nn.moe import route_groups
 from minidist.parallel import schedules

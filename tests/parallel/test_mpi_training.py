@@ -15,8 +15,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 from tests.helpers import assert_close, mpiexec_or_skip
@@ -36,8 +36,7 @@ SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
     import minidist
-    from minidist.baseline import model_config_for
-    from minidist.data import DataConfig
+    from minidist.data import DataConfig, model_config_for
     from minidist.train import Plan, train_on_rank
 
     plan, out = Plan(**json.loads(sys.argv[1])), sys.argv[2]

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.parallel import schedules
 from minidist.parallel.pipeline import PipelineCut, split_layers
 from minidist.parallel.schedule_validate import ScheduleError

@@ -4,8 +4,7 @@ count is caught by name (Megatron-LM #7452, transformers #34191, torchtune #1917
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig, SyntheticData
+from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.parallel import schedules
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from minidist.autograd import Tensor
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.parallel import placement as pl
 from minidist.parallel import sequence as sp
 from minidist.parallel.tensor import TensorParallel

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from minidist.autograd import Tensor
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT, Linear
 from minidist.nn.attention import CausalSelfAttention
 from minidist.nn.module import Parameter

@@ -8,9 +8,8 @@ import pytest
 
 from minidist import collectives as C
 from minidist.autograd.saved import saved_bytes
-from minidist.baseline import model_config_for
 from minidist.collectives import direct
-from minidist.data import DataConfig, SyntheticData
+from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.parallel import tensor_memory as tm
 from minidist.parallel.sharding import ModelSharding
 from minidist.parallel.tensor import TensorParallel

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.optim import SGD, AdamW
 from minidist.parallel.flat import FlatShard, split_units

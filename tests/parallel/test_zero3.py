@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from minidist.autograd import Tensor
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.nn.gpt import Block
 from minidist.parallel import zero3

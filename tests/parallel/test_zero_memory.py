@@ -6,8 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from minidist.baseline import model_config_for
-from minidist.data import DataConfig
+from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.parallel import zero_memory as zm
 from minidist.parallel.flat import ownership_map, split_units

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from minidist import train_cli
-from minidist.baseline import model_config_for, train_single_process
-from minidist.data import DataConfig, SyntheticData
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.nn import GPT
 from minidist.parallel import schedules
 from minidist.reliability import faults

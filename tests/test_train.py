@@ -2,13 +2,13 @@
 the engine the Plan names (DataParallel for zero=0, parallel/zero.py's ZeroEngine else)."""
 
 import sys
-import types
 
 import numpy as np
 import pytest
 
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
+from minidist.parallel import compose
 from minidist.parallel.data import DataParallel
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
@@ -68,11 +68,8 @@ class _RecordingZero(DataParallel):
 
 @pytest.mark.multiproc
 def test_zero_stages_are_dispatched_to_the_zero_engine(monkeypatch):
-    # The forked ranks inherit this sys.modules entry, so `from minidist.parallel.zero
-    # import ZeroEngine` inside train.py finds the stand-in (whether or not zero.py exists).
-    fake = types.ModuleType("minidist.parallel.zero")
-    fake.ZeroEngine = _RecordingZero
-    monkeypatch.setitem(sys.modules, "minidist.parallel.zero", fake)
+    # The forked ranks inherit the patched module, so compose.build makes the stand-in.
+    monkeypatch.setattr(compose, "ZeroEngine", _RecordingZero)
     kw = dict(steps=2, global_batch=4, lr=1e-2, optimizer="sgd", momentum=0.9)
     ref = train_single_process(TINY, DATA, **kw)
     runs = spawn(2, train_on_rank, TINY, DATA, Plan(dp=2, zero=2, algo="ring"), **kw)

@@ -53,6 +53,7 @@ from typing import Any, Sequence
 
 from minidist.observe import metrics, run_files
 from minidist.observe.trace import Event, Trace
+from minidist.train import Hook
 
 LANES = {0: "step", 1: "autograd", 2: "collectives"}
 MAX_EVENTS = 200_000                       # per rank and run: the rest is dropped, counted
@@ -232,8 +233,9 @@ def for_cli(a, command: Sequence[str], model_cfg, data_cfg, plan) -> Path | None
 
 # --- one rank -----------------------------------------------------------------------------
 
-class RankObserver:
-    """One rank's metrics lines and trace; train_on_rank calls begin and end each step."""
+class RankObserver(Hook):
+    """One rank's metrics lines and trace: a hook of train_on_rank's step (begin at its
+    start, end after it)."""
 
     def __init__(self, path: str | os.PathLike, rank: int,
                  trace_steps: Sequence[int] = DEFAULT_TRACE_STEPS,
@@ -252,6 +254,16 @@ class RankObserver:
     def begin(self, step: int) -> None:
         if step in self.trace_steps:
             self._tracer.start()
+
+    def on_step_start(self, step: int) -> None:
+        self.begin(step)
+
+    def on_step_end(self, end) -> None:
+        """COLLECTIVE (the step's global loss): the metrics line and the trace of the step."""
+        self.end(end.step, {"loss": end.loss(), "grad_norm": end.grad_norm, "lr": end.lr,
+                            "time_s": end.timing, "bytes_sent": end.bytes_by_axis,
+                            "bytes": end.bytes, "memory": end.engine.memory()},
+                 end.span, end.timeline)
 
     def end(self, step: int, values: dict, span: tuple[float, float] | None = None,
             pipeline: Sequence[tuple] | None = None) -> dict:

@@ -45,6 +45,7 @@ Read next: reliability/checkpoint.py, reliability/recovery.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -53,6 +54,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
+
+from minidist.train import Hook
 
 KINDS = ("raise", "exit", "sigkill", "sigstop", "sleep", "slow", "nan", "corrupt")
 POINTS = ("start", "end", "save")
@@ -146,8 +149,10 @@ def check_ranks(faults: list[Fault], world_size: int) -> None:
                              f"{world_size} ranks (0..{world_size - 1})")
 
 
-class Injector:
-    """This rank's faults of this attempt; `at` fires them (see the module docstring)."""
+class Injector(Hook):
+    """This rank's faults of this attempt; `at` fires them (see the module docstring). As
+    a hook of train_on_rank: the start and end points of each step, corrupted input
+    tokens, and a slow or NaN-poisoned forward and backward."""
 
     def __init__(self, faults: list[Fault], rank: int, attempt: int = 0):
         self.faults = [f for f in faults if f.rank == rank and f.attempt == attempt]
@@ -214,6 +219,25 @@ class Injector:
             yield
         finally:
             del model.loss
+
+    # --- the hook protocol (train.Hook) ---
+    def on_step_start(self, step: int) -> None:
+        self.at("start", step)
+
+    def prepare(self, step: int, batches: list, model) -> list:
+        """Random tokens instead of the batch under a `corrupt` fault."""
+        return [dataclasses.replace(mb, x=self.corrupt(step, mb.x, model.cfg.vocab_size))
+                for mb in batches]
+
+    @contextlib.contextmanager
+    def around_compute(self, step: int, batches: list, model) -> Iterator[None]:
+        """A `slow` fault delays the forward and backward; a `nan` one poisons the loss."""
+        self.slow(step, sum(len(mb.x) for mb in batches))
+        with self.nan_loss(model, step):
+            yield
+
+    def on_step_end(self, end) -> None:
+        self.at("end", end.step)
 
     def corrupt(self, step: int, x: np.ndarray, vocab_size: int) -> np.ndarray:
         """This rank's input tokens for the step: random ones under a `corrupt` fault (a

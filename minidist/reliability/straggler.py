@@ -76,6 +76,7 @@ from typing import Callable
 import numpy as np
 
 from minidist import collectives as C
+from minidist.train import Hook
 
 MODES = ("off", "detect", "rebalance")
 FACTOR, PATIENCE, EVERY, MIN_GAIN = 1.5, 3, 5, 0.10
@@ -184,8 +185,9 @@ class Balancer:
                 f"{1e3 * now:.0f} ms; {1e3 * then:.0f} ms if proportional to rows)")
 
 
-class Straggler:
-    """One rank's straggler handling, train_on_rank's `straggler=` (module docstring).
+class Straggler(Hook):
+    """One rank's straggler handling, train_on_rank's `straggler=` (module docstring): a
+    hook of the step (on_step_end; the loop reads `rows` for the next step's split).
     `world`: the group of every rank; `log(line)` prints (rank 0's); `history` records
     the rows used at each step and the gathered (W, 4) tables (the last HISTORY steps),
     for tests and plots."""
@@ -213,6 +215,11 @@ class Straggler:
     def rows(self) -> tuple[int, ...]:
         """Rows of each dp rank for the coming step."""
         return self.balancer.rows
+
+    def on_step_end(self, end) -> None:
+        """The hook protocol (train.Hook): COLLECTIVE, `end` with this step's timings."""
+        self.end(end.dp_rank, end.timing["compute"], end.timing["comm_wait"],
+                 end.timing["step"])
 
     def end(self, dp_rank: int, compute: float, comm_wait: float, step: float) -> None:
         """COLLECTIVE over the world group: gather this step's timings (seconds: forward

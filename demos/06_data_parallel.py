@@ -9,7 +9,7 @@ ended bitwise identical. The loss is divided by the token count of the GLOBAL ba
 every rank, which is why the ranks SUM their gradients.
 
 Run:       python demos/06_data_parallel.py --world-size 4 [--steps 5 --micro-batches 2]
-Read with: minidist/parallel/data.py, minidist/parallel/data_buckets.py (the fast path),
+Read with: minidist/parallel/data/ddp.py, minidist/parallel/data/buckets.py (the fast path),
            minidist/collectives/direct.py (all_reduce_shared),
            minidist/train.py
 Paper:     Li et al. 2020, "PyTorch Distributed", arXiv:2006.15704
@@ -29,7 +29,7 @@ import numpy as np                             # noqa: E402
 from minidist.baseline import train_single_process                      # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT, DropoutKey                                 # noqa: E402
-from minidist.parallel.data_buckets import BucketedDataParallel         # noqa: E402
+from minidist.parallel.data.buckets import BucketedDataParallel         # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
 
 # --- settings (each can be overridden on the command line) ---

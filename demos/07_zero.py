@@ -8,7 +8,7 @@ per step next to the formula, and the final loss of every stage next to the 1-pr
 run's.
 
 Run:       python demos/07_zero.py --world-size 4 [--steps 3 --micro-batches 2 --algo direct]
-Read with: minidist/parallel/flat.py, zero.py, zero3.py, zero_memory.py, minidist/train.py
+Read with: minidist/parallel/zero/flat.py, engine.py, stage3.py, memory.py, minidist/train.py
 Paper:     Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
            Parameter Models", arXiv:1910.02054, Sec. 5 and Fig. 1
 """
@@ -25,8 +25,8 @@ import numpy as np                             # noqa: E402
 from minidist.baseline import train_single_process                      # noqa: E402
 from minidist.data import DataConfig, model_config_for                  # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
-from minidist.parallel import zero_memory as zm                         # noqa: E402
-from minidist.parallel.flat import ownership_map, split_units           # noqa: E402
+from minidist.parallel.zero import memory as zm                         # noqa: E402
+from minidist.parallel.zero.flat import ownership_map, split_units           # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
 from minidist.train import Plan, train_on_rank                          # noqa: E402
 

@@ -9,7 +9,7 @@ all-reduced quantities of one token, the loss next to the unsharded F.cross_entr
 a few float64 training steps next to the 1-process run.
 
 Run:       python demos/08_tensor_parallel.py --tp 2 [--tp 3 or 4, --steps 3]
-Read with: minidist/parallel/tensor.py, vocab.py, placement.py, minidist/train.py
+Read with: minidist/parallel/tensor/tensor_parallel.py, vocab.py, placement.py, minidist/train.py
 Paper:     Shoeybi et al. 2019, "Megatron-LM", arXiv:1909.08053, Sec. 3 and Fig. 3
 """
 
@@ -30,8 +30,9 @@ from minidist.baseline import train_single_process                      # noqa: 
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel import placement as pl                           # noqa: E402
-from minidist.parallel.tensor import TensorParallel, parallelize, vocab_range   # noqa: E402
-from minidist.parallel.vocab import vocab_parallel_cross_entropy        # noqa: E402
+from minidist.parallel.tensor.tensor_parallel import (TensorParallel, apply_tensor,  # noqa: E402
+                                                      vocab_range)
+from minidist.parallel.tensor.vocab import vocab_parallel_cross_entropy        # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
 from minidist.train import Plan, train_on_rank                          # noqa: E402
 
@@ -119,7 +120,7 @@ def rank_main(ctx, cfg, data_cfg, args):
     """Everything here runs on every rank; ctx.rank says which one we are."""
     pl.set_checking(True)                                  # tag every activation's placement
     tp = TracedTP(ctx.world)
-    model = parallelize(GPT(cfg, args.seed), tp)          # full draw, then keep my slices
+    model = apply_tensor(GPT(cfg, args.seed), tp)          # full draw, then keep my slices
     pieces = {n: (p.numpy(), pl.placement_of(p, "tp")) for n, p in model.named_parameters()}
     blk = model.blocks[0]
     for layer in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc, blk.mlp.proj):

@@ -9,7 +9,8 @@ only, and after f sums it over tp, next to the 1-process gradient; then a few fl
 training steps with Plan(tp=W, sequence_parallel=True) next to the 1-process run.
 
 Run:       python demos/09_sequence_parallel.py --tp 2 [--tp 3 or 4, --steps 3, --length 6]
-Read with: minidist/parallel/sequence.py, tensor.py (TensorParallel.enter/exit/sum_grad)
+Read with: minidist/parallel/tensor/sequence.py, tensor_parallel.py
+           (TensorParallel.enter/exit/sum_grad)
 Paper:     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
            Models", arXiv:2205.05198, Sec. 4.2.2 and Fig. 5
 """
@@ -28,7 +29,7 @@ from minidist.baseline import train_single_process                      # noqa: 
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel import placement as pl                           # noqa: E402
-from minidist.parallel.tensor import TensorParallel, parallelize        # noqa: E402
+from minidist.parallel.tensor.tensor_parallel import TensorParallel, apply_tensor       # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
 from minidist.train import Plan, train_on_rank                          # noqa: E402
 
@@ -110,7 +111,7 @@ def rank_main(ctx, cfg, data_cfg, args):
     pl.set_checking(True)                                  # tag every activation's placement
     x, y = SyntheticData(data_cfg).global_batch(0, SHOW_BATCH)         # (B, T) each
     tp = TracedTP(ctx.world, sequence_parallel=True)
-    model = parallelize(GPT(cfg, args.seed), tp)
+    model = apply_tensor(GPT(cfg, args.seed), tp)
     lo = int(model.layout.positions(x.shape[1])[0])        # my positions: lo .. lo + T_tp - 1
     blk = model.blocks[0]
     for layer in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc, blk.mlp.proj):
@@ -124,7 +125,7 @@ def rank_main(ctx, cfg, data_cfg, args):
     loss.backward()
     show["grads"] = {n: (p.grad.copy(), pl.placement_of(p, "tp"))
                      for n, p in model.named_parameters()}
-    buggy = parallelize(GPT(cfg, args.seed), Unsummed(ctx.world, sequence_parallel=True))
+    buggy = apply_tensor(GPT(cfg, args.seed), Unsummed(ctx.world, sequence_parallel=True))
     _, loss = buggy(x, y)
     loss.backward()
     show["unsummed"] = {n: p.grad.copy() for n, p in buggy.named_parameters()

@@ -9,7 +9,8 @@ attention_core on the whole sequence; a Chrome trace of each rank's ring; a few 
 training steps with Plan(cp=W) next to the 1-process run.
 
 Run:       python demos/10_ring_attention.py [--cp 4] [--layout zigzag|contiguous] [--trace PATH]
-Read with: minidist/parallel/ring_attention.py, context.py, minidist/nn/attention.py
+Read with: minidist/parallel/context/ring_attention.py, context_parallel.py,
+           minidist/nn/attention.py
 Paper:     Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers",
            arXiv:2310.01889, Sec. 3; Milakov & Gimelshein 2018, arXiv:1805.02867 (online softmax)
 """
@@ -26,8 +27,8 @@ from minidist.data import DataConfig, model_config_for
 from minidist.nn.attention import attention_core
 from minidist.nn.layers import Dropout
 from minidist.observe.trace import Event, Trace, now_us
-from minidist.parallel.ring_attention import (LAYOUTS, attention_work, imbalance,
-                                              ring_attention, sequence_layout)
+from minidist.parallel.context.ring_attention import (LAYOUTS, attention_work, imbalance,
+                                                      ring_attention, sequence_layout)
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 

@@ -9,7 +9,8 @@ real ulysses_attention's output and dQ, dK, dV next to attention_core on the who
 sequence; a few float64 training steps with Plan(cp=W, cp_algo="ulysses") next to 1 process.
 
 Run:       python demos/11_ulysses.py [--cp 2 (or 3, 4)] [--layout zigzag|contiguous]
-Read with: minidist/parallel/ulysses.py, context.py, minidist/collectives/all_to_all.py
+Read with: minidist/parallel/context/ulysses.py, context_parallel.py,
+           minidist/collectives/all_to_all.py
 Paper:     Jacobs et al. 2023, "DeepSpeed Ulysses", arXiv:2309.14509, Sec. 3.1 and Fig. 2
 """
 
@@ -22,8 +23,8 @@ from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
 from minidist.nn.attention import attention_core
 from minidist.nn.layers import Dropout
-from minidist.parallel.ring_attention import LAYOUTS, sequence_layout
-from minidist.parallel.ulysses import heads_to_seq, seq_to_heads, ulysses_attention
+from minidist.parallel.context.ring_attention import LAYOUTS, sequence_layout
+from minidist.parallel.context.ulysses import heads_to_seq, seq_to_heads, ulysses_attention
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 

@@ -9,8 +9,8 @@ every step next to the 1-process run.
 
 Run:       python demos/12_pipeline.py [--P 4 --M 8 --V 2] [--run 1f1b,zb-h1 --pp 2 --run-m 4]
            (or python -m minidist demo pipeline)
-Read with: minidist/parallel/schedules.py, schedule_validate.py, schedule_sim.py,
-           schedule_render.py, pipeline.py, minidist/train.py
+Read with: minidist/parallel/pipeline/schedules.py, schedule_validate.py, schedule_sim.py,
+           schedule_render.py, stage.py, minidist/train.py
 Paper:     Huang et al. 2019, "GPipe", arXiv:1811.06965; Narayanan et al. 2021, arXiv:2104.04473,
            Sec. 2.2 (1F1B, interleaved); Qi et al. 2023, "Zero Bubble", arXiv:2401.10241 (ZB-H1)
 """
@@ -22,11 +22,11 @@ import numpy as np
 
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
-from minidist.parallel.schedule_render import LEGEND, ascii, side_by_side
-from minidist.parallel.schedule_sim import (Timeline, bubble_closed_form, peak_activations,
-                                            simulate)
-from minidist.parallel.schedule_validate import validate
-from minidist.parallel.schedules import SCHEDULES, Action, make_schedule
+from minidist.parallel.pipeline.schedule_render import LEGEND, ascii, side_by_side
+from minidist.parallel.pipeline.schedule_sim import (Timeline, bubble_closed_form, peak_activations,
+                                                     simulate)
+from minidist.parallel.pipeline.schedule_validate import validate
+from minidist.parallel.pipeline.schedules import SCHEDULES, Action, make_schedule
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 

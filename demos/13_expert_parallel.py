@@ -9,7 +9,7 @@ the unsharded layer, the bytes sent next to the formula. Then a MoE GPT trained 
 
 Run:       python demos/13_expert_parallel.py [--tokens 8 --group 4 --capacity-factor 1.0]
            [--steps 6 --png heatmap.png]      (or python -m minidist demo expert_parallel)
-Read with: minidist/nn/moe.py, minidist/parallel/expert.py, minidist/train.py
+Read with: minidist/nn/moe.py, minidist/parallel/expert/expert_parallel.py, minidist/train.py
 Paper:     Lepikhin et al. 2020, "GShard", arXiv:2006.16668, Sec. 2.2 (groups, capacity);
            Fedus et al. 2021, "Switch Transformers", arXiv:2101.03961, Sec. 2.2 (aux loss);
            Zoph et al. 2022, "ST-MoE", arXiv:2202.08906, Sec. 3.1 (router z-loss)
@@ -25,7 +25,7 @@ from minidist.autograd import functional as F
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
 from minidist.nn.moe import MoE
-from minidist.parallel.expert import ExpertParallelMoE
+from minidist.parallel.expert.expert_parallel import ExpertParallelMoE
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 

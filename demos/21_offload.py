@@ -9,7 +9,7 @@ only: on a tiny model it is noise) and the verdict: every loss, parameter and op
 number of the offloaded runs equals the plain run's, bit for bit.
 
 Run:       python demos/21_offload.py [--zero 3 --steps 4 --n-embd 32 ...]
-Read with: minidist/memory/offload.py, minidist/memory/ledger.py, minidist/parallel/zero.py
+Read with: minidist/memory/offload.py, minidist/memory/ledger.py, minidist/parallel/zero/engine.py
 Paper:     Ren et al. 2021, "ZeRO-Offload", arXiv:2101.06840; Rajbhandari et al. 2021,
            "ZeRO-Infinity", arXiv:2104.07857
 """

@@ -12,7 +12,7 @@ through the same formulas, and what one GPU holds for GPT-3 13B in bf16.
 Run:       python demos/22_memory_budget.py [--plans "dp=2,zero=3;tp=2,sp=1"] [--n-layer 2]
            (the same, one plan: python -m minidist memory --plan dp=2,zero=3 --measure)
 Read with: minidist/memory/budget.py, minidist/memory/budget_measure.py,
-           minidist/parallel/zero_memory.py, minidist/parallel/tensor_memory.py
+           minidist/parallel/zero/memory.py, minidist/parallel/tensor/memory.py
 Paper:     Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054, Sec. 5 and Fig. 1;
            Korthikanti et al. 2022, arXiv:2205.05198, Table 2 and Sec. 5 (selective)
 """

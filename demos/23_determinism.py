@@ -25,7 +25,6 @@ Paper:     Demmel & Nguyen 2013, "Fast reproducible floating-point summation" (t
 import argparse
 import time
 
-import numpy as np
 
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig

@@ -7,19 +7,19 @@ with these changes, and nothing else may differ:
        cp) and its gradient-sync engine (over dp x cp: DDP or ZeRO);
     2. this rank reads only the rows of its dp coordinate (under context parallelism only
        its positions of them), cut into plan.micro_batches micro-batches
-       (parallel/schedules.py); the loss is still divided by the token count of the WHOLE
-       global batch, so local losses and gradients simply add up across ranks;
+       (parallel/micro_batching.py); the loss is still divided by the token count of the
+       WHOLE global batch, so local losses and gradients simply add up across ranks;
     3. the step schedule runs forward and backward: gradient accumulation, or under pp > 1
-       this stage's actions of the pipeline schedule (parallel/pipeline.py); the engine
+       this stage's actions of the pipeline schedule (parallel/pipeline/stage.py); the engine
        owns the gradient communication and the optimizer;
     4. the loss of a step is the sum over dp x cp ranks of their micro-batch losses (the
        last pipeline stage's: the others add 0), all-reduced once after the loop (so the
        per-step byte counts hold training traffic).
 
 One rank's view of step s (dp rank d of dp, cp rank c, tp rank t, M micro-batches):
-    1. batches, n = schedules.micro_batches(data, s, B, dp, d, M, seed, my positions)
-    2. (check mode) schedules.check_token_count: n is the global count of targets
-    3. loss_s = schedules.grad_accumulation(engine, batches, n)   (pp > 1: stage.step)
+    1. batches, n = micro_batching.micro_batches(data, s, B, dp, d, M, seed, my positions)
+    2. (check mode) micro_batching.check_token_count: n is the global count of targets
+    3. loss_s = micro_batching.grad_accumulation(engine, batches, n)   (pp > 1: stage.step)
     4. engine.step(lr_s, clip_grad): wait, clip by the GLOBAL norm, update; returns the norm
 Shapes: x, y (B/(dp M), T/cp) per micro-batch, the same on every tp rank.
 Result (RankResult): losses (global), grad_norms, lrs, full params and optimizer state
@@ -70,7 +70,7 @@ plan.micro_batches; for a dense model the same result up to the order of additio
 
 CLI: `python -m minidist train --pp 2 --dp 2 --cp 2 --tp 2 [--sp] [--zero 1] [--schedule
 1f1b] [--check]` (train_cli.py).
-Read next: parallel/compose.py, parallel/schedules.py, parallel/sharding.py.
+Read next: parallel/compose.py, parallel/micro_batching.py, parallel/sharding.py.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ from minidist.deterministic.expert import ExpertGrains
 from minidist.deterministic.layout import determinize_layout
 from minidist.memory.ledger import Ledger
 from minidist.nn import GPTConfig
-from minidist.parallel import placement, schedules
+from minidist.parallel import placement
+from minidist.parallel import micro_batching
 from minidist.parallel.compose import Plan, build
 from minidist.runtime.errors import rank_prefix
 
@@ -237,14 +238,14 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
             step, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr)
         rows = None if straggler is None else straggler.rows        # uneven under rebalance
         first, mine = determinism.my_rows(rows, global_batch, plan.dp, dp_rank)
-        batches, n_tokens = schedules.micro_batches(
+        batches, n_tokens = micro_batching.micro_batches(
             data, step + data_offset, global_batch, plan.dp, dp_rank,
             mine // grain if deterministic else plan.micro_batches, seed, positions,
             **({} if rows is None else {"rows": rows}))
         for h in hooks:
             batches = h.prepare(step, batches, lay.model)
         if plan.checks:
-            schedules.check_token_count(batches, n_tokens, lay.grad_group)
+            micro_batching.check_token_count(batches, n_tokens, lay.grad_group)
 
         def compute(step=step, batches=batches, n_tokens=n_tokens, first=first, lr_s=lr_s):
             """Forward and backward of this step's micro-batches: the local loss."""
@@ -313,7 +314,7 @@ class ParallelStep:
                     lay.pp_group, self.order, lr, self.clip_grad, lay.tp_group,
                     lay.grad_group, self.experts)
         elif stage is None:
-            return schedules.grad_accumulation(engine, batches, n_tokens)
+            return micro_batching.grad_accumulation(engine, batches, n_tokens)
         else:
             loss = stage.step(engine, batches, n_tokens)
         if stage is not None:                  # this step's actions: (kind, m, chunk, t0, t1)

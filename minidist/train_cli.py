@@ -34,8 +34,8 @@ from minidist.observe import run_dir
 from minidist.observe.peak import peak_flops
 from minidist.observe.progress import Progress
 from minidist.parallel.compose import Plan
-from minidist.parallel.schedule_csv import from_csv
-from minidist.parallel.schedules import SCHEDULES
+from minidist.parallel.pipeline.schedule_csv import from_csv
+from minidist.parallel.pipeline.schedules import SCHEDULES
 from minidist.reliability import confined, recovery, straggler as stragglers
 from minidist.reliability.checkpoint import CheckpointError, CheckpointStorageError
 from minidist.runtime import RankFailure
@@ -246,7 +246,7 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     ap.add_argument("--plain", action="store_true",
                     help="the textbook algorithms instead of the fast paths: DDP with one "
-                         "all-reduce per parameter (parallel/data.py), ring reductions "
+                         "all-reduce per parameter (parallel/data/ddp.py), ring reductions "
                          "(collectives/ring.py); the same results")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "fp8"],
                     help="mixed precision (memory/precision.py): the model copy and "

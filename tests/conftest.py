@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # /dev/shm names this test's own stack can create: multiprocess's semaphores and shared
 # memory, and, in a test that runs mpiexec (marked mpi), MPICH's segments. The runtime's
-# own arena is anonymous memory and never appears there. Anything else is another job's (DESIGN.md:
-# a leak check counts only what the test itself created).
+# own arena is anonymous memory and never appears there. Anything else is another job's (a
+# leak check counts only what the test itself created).
 OURS = ("sem.mp-", "mp-", "psm_")
 MPI_OURS = ("mpich_shm_", "mpi_")
 

@@ -258,11 +258,11 @@ def test_each_demo_header_carries_its_file_number():
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("extra, sync, reductions", [
-    ([], "DDP with shared-memory buckets (parallel/data_buckets.py)",
+    ([], "DDP with shared-memory buckets (parallel/data/buckets.py)",
      "direct reductions in rank order (collectives/direct.py)"),
-    (["--plain"], "DDP, one all-reduce per parameter (parallel/data.py)",
+    (["--plain"], "DDP, one all-reduce per parameter (parallel/data/ddp.py)",
      "ring reductions (collectives/ring.py)"),
-    (["--plain", "--zero", "2"], "ZeRO-2 (parallel/zero.py)",
+    (["--plain", "--zero", "2"], "ZeRO-2 (parallel/zero/engine.py)",
      "ring reductions (collectives/ring.py)")])
 def test_the_header_names_the_algorithms_and_plain_runs_the_textbook_ones(extra, sync,
                                                                            reductions, capsys):

@@ -1,5 +1,5 @@
 """train.py: a Plan is validated before anything runs, and train_on_rank hands the model to
-the engine the Plan names (DataParallel for zero=0, parallel/zero.py's ZeroEngine else)."""
+the engine the Plan names (DataParallel for zero=0, parallel/zero/engine.py's ZeroEngine else)."""
 
 import sys
 
@@ -9,7 +9,7 @@ import pytest
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
 from minidist.parallel import compose
-from minidist.parallel.data import DataParallel
+from minidist.parallel.data.ddp import DataParallel
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
@@ -54,7 +54,7 @@ def test_dp_must_match_the_world_and_the_batch_is_checked_on_the_rank():
 
 
 class _RecordingZero(DataParallel):
-    """Stands in for parallel/zero.py's ZeroEngine: DDP numerics, records how it was made."""
+    """Stands in for parallel/zero/engine.py's ZeroEngine: DDP numerics, records how it was made."""
 
     def __init__(self, model, group, stage, *, optimizer, lr, weight_decay, betas, momentum,
                  algo, sharding):

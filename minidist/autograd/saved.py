@@ -4,7 +4,7 @@ Between a forward and its backward, every node of the graph holds what its backw
 needs: the arrays put in `ctx.save_for_backward(...)` and any array set as an attribute
 of ctx (a mask, the ids of an embedding lookup). Those arrays are the activation memory
 that activation recomputation trades for compute and that tensor and sequence
-parallelism split over ranks (parallel/tensor_memory.py turns them into formulas).
+parallelism split over ranks (parallel/tensor/memory.py turns them into formulas).
 
 What counts, and once:
     * every node reachable from the root through parents that need a gradient: exactly
@@ -27,7 +27,7 @@ Reference: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
     Transformer Models", arXiv:2205.05198, Sec. 4.1 (what each layer stores);
     PyTorch's saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks) play the same
     role there.
-Read next: parallel/tensor_memory.py.
+Read next: parallel/tensor/memory.py.
 """
 
 from __future__ import annotations

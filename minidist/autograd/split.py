@@ -3,7 +3,7 @@
 A pipeline stage's backward does two jobs. B computes dL/d(input), the gradient the
 previous stage is waiting for; W computes dL/d(weights), which nobody waits for until
 the optimizer step. Zero-bubble schedules run B as soon as possible and push W into
-the idle slots (the bubbles) of the pipeline; `parallel/schedules.py` names the two
+the idle slots (the bubbles) of the pipeline; `parallel/pipeline/schedules.py` names the two
 actions B(m, c) and W(m, c). This module splits one `Tensor.backward` into the two.
 
 The split follows the graph. A tensor is on the INPUT PATH if some input (a leaf the
@@ -47,7 +47,7 @@ every rule in autograd/), and a rule with a collective inside runs it in both B 
 Reference: Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, Sec. 2
     (Fig. 1 splits an MLP's backward into B and W). PyTorch's pipelining does the same
     split with autograd.grad (torch.distributed.pipelining, stage_backward_input/weight).
-Read next: parallel/schedules.py (where B and W are placed in a pipeline schedule).
+Read next: parallel/pipeline/schedules.py (where B and W are placed in a pipeline schedule).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each schedule's bubble, 1 - sum_s busy_s / (P makespan) of one step's actions
 (Timeline.bubble_fraction), three ways: the closed form (unit costs, free messages); the
 simulation (schedule_sim.simulate) with this machine's costs, each stage's median F, B, W;
 and a real training step on P ranks, each action timed from the arrival of its input
-(parallel/pipeline.py), so that waiting for a neighbour is idle. What the simulation
+(parallel/pipeline/stage.py), so that waiting for a neighbour is idle. What the simulation
 leaves out is printed beside it: the latency of a message its receiver already waited for
 (send thread, copy, the receiver's back-off in runtime/wait.py: ~0.5-1 ms here) and the
 gap before an action that receives nothing (the Python between actions: ~20 us). Counted
@@ -40,7 +40,7 @@ Run:  python -m minidist bench pipeline --pp 2 --schedule all [--micro-batches 8
 References: Huang et al. 2019, arXiv:1811.06965 (GPipe); Narayanan et al. 2021,
     arXiv:2104.04473, Sec. 2.2 (1F1B, interleaved); Qi et al. 2023, arXiv:2401.10241,
     Sec. 2.1 (ZB-H1).
-Read next: parallel/schedule_sim.py, parallel/pipeline.py.
+Read next: parallel/pipeline/schedule_sim.py, parallel/pipeline/stage.py.
 """
 
 from __future__ import annotations
@@ -59,12 +59,12 @@ from minidist.cli import CliParser
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.observe.trace import Trace
 from minidist.parallel import placement as pl
-from minidist.parallel import schedule_render as render
+from minidist.parallel.pipeline import schedule_render as render
 from minidist.parallel.compose import Plan, build
-from minidist.parallel.schedule_sim import (Timeline, bubble_closed_form,
-                                            peak_activations, simulate)
-from minidist.parallel.schedules import (KINDS, SCHEDULES, Action,
-                                         PipelineSchedule, micro_batches)
+from minidist.parallel.micro_batching import micro_batches
+from minidist.parallel.pipeline.schedule_sim import (Timeline, bubble_closed_form,
+                                                     peak_activations, simulate)
+from minidist.parallel.pipeline.schedules import KINDS, SCHEDULES, Action, PipelineSchedule
 from minidist.runtime.launch import spawn
 
 SEED, LR = 0, 1e-3

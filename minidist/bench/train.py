@@ -23,7 +23,7 @@ Rows: dp=1 (the reference); "W x dp=1": W ranks that each train alone on their o
 batch, no communication at all, i.e. the ceiling this machine allows right now (on a
 machine shared with other jobs it can be far below W); dp=W with overlap, dp=W without
 (--overlap / --no-overlap keep one of the two); with --zero k the ZeRO-k engine
-(Plan(zero=k), parallel/zero.py). dp=W against "W x dp=1" is the cost of data
+(Plan(zero=k), parallel/zero/engine.py). dp=W against "W x dp=1" is the cost of data
 parallelism itself.
 
 Tensor (--tp T > 1), context (--cp C > 1) and expert parallelism (--ep W > 1, the MoE GPT)
@@ -68,7 +68,7 @@ from minidist.train import Plan                # noqa: E402
 
 def _zero_available() -> str | None:
     try:
-        from minidist.parallel.zero import ZeroEngine  # noqa: F401
+        from minidist.parallel.zero.engine import ZeroEngine  # noqa: F401
     except ImportError as e:
         return f"{type(e).__name__}: {e}"
     return None

@@ -22,7 +22,7 @@ step, zig-zag and contiguous layouts, with max/mean over ranks; act/layer,
 formula: as for tp (context_memory.activation_bytes); 1 process: the same for cp=1.
 Expert parallelism (--ep W > 1; --dp defaults to W): the MoE GPT (every block a MoE, E=4
 experts, top-2, C=128, 2 layers, T=128, float32, batch 8) in rows dp=1, dp=D (experts
-replicated) and dp=D ep=W (parallel/expert.py), measured as bench/train.py measures (slowest
+replicated) and dp=D ep=W (parallel/expert/), measured as bench/train.py measures (slowest
 rank per step, median over steps, best of repeats). Columns besides the times:
     ep sent              bytes sent over the ep groups per step SUMMED OVER THE RANKS (the
                          "ep" axis of bytes_by_axis): the all-to-alls and the gradient norm
@@ -40,7 +40,7 @@ rank per step, median over steps, best of repeats). Columns besides the times:
                          busiest rank over the sum of the mean (each layer's all-to-all waits
                          for its busiest rank), median over steps; dp rows: as if split
     drop                 share of the assignments dropped (capacity), mean over layers
-Read next: parallel/tensor_memory.py, parallel/context_memory.py, parallel/expert.py (the
+Read next: parallel/tensor/memory.py, parallel/context/memory.py, parallel/expert/ (the
 formulas).
 """
 
@@ -58,10 +58,12 @@ import numpy as np
 from minidist.bench.train_runs import Row, best_of
 from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
-from minidist.parallel import context_memory as cm, placement as pl
-from minidist.parallel import ring_attention as ra, tensor_memory as tm
-from minidist.parallel.expert import is_expert_parameter
-from minidist.parallel.tensor import expected_placement
+from minidist.parallel import placement as pl
+from minidist.parallel.context import memory as cm
+from minidist.parallel.context import ring_attention as ra
+from minidist.parallel.tensor import memory as tm
+from minidist.parallel.expert.expert_parallel import is_expert_parameter
+from minidist.parallel.tensor.tensor_parallel import expected_placement
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidist.parallel import ring_attention as ra
+from minidist.parallel.context import ring_attention as ra
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 

@@ -294,7 +294,7 @@ def barrier(group=None, async_op: bool = False):
 # so a hung receive names the message it waits for. The k-th send to a rank must match
 # that rank's k-th recv from this one: same tag, dtype and shape, or CollectiveMismatch.
 # Use them on a group whose other ranks make no calls in between (e.g. a 2-rank group
-# per direction, as parallel/pipeline.py does): sequence numbers count every call.
+# per direction, as parallel/pipeline/stage.py does): sequence numbers count every call.
 # isend/irecv (torch.distributed's names) are send/recv with async_op=True: they run on
 # the group's worker in program order, under the same rule. So, unlike torch, two ranks
 # that swap messages write it as rank 0: isend then irecv, rank 1: irecv then isend (both

@@ -37,7 +37,7 @@ after barrier 2, when every peer has finished step 5 of the previous round.
 
 Shapes: x identical shape and dtype on every rank.
 Communication: group.shared (one buffer per size, reused) and group.barrier.
-Reference: the canonical order is principle 4 of DESIGN.md; the split of the
+Reference: the canonical order (rank order, README's "Deterministic mode"); the split of the
     reduction work (each rank finishes 1/W of the elements) is a reduce-scatter
     followed by an all-gather, as in Thakur, Rabenseifner & Gropp 2005,
     IJHPCA 19(1), 49-66, here through shared memory instead of messages.

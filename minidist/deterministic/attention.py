@@ -5,7 +5,7 @@ the single process's numbers for them.
 Attention mixes positions: every query reads every earlier key, and in the backward every
 key's gradient is a sum over the queries that read it,
     dK = sum over queries i of dS[i]^T q_i,      dV = sum over queries i of P[i]^T dY_i.
-Context parallelism (parallel/context.py) gives each rank some positions, so each rank
+Context parallelism (parallel/context/) gives each rank some positions, so each rank
 holds a part of those sums; ring attention also merges the keys block by block with an
 online softmax. Both group the additions by the layout. The deterministic mode (this
 package) needs one grouping for every layout, so here:

@@ -1,7 +1,7 @@
 """Deterministic mode under context parallelism: every sum over positions is cut into the
 same runs of positions as in the single process, and exchanged over cp.
 
-Context parallelism (parallel/context.py) gives cp rank r the positions P_r of every
+Context parallelism (parallel/context/) gives cp rank r the positions P_r of every
 sequence, for the whole model. Everything position-wise is then computed as the single
 process computes it, but every SUM over positions is a partial sum on each rank: the
 weight gradients (x^T g over tokens), the LayerNorm and bias gradients, the embeddings'
@@ -39,7 +39,7 @@ import functools
 
 from minidist import collectives as C
 from minidist.deterministic.matmul import Tokens
-from minidist.parallel.context import sequence_positions
+from minidist.parallel.context.context_parallel import sequence_positions
 
 
 def context_tokens(context, token_tiles: int | None) -> tuple[Tokens, Tokens]:

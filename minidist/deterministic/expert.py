@@ -1,7 +1,7 @@
 """Deterministic mode under expert parallelism: every expert computes each grain's tokens in
 a call of their own, and its gradient is summed over the grains in the fixed tree.
 
-Under expert parallelism (parallel/expert.py) a rank's experts receive, in one micro-batch,
+Under expert parallelism (parallel/expert/) a rank's experts receive, in one micro-batch,
 the tokens of one grain from EVERY rank of its ep group (the ranks run their micro-batches
 in lock step). Two things then differ from the single process, which runs each grain on
 its own (one sample per micro-batch, deterministic/step.py):
@@ -49,7 +49,7 @@ from minidist import collectives as C
 from minidist.autograd import Tensor
 from minidist.deterministic.tree_sum import combine, gather_nodes, stacked_nodes
 from minidist.nn.module import Module, Parameter
-from minidist.parallel.expert import ExpertParallelMoE, in_received_order, \
+from minidist.parallel.expert.expert_parallel import ExpertParallelMoE, in_received_order, \
     is_expert_parameter, received_blocks
 
 

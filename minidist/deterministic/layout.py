@@ -39,11 +39,11 @@ from minidist.deterministic.tensor import TiledColumnParallelLinear, TiledRowPar
     TiledTensorParallelLayout, TreeSequenceParallelLayerNorm, TreeSequenceParallelPositions, \
     TreeVocabParallelEmbedding, exchange_over, then, tiles_on_rank, tokens_on_rank
 from minidist.nn.module import Module
-from minidist.parallel.expert import ExpertParallelMoE
-from minidist.parallel.sequence import SequenceParallelLayerNorm, SequenceParallelPositions
-from minidist.parallel.tensor import ColumnParallelLinear, RowParallelLinear, \
+from minidist.parallel.expert.expert_parallel import ExpertParallelMoE
+from minidist.parallel.tensor.sequence import SequenceParallelLayerNorm, SequenceParallelPositions
+from minidist.parallel.tensor.tensor_parallel import ColumnParallelLinear, RowParallelLinear, \
     TensorParallelLayout
-from minidist.parallel.vocab import VocabParallelEmbedding
+from minidist.parallel.tensor.vocab import VocabParallelEmbedding
 
 TILED = {ColumnParallelLinear: TiledColumnParallelLinear,
          RowParallelLinear: TiledRowParallelLinear}

@@ -25,7 +25,7 @@ needs nothing from the others, dx is a sum over J that every rank holds a part o
 ranks exchange the aligned nodes of their parts (tree_sum.gather_nodes) and each combines
 the same tree: what Megatron's f all-reduces. A row-parallel W holds K-tiles I_r and
 exchanges the nodes of y the same way (Megatron's g). The single process computes the same
-nodes itself. Padding tiles (a vocabulary padded to tp V_tp, parallel/vocab.py) are left
+nodes itself. Padding tiles (a vocabulary padded to tp V_tp, parallel/tensor/vocab.py) are left
 out of the sums over N.
 
 Shapes: x (..., K_r), W (K_r, N_r) this rank's tiles; y (..., N_r). The tiles used by the

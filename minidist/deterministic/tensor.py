@@ -25,7 +25,7 @@ single process does: a sharded gradient is all-gathered over tp and unsharded fi
 Sums over tokens: the gradients of every LayerNorm's gain and shift and of every tiled
 Linear's bias are added in the aligned tree over the micro-batch's global token index
 b T + t (matmul.Tokens), in the single process and in every layout alike.
-Sequence parallelism (parallel/sequence.py) cuts those sums: a SequenceParallelLayerNorm
+Sequence parallelism (parallel/tensor/sequence.py) cuts those sums: a SequenceParallelLayerNorm
 and a row-parallel bias see this rank's positions only, so their Tokens exchange the nodes
 over tp and every rank combines the whole sum, in place of Megatron's f. The edges of the
 tp regions become exact data movement (GatherWholeSequence: an all-gather of x before a
@@ -66,11 +66,11 @@ from minidist.deterministic.matmul import Tiles, Tokens, add_bias, tiled_matmul,
     tree_over_tiles
 from minidist.optim.clip import wide
 from minidist.parallel import placement as pl
-from minidist.parallel.sequence import SequenceParallelLayerNorm, SequenceParallelPositions, \
-    all_gather_sequence
-from minidist.parallel.tensor import ColumnParallelLinear, RowParallelLinear, \
+from minidist.parallel.tensor.sequence import (SequenceParallelLayerNorm,
+                                               SequenceParallelPositions, all_gather_sequence)
+from minidist.parallel.tensor.tensor_parallel import ColumnParallelLinear, RowParallelLinear, \
     TensorParallelLayout
-from minidist.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, \
+from minidist.parallel.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, \
     vocab_parallel_losses, vocab_shard
 
 

@@ -39,7 +39,7 @@ the buffers. Activations of one micro-batch of R = B / (dp M) rows of T position
     head, loss  ln_f R T' (C + 1) b, head input R T' C b, softmax R T_c V' b (V' = V, or
                 the padded V / tp), targets R T_c 8, R T_c b (tp: two bool masks, 2 R T_c),
                 the 1/n scale b
-    ZeRO-3      recomputes every block in its backward (parallel/zero3.py), whatever
+    ZeRO-3      recomputes every block in its backward (parallel/zero/stage3.py), whatever
                 `recompute` says: blocks keep R T' C b, the embedding its ids R T_c 8 and
                 the head its input R T' C b (the loss as above)
 A pipeline stage s holds k_s micro-batches at once, schedule_sim.peak_activations (1F1B:
@@ -69,12 +69,12 @@ from dataclasses import dataclass, field
 from minidist.memory import recompute
 from minidist.memory.budget_models import stage_layers, unit_numels
 from minidist.nn import GPTConfig
-from minidist.parallel import context_memory as cm
-from minidist.parallel import tensor_memory as tm
-from minidist.parallel import zero_memory as zm
+from minidist.parallel.context import memory as cm
+from minidist.parallel.tensor import memory as tm
+from minidist.parallel.zero import memory as zm
 from minidist.parallel.compose import Plan
 from minidist.parallel.placement import piece_length
-from minidist.parallel.schedule_sim import peak_activations
+from minidist.parallel.pipeline.schedule_sim import peak_activations
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe")
@@ -197,7 +197,8 @@ def layer_terms(cfg: GPTConfig, plan: MemoryPlan, rows: int, T: int,
 
 
 def _mode(plan: MemoryPlan) -> str:
-    """What a block keeps: ZeRO-3 recomputes every block (zero3.py) whatever `recompute` is."""
+    """What a block keeps: ZeRO-3 recomputes every block (zero/stage3.py), whatever
+    `recompute` is."""
     return "full" if plan.zero == 3 else plan.recompute
 
 
@@ -207,7 +208,7 @@ def micro_batch_terms(cfg: GPTConfig, plan: MemoryPlan, rows: int, T: int,
     b, C, V, tp = _act(plan), cfg.n_embd, cfg.vocab_size, plan.tp
     Tc = T // plan.cp
     Tl = Tc // tp if plan.sp else Tc
-    hooked = plan.zero == 3                 # zero3.py's hooks keep each call's input only
+    hooked = plan.zero == 3                 # zero/stage3.py's hooks keep each call's input only
     n = len(stage_layers(cfg, plan.pp, stage))
     out = {f"{n} layer{'s' * (n != 1)} x {k}": n * v
            for k, v in layer_terms(cfg, plan, rows, T, _mode(plan)).items()}
@@ -277,7 +278,7 @@ def _check(cfg: GPTConfig, plan: MemoryPlan, batch: int, T: int) -> None:
                          f"{cfg.block_size}; the model has no positions beyond it.")
     if plan.cp > 1 and plan.tp > 1:
         raise ValueError(f"memory budget: cp={plan.cp} with tp={plan.tp} has no activation "
-                         "formula (context_memory.py covers tp = 1); use one of them.")
+                         "formula (parallel/context/memory.py covers tp = 1); use one of them.")
     if plan.cp > 1 and _mode(plan) == "selective":
         raise ValueError("memory budget: selective recomputation wraps the single-rank "
                          "attention core (nn/attention.py), not ring attention or Ulysses; "

@@ -31,7 +31,7 @@ from minidist.data import DataConfig, model_config_for
 from minidist.memory import budget_fit, budget_measure
 from minidist.memory.budget import CATEGORIES, MemoryPlan, estimate_stages
 from minidist.memory.budget_models import GPT3_SHAPES, parameter_count, preset
-from minidist.parallel.schedule_sim import bubble_closed_form
+from minidist.parallel.pipeline.schedule_sim import bubble_closed_form
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -163,7 +163,7 @@ def _estimate_table(plan: MemoryPlan, stages) -> None:
         print(f"  {c:<12}" + "".join(f"{fmt(getattr(e, c)):>14}" for e in stages))
     e = max(stages, key=lambda s: s.total)
     if plan.zero == 3:
-        print("ZeRO-3 recomputes every block (parallel/zero3.py): each keeps its input only")
+        print("ZeRO-3 recomputes every block (parallel/zero/stage3.py): each keeps its input only")
     print(f"activations: {e.held} micro-batch(es) held on stage {e.stage}, each:")
     for what, n in e.per_micro_batch.items():
         print(f"    {fmt(n):>10}  {what}")

@@ -28,7 +28,7 @@ fixed, so every plan trains on the same global batch of B sequences).
 One rank's view: none; a loop over plans, each a formula.
 Plans skipped: those compose.Plan refuses (a head count or the vocabulary split by tp,
 ZeRO-3 with pp), and ZeRO-3 is listed with recompute=full only: minidist's ZeRO-3
-recomputes every block whatever the setting (zero3.py), so the other two are the same plan.
+recomputes every block whatever the setting (zero/stage3.py), so the other two are the same plan.
 References: Narayanan et al. 2021, arXiv:2104.04473, Sec. 3 (choosing dp, tp and pp);
     Rajbhandari et al. 2020, arXiv:1910.02054, Sec. 7 (ZeRO's communication).
 Read next: memory/budget_cli.py.
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from minidist.memory.budget import PRECISIONS, RECOMPUTE, Estimate, MemoryPlan, estimate
 from minidist.memory.budget_models import stage_layers, unit_numels
 from minidist.nn import GPTConfig
-from minidist.parallel import tensor_memory as tm
-from minidist.parallel import zero_memory as zm
+from minidist.parallel.tensor import memory as tm
+from minidist.parallel.zero import memory as zm
 
 
 @dataclass(frozen=True)

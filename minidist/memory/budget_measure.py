@@ -2,29 +2,29 @@
 
 memory/budget.py predicts the bytes of each category; this module runs the step and
 counts them, so that every formula there is checked against the arrays themselves:
-    params, grads, optimizer, buffers   engine.memory() after the step (parallel/data.py,
-                                        zero.py: the arrays' nbytes, ZeRO's peaks)
+    params, grads, optimizer, buffers   engine.memory() after the step (parallel/data/ddp.py,
+                                        zero/engine.py: the arrays' nbytes, ZeRO's peaks)
     activations                         autograd/saved.py: the distinct buffers the graph
                                         of a micro-batch keeps for its backward (parameters
                                         excluded), at the end of its forward; a pipeline
-                                        stage's peak over the schedule (pipeline.py's
+                                        stage's peak over the schedule (pipeline/stage.py's
                                         measure_memory, held_bytes_peak)
     recompute                           the largest output a recomputation rebuilds and
                                         what its graph keeps (recompute.on_recompute), less
                                         its inputs and the parameters: q, k, v or the block
                                         input are kept arrays, not new ones
 Each micro-batch gets arrays of its own (copies), as a data loader hands them out:
-schedules.micro_batches cuts views of one global batch, and a view counts as its whole
-base buffer. ZeRO-3's own recomputation (zero3.py) calls no watcher: its `recompute` is
+micro_batching.micro_batches cuts views of one global batch, and a view counts as its whole
+base buffer. ZeRO-3's own recomputation (zero/stage3.py) calls no watcher: its `recompute` is
 not measured (None). train.py's train_on_rank returns engine.memory() (RankResult.memory)
 but cannot look into a step's graphs, so the step here is assembled from the same parts
-(compose.build, schedules.micro_batches, grad_accumulation or PipelineStage.step); the
+(compose.build, micro_batching.micro_batches, grad_accumulation or PipelineStage.step); the
 tests check that its engine.memory() is RankResult.memory.
 
 One rank's view (COLLECTIVE over the world; every rank runs `_on_rank`):
     1. build the Plan's layout (parallel/compose.build): mesh, my shard, my engine
-    2. my micro-batches of step 0 (schedules.micro_batches), copied
-    3. no pipeline: schedules.grad_accumulation through an engine whose forward records
+    2. my micro-batches of step 0 (micro_batching.micro_batches), copied
+    3. no pipeline: micro_batching.grad_accumulation through an engine whose forward records
        saved_bytes(loss); pipeline: stage.measure_memory, stage.step; both watching the
        recomputations
     4. engine.step, then engine.memory()
@@ -43,7 +43,8 @@ from minidist.data import DataConfig, SyntheticData
 from minidist.memory import recompute
 from minidist.memory.budget import MemoryPlan, estimate_stages
 from minidist.nn import GPTConfig
-from minidist.parallel import placement, schedules
+from minidist.parallel import placement
+from minidist.parallel import micro_batching
 from minidist.parallel.compose import build
 
 MEASURED = ("params", "grads", "optimizer", "activations", "buffers", "recompute")
@@ -103,7 +104,7 @@ def _on_rank(ctx, cfg: GPTConfig, data_cfg: DataConfig, plan: MemoryPlan, batch:
     lay = build(ctx, plan.to_plan(), cfg, seed, optimizer=name, lr=1e-3, weight_decay=0.0,
                 betas=(0.9, 0.999), momentum=momentum)
     positions = None if lay.context is None else lay.context.positions(data_cfg.block_size)
-    batches, n = schedules.micro_batches(SyntheticData(data_cfg), 0, batch, plan.dp,
+    batches, n = micro_batching.micro_batches(SyntheticData(data_cfg), 0, batch, plan.dp,
                                          lay.dp_group.rank, plan.micro_batches, seed,
                                          positions)
     batches = [replace(mb, x=mb.x.copy(), y=mb.y.copy()) for mb in batches]
@@ -115,7 +116,7 @@ def _on_rank(ctx, cfg: GPTConfig, data_cfg: DataConfig, plan: MemoryPlan, batch:
             activations, stage = lay.pipeline.held_bytes_peak, lay.pipeline.cut.stage
         else:
             rec = _Recording(lay.engine, lay.model.parameters())
-            schedules.grad_accumulation(rec, batches, n)
+            micro_batching.grad_accumulation(rec, batches, n)
             activations, stage = rec.peak, 0
     lay.engine.step(1e-3, None)
     mem = lay.engine.memory()

@@ -10,7 +10,7 @@ the way the layout does:
          a Shard(dim, blocks=k) dimension of n keeps k ceil(n / (k W)) elements
          (parallel/placement.piece_length: the vocabulary rows are padded, so every tp
          rank holds the same count);
-    pp   stage s keeps the blocks of split_layers(L, P)[s] (parallel/pipeline.py), wte and
+    pp   stage s keeps the blocks of split_layers(L, P)[s] (parallel/pipeline/stage.py), wte and
          wpe on the first stage, ln_f (and lm_head) on the last, and a tied wte there too;
     ZeRO units are flat.split_units': the root (everything outside the blocks) first, then
          one per block (a middle pipeline stage has no root).
@@ -33,8 +33,8 @@ import math
 
 from minidist.nn import GPTConfig
 from minidist.parallel import placement as pl
-from minidist.parallel.pipeline import split_layers
-from minidist.parallel.tensor import expected_placement
+from minidist.parallel.pipeline.stage import split_layers
+from minidist.parallel.tensor.tensor_parallel import expected_placement
 
 # name: (n_layer, n_embd, n_head), Brown et al. 2020, Table 2.1
 GPT3_SHAPES = {"gpt3-125m": (12, 768, 12), "gpt3-350m": (24, 1024, 16),

@@ -384,8 +384,8 @@ def optimizer_arrays(opt: Any) -> list[tuple[str, Any]]:
 
 def engine_arrays(engine: Any) -> dict[str, list[tuple[str, Any]]]:
     """{category: [(name, array)]} of the arrays engine.memory() counts: DataParallel's
-    parameters and gradient buckets (parallel/data_buckets.py; the plain engine: the .grad
-    arrays that exist), ZeroEngine's full or sharded flats (parallel/zero.py)."""
+    parameters and gradient buckets (parallel/data/buckets.py; the plain engine: the .grad
+    arrays that exist), ZeroEngine's full or sharded flats (parallel/zero/engine.py)."""
     state = {"optimizer": optimizer_arrays(engine.opt)}
     if getattr(engine, "shards", None) is None:                       # DataParallel
         named = list(zip(engine.names, engine.params))

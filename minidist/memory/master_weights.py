@@ -28,7 +28,7 @@ One rank's view of step(lr, clip_grad) under fp16 (scale S):
 Memory (per rank, Ψ parameters on this rank's engine, AdamW, grad_reduce "low"):
     model copy 2Ψ + gradients 2Ψ + master 4Ψ + m 4Ψ + v 4Ψ: ZeRO's 2Ψ + 2Ψ + KΨ with K = 12
     (Rajbhandari et al. 2020, Sec. 3.1), each term divided by N_d where the stage shards it
-    (parallel/zero_memory.py). memory() reports the master in "optimizer". grad_reduce
+    (parallel/zero/memory.py). memory() reports the master in "optimizer". grad_reduce
     "fp32" stores parameters and gradients in 4 bytes: 4Ψ + 4Ψ + 12Ψ.
 
 Limits: full_params() is the model copy (upcast to fp32), full_optimizer_state() the fp32

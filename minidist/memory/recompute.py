@@ -56,7 +56,7 @@ are also used outside fn). Under zero-bubble schedules (autograd/split.py) a che
 block computes its weight gradients together with its input gradient, in B. Under context
 parallelism only "full" applies (ring attention already rebuilds its probabilities block
 by block; nn/attention.py refuses "selective" there). Under ZeRO-3, whose backward runs
-every block again anyway (parallel/zero3.py, inside recomputing()), both are no-ops.
+every block again anyway (parallel/zero/stage3.py, inside recomputing()), both are no-ops.
 References: Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
     arXiv:1604.06174, Sec. 4 (recompute dropped segments, one extra forward); Korthikanti
     et al. 2022, arXiv:2205.05198, Sec. 5 (selective recomputation) and Table 2; PyTorch's

@@ -8,7 +8,7 @@ and the heads are concatenated and projected: y = concat_h(y_h) @ W_proj + b_pro
 The H heads are independent until the output projection. That is what tensor parallelism
 uses: split W_qkv by heads (columns) and W_proj by rows, and each tp rank computes H/W_tp
 whole heads with no communication until the projection's partial sums (see
-parallel/tensor.py). Sequence and context parallelism split T instead, which the causal
+parallel/tensor/). Sequence and context parallelism split T instead, which the causal
 mask makes uneven: position i attends to i + 1 keys.
 
 `attention_core` is the part every layout shares: softmax(q k^T / sqrt(D) + M) v for any
@@ -78,7 +78,7 @@ class LocalAttention:
 
     An attention core is any object with this `attention` method; a layout that computes
     attention another way gives the layer its own (context parallelism's ring attention
-    or Ulysses: parallel/context.py)."""
+    or Ulysses: parallel/context/context_parallel.py)."""
 
     def __init__(self, selective: bool = False) -> None:
         self.selective = selective
@@ -98,7 +98,7 @@ class CausalSelfAttention(Module):
     """Multi-head attention with a causal mask; heads = n_head, head dim D = C / n_head.
 
     `attend` is the part between the two projections: it takes qkv (B, T, 3 h D) for any
-    number h of whole heads, so a tensor-parallel rank (parallel/tensor.py) runs the same
+    number h of whole heads, so a tensor-parallel rank (parallel/tensor/) runs the same
     code on its h = H / W_tp heads, telling dropout where its heads sit among all H.
     `core` computes the attention of those heads (LocalAttention: the whole sequence is
     here; `selective` rebuilds the attention weights in the backward); context

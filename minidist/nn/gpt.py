@@ -153,7 +153,7 @@ class GPTLayout:
     """Where the GPT's activations live: the single-process layout (everything whole).
 
     The GPT asks its layout the four questions that change when the model is split over
-    ranks; parallel/tensor.py's TensorParallelLayout answers them for tensor (and sequence)
+    ranks; parallel/tensor/'s TensorParallelLayout answers them for tensor (and sequence)
     parallelism, and later axes (context parallelism) answer them again:
         positions(T)        the global positions of this rank's embedded tokens, for an
                             input of T tokens                            arange(T) here

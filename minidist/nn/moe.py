@@ -34,7 +34,7 @@ The layer returns aux_loss_coef * mean_g aux_g + z_loss_coef * mean_g z_g (its `
 keeps each value). The GPT weighs it by the share of the global batch's tokens the call
 holds (aux_weight), so that every layout adds up the same mean over all groups.
 
-Expert parallelism (parallel/expert.py) reproduces this exactly: a rank routes its own
+Expert parallelism (parallel/expert/) reproduces this exactly: a rank routes its own
 whole groups and sends each kept assignment to the rank of its expert.
 
 Shapes: x (B, T, C) -> tokens (N, C); probs (N, E); choice, gate (N, K); expert e gets
@@ -45,12 +45,11 @@ References: Shazeer et al. 2017, arXiv:1701.06538 (top-k gating); Lepikhin et al
     GShard, arXiv:2006.16668, Sec. 2.2 (groups, capacity, priority of first choices); Fedus
     et al. 2021, Switch Transformers, arXiv:2101.03961, Sec. 2.2 (capacity factor, aux
     loss); Zoph et al. 2022, ST-MoE, arXiv:2202.08906, Sec. 3.1 (router z-loss).
-Read next: nn/gpt.py, then parallel/expert.py.
+Read next: nn/gpt.py, then parallel/expert/expert_parallel.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 

@@ -260,11 +260,14 @@ RULES: dict[str, tuple[Rule, Rule]] = {
     _U + "Gelu": (_gelu_fwd, _gelu_bwd),
     # communication and data movement only (the adds inside a collective are the
     # collective's, not counted here); ZeRO-3's _HookCall runs layers whose own ops count
-    _P + "tensor.f": (_zero, _zero), _P + "tensor.g": (_zero, _zero),
-    _P + "sequence.GatherFromSequenceRegion": (_zero, _zero),
-    _P + "sequence.ReduceScatterToSequenceRegion": (_zero, _zero),
-    _P + "ulysses.SeqToHeads": (_zero, _zero), _P + "ulysses.HeadsToSeq": (_zero, _zero),
-    _P + "expert.AllToAll": (_zero, _zero), _P + "zero3._HookCall": (_zero, _zero),
+    _P + "tensor.tensor_parallel.f": (_zero, _zero),
+    _P + "tensor.tensor_parallel.g": (_zero, _zero),
+    _P + "tensor.sequence.GatherFromSequenceRegion": (_zero, _zero),
+    _P + "tensor.sequence.ReduceScatterToSequenceRegion": (_zero, _zero),
+    _P + "context.ulysses.SeqToHeads": (_zero, _zero),
+    _P + "context.ulysses.HeadsToSeq": (_zero, _zero),
+    _P + "expert.expert_parallel.AllToAll": (_zero, _zero),
+    _P + "zero.stage3._HookCall": (_zero, _zero),
     # activation recomputation: the layers inside run (and are recomputed) as their own ops
     "minidist.memory.recompute.Recompute": (_zero, _zero),
     "minidist.memory.recompute.SelectiveAttention": (_zero, _selective_attention_bwd),

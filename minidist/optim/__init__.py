@@ -3,7 +3,7 @@
 Each optimizer updates parameters in place and has a pure array function
 (`sgd_step`, `adamw_step`) that its class loops over and the GPU kernel is
 checked against. DDP and every ZeRO stage run the same classes: ZeRO over
-flat shards (parallel/flat.py's FlatShard) instead of whole parameters.
+flat shards (parallel/zero/flat.py's FlatShard) instead of whole parameters.
 Reading order: optimizer.py, sgd.py, adamw.py, clip.py, schedule.py; `make_optimizer`
 (below) picks one by name.
 """

@@ -3,7 +3,7 @@
 An optimizer holds a list of objects with `.data` and `.grad` xp arrays
 (nn.Parameter, or any object shaped like one) and updates `.data` IN PLACE, so
 whoever else holds the array (a module, a view into a flat buffer) sees the
-new values. ZeRO hands it one parallel/flat.py FlatShard per unit, (.data,
+new values. ZeRO hands it one parallel/zero/flat.py FlatShard per unit, (.data,
 .grad) = (w_shard, dw_shard), and the optimizer's state (m, v, momentum
 buffers: `zeros_like(.data)`) is then sharded too: one code path for DDP and
 every ZeRO stage. The updates are elementwise, so a shard gets exactly the
@@ -33,7 +33,7 @@ class Optimizer:
             if not (hasattr(p, "data") and hasattr(p, "grad")):
                 raise ValueError(f"{type(self).__name__}: params[{i}] is a {type(p).__name__}, "
                                  "which has no .data/.grad; pass nn.Parameters (or objects "
-                                 "with both, like parallel/flat.py's FlatShard).")
+                                 "with both, like parallel/zero/flat.py's FlatShard).")
         if lr < 0:
             raise ValueError(f"{type(self).__name__}: lr={lr} is negative; use lr >= 0.")
         self.lr = lr

@@ -1,14 +1,15 @@
-"""Composition: a Plan lays W = pp x dp x cp x tp ranks out on one mesh and builds the three jobs.
+"""Composition: a Plan lays W = pp x dp x cp x tp ranks out on one mesh and applies each
+parallelism to the plain model in one order.
 
-A training step is three separate jobs, each with its own module and its own groups
-(DESIGN.md, "Composition"):
-    1. model sharding   parallel/sharding.py   which slice of each parameter I hold (tp),
-                                               which positions I hold (cp, context.py),
-                                               which layers I hold (pp, pipeline.py)
-    2. gradient sync    parallel/data.py, zero.py   sum gradients over the replicas: every
-                                               rank holding the same shard, dp x cp
-    3. step schedule    parallel/schedules.py  who runs forward/backward of which micro-batch
-                                               (a pipeline schedule across the pp stages)
+A training step is three separate jobs, each with its own subpackage and its own groups
+(README, "Layouts"):
+    1. model sharding   which slice of each parameter I hold (tp: parallel/tensor/), which
+                        positions (cp: parallel/context/), which experts (ep: parallel/expert/),
+                        which layers (pp: parallel/pipeline/); recorded by parallel/sharding.py
+    2. gradient sync    sum gradients over the replicas, every rank holding the same shard,
+                        dp x cp: DDP (parallel/data/) or ZeRO (parallel/zero/)
+    3. step schedule    who runs forward/backward of which micro-batch: parallel/micro_batches.py,
+                        and a pipeline schedule across the pp stages (parallel/pipeline/)
 `Plan` says how many ranks each axis gets; `build` makes one DeviceMesh with axes
 (pp, dp, cp, tp), tp the fastest (neighbouring ranks, as Megatron places tp inside a node,
 then cp; pp the slowest, across nodes), and hands each job only the group it needs.
@@ -19,24 +20,27 @@ With cp = 2 as well (8 ranks, coordinates (d, c, t), rank = 4 d + 2 c + t), the 
 {0,2} {1,3} {4,6} {5,7} hold the same rows at other positions, and the gradient-sync
 groups dp x cp {0,2,4,6} {1,3,5,7} every replica of one tp shard (DeviceMesh.flatten).
 
-One rank's view (global rank q, coordinates (d, c, t)):
+One rank's view (global rank q, coordinates (d, c, t)), `build` top to bottom:
     1. validate the Plan against the model and the batch (before any process starts);
     2. mesh = DeviceMesh(("dp", "cp", "tp"), (dp, cp, tp)): my dp, cp and tp groups, and
-       the dp x cp group for the gradient sync;
-    3. sharding = ModelSharding(cfg, seed, TensorParallel(tp group, sp), ContextParallel(cp
-       group, algo, layout)): my shards, my attention over cp;
-    4. engine = DataParallel or ZeroEngine over the dp x cp group, on my shards;
-    5. my rows of every global batch are those of dp rank d (cp ranks keep their positions
+       the dp x cp group for the gradient sync (`_groups`);
+    3. `parallelize`: GPT(cfg, seed) as the single process draws it, then in this order
+       apply_tensor (tp), apply_context (cp), apply_experts (ep), the pipeline cut (pp);
+    4. mixed precision: the model keeps a rounded copy (memory/precision.py);
+    5. `gradient_sync`: DDP, its shared-memory fast path or ZeRO-1/2/3 over dp x cp;
+       offloading and fp32 master weights wrap that engine (memory/);
+    6. pp > 1: my PipelineStage runs the schedule;
+    7. my rows of every global batch are those of dp rank d (cp ranks keep their positions
        of them, tp ranks share them).
 With pp > 1 (rank = (p dp + d) cp tp + ...), the pp groups hold the stages of one pipeline,
 each stage cut from the same (seed, name) draw (pipeline.PipelineCut), its 2-rank link
 groups carry activations and gradients (pipeline.make_links), the embedding group (first
 and last stage) sums the tied wte's gradient, and the model group (pp x tp) sums norms.
-With ep > 1 (expert parallelism, parallel/expert.py) the dp axis is split into (edp, ep),
+With ep > 1 (expert parallelism, parallel/expert/) the dp axis is split into (edp, ep),
 ep the faster: the ep groups (consecutive dp ranks) share the experts of each MoE layer,
 E/ep each, and exchange tokens; an expert's gradient is summed over its replicas, the
 ranks with the same ep coordinate (edp x cp), the dense ones over dp x cp as before.
-Read next: parallel/schedules.py, then train.py.
+Read next: parallel/pipeline/schedules.py, then train.py.
 """
 
 from __future__ import annotations
@@ -47,19 +51,19 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from minidist.memory.offload import check_plan, offload_engine
-from minidist.nn import GPTConfig
-from minidist.parallel.context import ALGOS as CP_ALGOS
-from minidist.parallel.context import LAYOUTS as CP_LAYOUTS
-from minidist.parallel.context import ContextParallel
-from minidist.parallel.data import ALGOS, DataParallel
-from minidist.parallel.data_buckets import BucketedDataParallel
-from minidist.parallel.expert import is_expert_parameter
-from minidist.parallel.pipeline import PipelineCut, PipelineStage, make_links, split_layers
-from minidist.parallel.schedule_validate import validate
-from minidist.parallel.schedules import SCHEDULES, PipelineSchedule, make_schedule
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.context.context_parallel import ALGOS as CP_ALGOS
+from minidist.parallel.context.context_parallel import LAYOUTS as CP_LAYOUTS
+from minidist.parallel.context.context_parallel import ContextParallel, apply_context
+from minidist.parallel.data.ddp import ALGOS, DataParallel
+from minidist.parallel.data.buckets import BucketedDataParallel
+from minidist.parallel.expert.expert_parallel import apply_experts, is_expert_parameter
+from minidist.parallel.pipeline.stage import PipelineCut, PipelineStage, make_links, split_layers
+from minidist.parallel.pipeline.schedule_validate import validate
+from minidist.parallel.pipeline.schedules import SCHEDULES, PipelineSchedule, make_schedule
 from minidist.parallel.sharding import ModelSharding
-from minidist.parallel.tensor import TensorParallel
-from minidist.parallel.zero import ZeroEngine
+from minidist.parallel.tensor.tensor_parallel import TensorParallel, apply_tensor
+from minidist.parallel.zero.engine import ZeroEngine
 from minidist.runtime.mesh import DeviceMesh
 
 
@@ -82,7 +86,7 @@ class Plan:
     ZeRO-3's parameter shards) off the device; offload_dir: the disk tier's root directory.
     The fast paths: algo "auto" reduces in rank order over shared memory ("direct",
     collectives/direct.py) where the group has it, and `buckets` makes DDP keep its
-    gradients in shared-memory buckets (parallel/data_buckets.py); `textbook()` turns both
+    gradients in shared-memory buckets (parallel/data/buckets.py); `textbook()` turns both
     off (ring reductions, one all-reduce per parameter) and `algorithms()` names those in use.
     """
 
@@ -194,7 +198,7 @@ class Plan:
 
     def textbook(self) -> "Plan":
         """This plan with the plain algorithms a reader meets first: DDP with one all-reduce
-        per parameter (parallel/data.py), every reduction by the ring (collectives/ring.py)."""
+        per parameter (parallel/data/ddp.py), every reduction by the ring (collectives/ring.py)."""
         return replace(self, algo="ring", buckets=False)
 
     def algorithms(self, shared_memory: bool = True) -> str:
@@ -206,11 +210,11 @@ class Plan:
                  "halving": "(collectives/halving_doubling.py)",
                  "auto": "chosen by size (collectives/api.py)"}[algo]
         if self.zero:
-            sync = f"ZeRO-{self.zero} (parallel/zero.py)"
+            sync = f"ZeRO-{self.zero} (parallel/zero/engine.py)"
         elif self.buckets and shared_memory and self.ep == 1:
-            sync = "DDP with shared-memory buckets (parallel/data_buckets.py)"
+            sync = "DDP with shared-memory buckets (parallel/data/buckets.py)"
         else:
-            sync = "DDP, one all-reduce per parameter (parallel/data.py)"
+            sync = "DDP, one all-reduce per parameter (parallel/data/ddp.py)"
         return f"{sync} · {algo} reductions {where}"
 
     @property
@@ -334,75 +338,122 @@ class Layout:
 
 def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: float,
           weight_decay: float, betas: tuple[float, float], momentum: float) -> Layout:
-    """COLLECTIVE over the world: the mesh, this rank's model shard and its engine."""
+    """COLLECTIVE over the world: the mesh, this rank's model shard and its engine (steps 2-6
+    of the module docstring, in that order)."""
     W = getattr(ctx, "world_size", None)
     if W != plan.world_size:
         raise ValueError(f"Plan: {plan.describe()} = {plan.world_size} ranks, but the job "
                          f"has {W}. Spawn {plan.world_size} ranks or change the Plan.")
-    pipe: dict = {}
-    experts: dict = {}                            # ep > 1: the ep and edp (x cp) groups
-    if plan.world_size == 1:                      # one rank: its world is every axis
-        mesh, dp, cp, tp, grad = None, ctx.world, ctx.world, ctx.world, ctx.world
-    else:
-        job = getattr(ctx, "job", ctx)
-        axes = (("pp",) if plan.pp > 1 else ()) + ("dp", "cp", "tp")
-        shape = ((plan.pp,) if plan.pp > 1 else ()) + (plan.dp, plan.cp, plan.tp)
-        if plan.ep > 1:                           # dp = (edp, ep), ep the faster
-            i = axes.index("dp")
-            axes = axes[:i] + ("edp", "ep") + axes[i + 1:]
-            shape = shape[:i] + (plan.dp // plan.ep, plan.ep) + shape[i + 1:]
-        mesh = DeviceMesh(job, axes, shape)
-        dp_axes = ("edp", "ep") if plan.ep > 1 else ("dp",)
-        dp = mesh.group("dp") if plan.ep == 1 else mesh.flatten(dp_axes, "dp")
-        cp, tp = mesh.group("cp"), mesh.group("tp")
-        # the gradient sync gets a group of its own even when dp = 1, so that the cp
-        # group's traffic (bytes_by_axis["cp"]) is attention and nothing else
-        grad = dp if plan.cp == 1 else mesh.flatten(dp_axes + ("cp",), "dp_cp")
-        if plan.ep > 1:
-            experts = {"ep": mesh.group("ep"), "edp": mesh.group("edp") if plan.cp == 1
-                       else mesh.flatten(("edp", "cp"), "edp_cp")}
-        if plan.pp > 1:
-            pipe = _pipeline_groups(job, mesh, plan, cfg)
-    context = ContextParallel(cp, plan.cp_algo, plan.cp_layout) if plan.cp > 1 else None
-    algo = "direct" if plan.algo == "auto" and getattr(tp, "supports_shared", False) \
-        else plan.algo
-    tensor_parallel = TensorParallel(tp, plan.sequence_parallel,
-                                     algo=algo if algo != "tree" else "ring", context=context)
-    sharding = ModelSharding(cfg, seed, tensor_parallel, check=plan.checks, context=context,
-                             cut=pipe.get("cut"), pp=pipe.get("pp"),
-                             model_group=pipe.get("model"), ep=experts.get("ep"))
+    groups = _groups(ctx, plan, cfg)                                    # 2. the mesh
+    context = ContextParallel(groups["cp"], plan.cp_algo, plan.cp_layout) \
+        if plan.cp > 1 else None
+    sharding = parallelize(cfg, seed, plan, groups, context)           # 3. the model
     policy = plan.policy()
-    if policy is not None:                        # the model holds the low-precision copy
+    if policy is not None:                        # 4. the model holds the low-precision copy
         from minidist.memory.precision import cast_parameters
         cast_parameters(sharding.model, policy)
     opt = dict(optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
                momentum=momentum)
-    if plan.zero == 0:
-        group_of = {} if not experts else {id(p): experts["edp"] for n, p in zip(
-            sharding.names, sharding.params) if is_expert_parameter(n)}
-        # the fast path where the group has shared memory; the plain engine under MPI and
-        # for experts, whose gradients sum over their own group (group_of)
-        buckets = plan.buckets and getattr(grad, "supports_shared", False) and not experts
-        engine = (BucketedDataParallel if buckets else DataParallel)(
-            sharding.model, grad, bucket_bytes=plan.bucket_bytes, algo=plan.algo,
-            overlap=plan.overlap, replica_check_every=plan.replica_check_every,
-            sharding=sharding, group_of=group_of, **opt)
-    else:
-        ep = {"expert_group": experts["edp"]} if experts else {}
-        engine = ZeroEngine(sharding.model, grad, plan.zero, algo=plan.algo,
-                            sharding=sharding, **ep, **opt)
+    engine = gradient_sync(sharding, plan, groups, opt)                # 5. the engine
     if plan.offload != "none":                    # memory/offload.py: state off the device
         offload_engine(engine, plan.offload, plan.offload_dir)
     if policy is not None:                        # fp32 master weights, loss scaling
         from minidist.memory.master_weights import MixedPrecision
-        engine = MixedPrecision(engine, policy, grad, **opt)
+        engine = MixedPrecision(engine, policy, groups["grad"], **opt)
     stage = None
-    if pipe:
-        stage = PipelineStage(sharding.model, pipe["cut"], pipe["links"],
+    if plan.pp > 1:                                                     # 6. the schedule
+        stage = PipelineStage(sharding.model, groups["cut"], groups["links"],
                               plan.pipeline_schedule(), sequence_shards=plan.tp,
-                              sequence=plan.sequence_parallel, embed_group=pipe["embed"])
-    return Layout(mesh, dp, cp, tp, grad, sharding, engine, context, pipe.get("pp"), stage,
-                  experts.get("ep"), experts.get("edp"))
+                              sequence=plan.sequence_parallel, embed_group=groups["embed"])
+    return Layout(groups["mesh"], groups["dp"], groups["cp"], groups["tp"], groups["grad"],
+                  sharding, engine, context, groups.get("pp"), stage, groups.get("ep"),
+                  groups.get("edp"))
+
+
+def parallelize(cfg: GPTConfig, seed: int, plan: Plan, groups: dict,
+                context: ContextParallel | None = None) -> ModelSharding:
+    """This rank's model: the single process's GPT with each model-parallel axis applied.
+
+    Every rank draws the whole GPT(cfg, seed), as baseline.py does, so a shard is the exact
+    slice of the single process's parameter; then, in this order:
+        tp > 1  apply_tensor   Megatron's column/row-parallel layers, vocab-parallel
+                               embedding and loss, SP's LayerNorm (parallel/tensor/)
+        cp > 1  apply_context  attention over the cp group, ring or Ulysses (parallel/context/)
+        ep > 1  apply_experts  my E/ep experts of every MoE layer (parallel/expert/)
+        pp > 1  cut            only my stage's layers (parallel/pipeline/stage.py)
+    tp comes first because apply_context gives the (tensor-parallel) attention its core,
+    and a MoE block stays whole over tp; the cut comes last, so each axis sees the whole
+    model and every parameter keeps its global name.
+    """
+    model = GPT(cfg, seed)
+    whole = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    algo = "direct" if plan.algo == "auto" and getattr(groups["tp"], "supports_shared",
+                                                         False) else plan.algo
+    tensor_parallel = TensorParallel(groups["tp"], plan.sequence_parallel,
+                                     algo=algo if algo != "tree" else "ring", context=context)
+    if plan.tp > 1:
+        apply_tensor(model, tensor_parallel)
+    if context is not None:                       # every rank holds the whole weights
+        apply_context(model, context)
+    if plan.ep > 1:
+        apply_experts(model, groups["ep"])
+    cut = groups.get("cut")
+    if cut is not None:
+        cut.cut(model)
+    return ModelSharding(model, whole, tensor_parallel, check=plan.checks, cut=cut,
+                         pp=groups.get("pp"), model_group=groups.get("model"),
+                         ep=groups.get("ep"))
+
+
+def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
+    """The engine that sums gradients over dp x cp and steps the optimizer, chosen here:
+
+        zero 0, a group with shared memory   BucketedDataParallel (parallel/data/buckets.py)
+        zero 0, MPI, or experts              DataParallel, one all-reduce per parameter
+        zero 1, 2, 3                         ZeroEngine (parallel/zero/engine.py)
+    Experts' gradients sum over their own replicas (edp x cp), the rest over dp x cp.
+    Plan.textbook() turns the fast path off; Plan.algorithms() names the choice."""
+    grad, edp = groups["grad"], groups.get("edp")
+    if plan.zero:
+        experts = {"expert_group": edp} if edp is not None else {}
+        return ZeroEngine(sharding.model, grad, plan.zero, algo=plan.algo, sharding=sharding,
+                          **experts, **opt)
+    group_of = {} if edp is None else {id(p): edp for n, p in zip(
+        sharding.names, sharding.params) if is_expert_parameter(n)}
+    buckets = plan.buckets and getattr(grad, "supports_shared", False) and edp is None
+    return (BucketedDataParallel if buckets else DataParallel)(
+        sharding.model, grad, bucket_bytes=plan.bucket_bytes, algo=plan.algo,
+        overlap=plan.overlap, replica_check_every=plan.replica_check_every,
+        sharding=sharding, group_of=group_of, **opt)
+
+
+def _groups(ctx, plan: Plan, cfg: GPTConfig) -> dict:
+    """COLLECTIVE over the world: {"mesh", "dp", "cp", "tp", "grad" (dp x cp)}, with ep > 1
+    "ep" and "edp" (x cp), with pp > 1 those of _pipeline_groups."""
+    if plan.world_size == 1:                      # one rank: its world is every axis
+        w = ctx.world
+        return {"mesh": None, "dp": w, "cp": w, "tp": w, "grad": w}
+    job = getattr(ctx, "job", ctx)
+    axes = (("pp",) if plan.pp > 1 else ()) + ("dp", "cp", "tp")
+    shape = ((plan.pp,) if plan.pp > 1 else ()) + (plan.dp, plan.cp, plan.tp)
+    if plan.ep > 1:                               # dp = (edp, ep), ep the faster
+        i = axes.index("dp")
+        axes = axes[:i] + ("edp", "ep") + axes[i + 1:]
+        shape = shape[:i] + (plan.dp // plan.ep, plan.ep) + shape[i + 1:]
+    mesh = DeviceMesh(job, axes, shape)
+    dp_axes = ("edp", "ep") if plan.ep > 1 else ("dp",)
+    dp = mesh.group("dp") if plan.ep == 1 else mesh.flatten(dp_axes, "dp")
+    # the gradient sync gets a group of its own even when dp = 1, so that the cp
+    # group's traffic (bytes_by_axis["cp"]) is attention and nothing else
+    groups = {"mesh": mesh, "dp": dp, "cp": mesh.group("cp"), "tp": mesh.group("tp"),
+              "grad": dp if plan.cp == 1 else mesh.flatten(dp_axes + ("cp",), "dp_cp")}
+    if plan.ep > 1:
+        groups["ep"] = mesh.group("ep")
+        groups["edp"] = mesh.group("edp") if plan.cp == 1 else \
+            mesh.flatten(("edp", "cp"), "edp_cp")
+    if plan.pp > 1:
+        groups.update(_pipeline_groups(job, mesh, plan, cfg))
+    return groups
 
 
 def _pipeline_groups(job, mesh: DeviceMesh, plan: Plan, cfg: GPTConfig) -> dict:

@@ -31,13 +31,13 @@ optimizer, and calls only these:
                                  in the backward, ZeRO-3's all-gathers; 0 for DDP and ZeRO-1,
                                  which wait only in step()); step() sets it back to 0
 
-Engines: parallel/data.py's DataParallel (ZeRO stage 0) and parallel/zero.py's
+Engines: parallel/data/ddp.py's DataParallel (ZeRO stage 0) and parallel/zero/engine.py's
 ZeroEngine (stages 1-3). An engine syncs gradients over ONE group, the dp group, for
 whatever parameters the model holds: under tensor parallelism those are this rank's tp
 shards, and the engine's `sharding` (parallel/sharding.py) turns dp-global values into
 global ones (norm over tp, full parameters gathered over tp) and back (`local_values`).
 This base class holds what they share: the no_sync switch and those last steps.
-Read next: parallel/data.py.
+Read next: parallel/data/ddp.py.
 """
 
 from __future__ import annotations

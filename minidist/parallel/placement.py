@@ -12,7 +12,7 @@ says how it lies across each mesh axis (the notation of DTensor and of the scali
                                                                               y[B, T, C] {U_tp}
 
 Parameters carry `p.placements = {"tp": Shard(1), ...}` (an axis not named is Replicate),
-set when the model is sharded (parallel/tensor.py). From that alone, code that is written
+set when the model is sharded (parallel/tensor/). From that alone, code that is written
 once serves every layout: `shard` cuts the full tensor drawn from (seed, name) into this
 rank's piece, `unshard` puts W pieces back together and crops the padding, and
 `owns_uniquely` says whether this rank's copy counts in a global sum (a Replicate
@@ -21,7 +21,7 @@ parameter counts on rank 0 of the axis only, so a gradient norm never counts it 
 Padding. A dimension of n elements sharded over W ranks in k blocks gives every rank
 L = ceil(n / (k W)) elements per block; the padded tail holds zeros. For the vocabulary
 (n = V rows of the embedding) Megatron pads the same way (Megatron-LM #1754 is what goes
-wrong when the padding is not masked; parallel/vocab.py masks it).
+wrong when the padding is not masked; parallel/tensor/vocab.py masks it).
 
 Check mode (`MINIDIST_CHECK_PLACEMENTS=1`, Plan(check_placements=True), on in the tests):
 parallel layers tag the activations they return (`tag`), the autograd passes the tag on
@@ -36,7 +36,7 @@ Outside check mode none of this runs (one flag test per autograd operation).
 One rank's view: placements are metadata; nothing here communicates.
 References: PyTorch DTensor placements (Replicate / Shard / Partial); Austin et al. 2025,
     "How to scale your model" (the scaling book), sharded-matrix notation.
-Read next: parallel/tensor.py.
+Read next: parallel/tensor/tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def unshard(pieces: list[np.ndarray], placement: Placement, n: int) -> np.ndarra
     """The full tensor from every rank's piece (rank order); crops padding to length n."""
     if not isinstance(placement, Shard):
         return np.array(pieces[0], copy=True)
-    dim, k, W = placement.dim % pieces[0].ndim, placement.blocks, len(pieces)
+    dim, k = placement.dim % pieces[0].ndim, placement.blocks
     blocks = []
     for b in range(k):
         per_rank = [np.split(p, k, axis=dim)[b] for p in pieces]

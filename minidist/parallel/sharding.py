@@ -1,14 +1,14 @@
 """Model sharding: which slice of every parameter this rank holds, and the global views of it.
 
-The first of a training step's three jobs (DESIGN.md, "Composition"). Every rank draws the
+The first of a training step's three jobs (parallel/compose.py). Every rank draws the
 whole GPT from (seed, name), exactly as the single process does, and keeps its slice:
-under tensor parallelism parallel/tensor.py replaces the layers by their sharded twins,
+under tensor parallelism parallel/tensor/ replaces the layers by their sharded twins,
 and every parameter records its placement over each mesh axis (parallel/placement.py).
-Under context parallelism (parallel/context.py) every cp rank keeps the whole (tp-local)
+Under context parallelism (parallel/context/) every cp rank keeps the whole (tp-local)
 weights; only its attention is told to cross the cp group, and its layout which positions
 it holds.
 Everything that needs the GLOBAL model is then written once, from the placements, for
-every layout (the engines add what the dp axis does; zero.py shards over dp as well):
+every layout (the engines add what the dp axis does; zero/engine.py shards over dp as well):
 
     sum_over_model(x)       a number summed over the model-parallel ranks, in rank order
     grad_sq(grads)          this rank's share of ||g||^2: a Replicate parameter counts on
@@ -30,23 +30,24 @@ digest of its .grad over tp and raises PlacementError naming it if they differ, 
 what happens when the LayerNorm gradients under sequence parallelism are not summed over
 tp (each rank would keep the part from its own positions).
 
-Under expert parallelism (parallel/expert.py) a rank keeps E/ep experts of each MoE layer,
+Under expert parallelism (parallel/expert/) a rank keeps E/ep experts of each MoE layer,
 under their global names; their squares in the norm are summed over ep, and full_values
 fetches every expert from the ep rank holding it.
-Under pipeline parallelism (parallel/pipeline.py) a rank keeps only its stage's layers
+Under pipeline parallelism (parallel/pipeline/stage.py) a rank keeps only its stage's layers
 (`PipelineCut.cut`), each parameter under its global name. The tied wte lives on the first
 and the last stage; the first owns it (it counts once in the norm). Sums over the model
 run over the pp x tp ranks (`model_group`), and full_values / full_optimizer_state fetch
 every parameter from the stage that owns it (a broadcast over pp), renumbering the
 optimizer state from this stage's parameter order to the single-process one.
 
-One rank's view: build GPT(cfg, seed) -> parallelize(model, tp) (tp > 1) ->
-parallelize_context(model, cp) (cp > 1) -> cut it to my pipeline stage (pp > 1) -> hand
-the model to the gradient-sync engine of the dp x cp group (parallel/data.py, zero.py).
+One rank's view: compose.parallelize draws GPT(cfg, seed), notes the single process's names
+and shapes, and applies tp, cp, ep and the pipeline cut to it in that order; ModelSharding
+records what that left on this rank and hands it to the gradient-sync engine of the dp x cp
+group (parallel/data/ddp.py, parallel/zero/engine.py).
 Communication: none to shard, nor to take my pieces of the global values (local_values);
 full_values all-gathers each sharded parameter over tp and broadcasts it over pp from its
 stage.
-Read next: parallel/data.py.
+Read next: parallel/data/ddp.py.
 """
 
 from __future__ import annotations
@@ -57,41 +58,36 @@ import numpy as np
 
 from minidist import backend
 from minidist import collectives as C
-from minidist.nn import GPT, GPTConfig
+from minidist.nn import GPT
 from minidist.optim.clip import wide
 from minidist.parallel import placement as pl
-from minidist.parallel.context import parallelize_context
-from minidist.parallel.expert import is_expert_parameter, parallelize_experts
-from minidist.parallel.tensor import TensorParallel, parallelize
+from minidist.parallel.expert.expert_parallel import is_expert_parameter
+from minidist.parallel.tensor.tensor_parallel import TensorParallel
 
 
 class ModelSharding:
-    """This rank's shard of GPT(cfg, seed) under tp (tp None or of size 1: the whole model),
-    cut to its pipeline stage when `cut` (parallel/pipeline.PipelineCut) is given; pp and
-    model_group (pp x tp) are then that stage's pp group and the group of the model's
-    pieces."""
+    """What this rank holds of GPT(cfg, seed): `model`, the plain GPT after compose.parallelize
+    applied the model-parallel axes to it, and `whole`, the (name, shape) of every parameter
+    of the single-process model in its order. tp (None or of size 1: whole weights) is the
+    TensorParallel applied; cut (parallel/pipeline/stage.PipelineCut), pp and model_group
+    (pp x tp) are my pipeline stage, its pp group and the group of the model's pieces; ep the
+    expert-parallel group."""
 
-    def __init__(self, cfg: GPTConfig, seed: int, tp: TensorParallel | None = None,
-                 check: bool = False, context=None, cut=None, pp=None,
+    def __init__(self, model: GPT, whole: list[tuple[str, tuple]],
+                 tp: TensorParallel | None = None, *, check: bool = False, cut=None, pp=None,
                  model_group=None, ep=None) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.global_names = [n for n, _ in whole]           # the baseline's order
+        self.global_shapes = [tuple(shape) for _, shape in whole]
         self.tp = tp if tp is not None and tp.group.size > 1 else None
-        self.model = GPT(cfg, seed)
-        self.global_names = [n for n, _ in self.model.named_parameters()]  # baseline order
-        self.global_shapes = [tuple(p.shape) for _, p in self.model.named_parameters()]
-        if self.tp is not None:
-            parallelize(self.model, self.tp)
-        if context is not None:                 # every rank holds the whole weights
-            parallelize_context(self.model, context)
         self.ep = ep if ep is not None and ep.size > 1 else None
-        if self.ep is not None:                  # my E/ep experts of every MoE layer
-            parallelize_experts(self.model, self.ep)
         self.cut, self.pp = cut, pp if cut is not None else None
         self.model_group = model_group if cut is not None else (
             None if self.tp is None else self.tp.group)
         if cut is not None:
             self.owner = [min(s for s in range(cut.stages) if _stage(cut, s).holds(
                 n, cfg.tie_weights)) for n in self.global_names]
-            cut.cut(self.model)
         named = list(self.model.named_parameters())
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.tp_rank = 0 if self.tp is None else self.tp.group.rank

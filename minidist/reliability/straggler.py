@@ -38,14 +38,14 @@ its speed, r_d = B s_d / sum s (at least M, one row per micro-batch; largest rem
 ties to the lower rank); the new rows are used from the next step when the predicted step
 time max_d r_d / s_d is at least MIN_GAIN = 10 % below the measured one (hysteresis), so
 noise of a few per cent moves no row. The tp, cp and pp ranks of a replica share its rows
-(schedules.micro_batches(rows=...)). The prediction takes compute as proportional to the
+(parallel/micro_batching.py, micro_batches(rows=...)). The prediction takes compute as proportional to the
 rows; a fixed per-step delay is not, so the prediction is optimistic and the rows move in
 several smaller steps, each made only while it still predicts 10 %. A replica that speeds
 up again gets its rows back the same way.
 
 Exactness. Every micro-batch loss is divided by the token count of the WHOLE global batch
-(schedules.py), so any partition of the rows over the dp ranks sums to the same gradient,
-up to the order of additions: a rebalanced run equals the even one within ~1e-12 in
+(parallel/micro_batching.py), so any partition of the rows over the dp ranks sums to the same
+gradient, up to the order of additions: a rebalanced run equals the even one within ~1e-12 in
 float64, not bitwise. Dropout follows the global sample index, so it does not move.
 MoE models keep the even split (their routing groups and capacity follow the rows of a
 micro-batch): rebalance falls back to detect there.

@@ -11,7 +11,8 @@ Non-members get None.
 The module-level functions (`get_rank`, `get_world_size`, `world`,
 `new_group`) read the process's current job, set once by the launcher (or by
 `init()` for a one-rank job in a plain Python process). Collectives and
-parallel layers never use them: they are handed a group (DESIGN.md, SPMD).
+parallel layers never use them: they are handed a group (SPMD:
+the same program on every rank, its group an argument).
 
 Sizing the arena from the world size W (RuntimeConfig). Every group gets a
 region of the same size, `group_bytes`, big enough for a W-rank group: its

@@ -12,7 +12,7 @@ from minidist.data import DataConfig, model_config_for
 from minidist.memory.ledger import format_bytes
 from minidist.memory.offload import PREFIX, TIERS
 from minidist.nn import GPT
-from minidist.parallel.flat import split_units
+from minidist.parallel.zero.flat import split_units
 
 TINY = ["--steps", "2", "--warmup", "0", "--repeats", "1", "--batch-per-rank", "4",
         "--n-embd", "16", "--n-head", "2", "--length", "3", "--dtype", "float64"]

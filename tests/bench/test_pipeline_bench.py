@@ -12,8 +12,8 @@ import pytest
 from minidist.bench import pipeline as bench
 from minidist.data import DataConfig, model_config_for
 from minidist.observe.trace import Trace
-from minidist.parallel import schedules
-from minidist.parallel.schedule_sim import peak_activations
+from minidist.parallel.pipeline import schedules
+from minidist.parallel.pipeline.schedule_sim import peak_activations
 
 DATA = DataConfig(task="sort", length=4)                    # T = 8
 TINY = ["--n-embd", "16", "--n-head", "2", "--length", "4", "--rows", "2",

@@ -1,5 +1,5 @@
 """The expert-parallel rows of the training benchmark (`bench train --ep W`): the bytes sent
-over the ep group are the all-to-alls of parallel/expert.py's formula (take_traffic) plus
+over the ep group are the all-to-alls of parallel/expert/'s formula (take_traffic) plus
 the gradient norm's all_gather, exactly, on every rank and every step; the table prints
 them next to each other with the gradient-sync bytes and the routing's load imbalance.
 Nothing here looks at a time: only that the columns are there and positive."""

@@ -1,4 +1,4 @@
-"""Deterministic mode under sequence parallelism (parallel/sequence.py): tp with SP, alone
+"""Deterministic mode under sequence parallelism (parallel/tensor/sequence.py): tp with SP, alone
 and with dp (ZeRO-1) or pp, float64 and float32, trains the same bits as the deterministic
 single process: losses, gradient norms and every parameter, compared with ==.
 

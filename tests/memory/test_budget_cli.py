@@ -8,7 +8,7 @@ from minidist.memory import budget_fit as bf
 from minidist.memory.budget_cli import main, parse_plan, parse_size, print_comparison
 from minidist.memory.budget_models import preset
 from minidist.nn import GPTConfig
-from minidist.parallel import tensor_memory as tm
+from minidist.parallel.tensor import memory as tm
 
 SMALL = GPTConfig(vocab_size=11, block_size=12, n_layer=4, n_head=4, n_embd=32)
 

@@ -23,8 +23,8 @@ from minidist.nn import GPT
 from minidist.nn.layers import Linear
 from minidist.observe.flops import FlopLedger
 from minidist.optim import AdamW
-from minidist.parallel.data_buckets import BucketedDataParallel
-from minidist.parallel.zero import ZeroEngine
+from minidist.parallel.data.buckets import BucketedDataParallel
+from minidist.parallel.zero.engine import ZeroEngine
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 

@@ -11,8 +11,8 @@ import pytest
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
-from minidist.parallel.flat import split_units
-from minidist.parallel.zero_memory import exact_bytes, formula_bytes
+from minidist.parallel.zero.flat import split_units
+from minidist.parallel.zero.memory import exact_bytes, formula_bytes
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 

@@ -17,8 +17,8 @@ from minidist.baseline import train_single_process
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.memory import recompute as rc
 from minidist.nn import GPT, DropoutKey, GPTConfig, Linear
-from minidist.parallel import tensor_memory as tm
-from minidist.parallel.context import ContextParallel, parallelize_context
+from minidist.parallel.tensor import memory as tm
+from minidist.parallel.context.context_parallel import ContextParallel, apply_context
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 
@@ -71,7 +71,7 @@ def test_cli_passes_recompute_and_refuses_selective_with_context_parallelism():
 def test_selective_attention_under_context_parallelism_is_refused():
     model = GPT(_cfg(0, "selective"), seed=0)
     with pytest.raises(ValueError, match="context parallelism: selective recomputation"):
-        parallelize_context(model, ContextParallel(group=None))
+        apply_context(model, ContextParallel(group=None))
 
 
 # --- one process -----------------------------------------------------------------------------

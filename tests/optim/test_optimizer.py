@@ -1,4 +1,4 @@
-"""One optimizer code path: AdamW and SGD stepping ZeRO's flat shards (parallel/flat.py's
+"""One optimizer code path: AdamW and SGD stepping ZeRO's flat shards (parallel/zero/flat.py's
 FlatShard, one per unit and rank) give the very bits they give the whole parameters, and
 their sharded state is the whole state cut the same way."""
 
@@ -9,7 +9,7 @@ from minidist.optim import make_optimizer
 from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.optim import SGD
-from minidist.parallel.flat import FlatShard, split_units
+from minidist.parallel.zero.flat import FlatShard, split_units
 
 TINY = model_config_for(DataConfig(task="sort", length=4, seed=1), n_layer=2, n_embd=16)
 KW = {"adamw": dict(momentum=0.0), "sgd": dict(momentum=0.9)}

@@ -10,7 +10,7 @@ import pytest
 
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
-from minidist.parallel import schedules
+from minidist.parallel.pipeline import schedules
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
@@ -135,7 +135,7 @@ def test_every_factorisation_with_pipeline_stages_matches_single_process(pp, dp,
 
 def _sweep_case(i, zero, pp, dp, cp, tp):
     """Every supported ZeRO stage of every pipelined factorisation, the schedule turning
-    with the stage (every schedule meets every pp size in tests/parallel/test_pipeline.py)."""
+    with the stage (every schedule meets every pp size in tests/parallel/pipeline/test_stage.py)."""
     _, _, _, _, _, _, name = _pipeline_case(i + zero, pp, dp, cp, tp)
     return pp, dp, cp, tp, zero, _sp_splits(cp, tp) and zero == 2, name
 
@@ -205,7 +205,7 @@ def _local_numels(cfg, tp):
     """Elements per ZeRO unit (root, then each block) of one tp rank's shard of the GPT."""
     from minidist.nn import GPT
     from minidist.parallel import placement as pl
-    from minidist.parallel.tensor import expected_placement
+    from minidist.parallel.tensor.tensor_parallel import expected_placement
     numels: dict[str, int] = {"root": 0}
     for name, p in GPT(cfg, seed=None).named_parameters():
         placement = expected_placement(name) if tp > 1 else pl.Replicate()
@@ -217,7 +217,7 @@ def _local_numels(cfg, tp):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_memory_over_dp_of_tp_shards_equals_the_formula(zero):
-    from minidist.parallel.zero_memory import exact_bytes
+    from minidist.parallel.zero.memory import exact_bytes
     dp, tp, cfg = 2, 2, _cfg(2)
     plan = Plan(dp=dp, tp=tp, zero=zero, micro_batches=M)
     runs = spawn(dp * tp, train_on_rank, cfg, DATA, plan, steps=1, global_batch=dp * M * 2,

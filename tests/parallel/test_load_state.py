@@ -13,7 +13,8 @@ from minidist import optim
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.nn import GPT
-from minidist.parallel import placement, schedules
+from minidist.parallel import placement
+from minidist.parallel import micro_batching
 from minidist.parallel.compose import build
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, _global_loss, train_on_rank
@@ -62,11 +63,11 @@ def _continue_on_rank(ctx, cfg, plan: Plan, params: dict, state: dict, *, start:
     for step in range(start, start + steps):
         lr_s = LR if schedule == "constant" else optim.lr_at(
             step, lr=LR, warmup_steps=1, total_steps=total, min_lr=0.0)
-        batches, n_tokens = schedules.micro_batches(data, step, BATCH, plan.dp,
+        batches, n_tokens = micro_batching.micro_batches(data, step, BATCH, plan.dp,
                                                     lay.dp_group.rank, plan.micro_batches,
                                                     SEED, positions)
         if lay.pipeline is None:
-            local.append(schedules.grad_accumulation(engine, batches, n_tokens))
+            local.append(micro_batching.grad_accumulation(engine, batches, n_tokens))
         else:
             local.append(lay.pipeline.step(engine, batches, n_tokens))
         norms.append(float(engine.step(lr_s, CLIP)))
@@ -303,8 +304,8 @@ def test_resuming_under_the_same_plan_is_bitwise_the_uninterrupted_run(plan, moe
 # --- engines built by hand, without a ModelSharding ------------------------------------
 
 def _bare_engine_on_rank(ctx, zero: int, params: dict, state: dict):
-    from minidist.parallel.data_buckets import BucketedDataParallel
-    from minidist.parallel.zero import ZeroEngine
+    from minidist.parallel.data.buckets import BucketedDataParallel
+    from minidist.parallel.zero.engine import ZeroEngine
     model = GPT(_cfg(), SEED)
     engine = BucketedDataParallel(model, ctx.world, lr=LR) if zero == 0 else \
         ZeroEngine(model, ctx.world, zero, lr=LR)

@@ -1,7 +1,7 @@
 """Training under mpiexec equals training on shared memory: the same Plan, the same numbers.
 
 Over MPI (runtime/mpi.py) a group has no shared memory, so DataParallel is the plain engine
-(one all-reduce per parameter, parallel/data.py) and every collective takes a message-based
+(one all-reduce per parameter, parallel/data/ddp.py) and every collective takes a message-based
 algorithm, where the spawn runtime runs the bucketed fast path and algo "direct". DDP,
 ZeRO-1, tensor + sequence parallelism and a 2-stage pipeline (its send/recv through MPI) on
 2 ranks must still give the single-process numbers, within float64 rounding.

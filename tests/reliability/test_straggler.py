@@ -14,7 +14,7 @@ from minidist import train_cli
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.nn import GPT
-from minidist.parallel import schedules
+from minidist.parallel import micro_batching
 from minidist.reliability import faults
 from minidist.reliability.straggler import (EVERY, FACTOR, PATIENCE, Balancer, Detector,
                                             Straggler, for_rank, partition)
@@ -105,20 +105,20 @@ def test_uneven_rows_hold_the_same_global_rows_and_even_rows_are_bitwise_the_def
     ids = data.global_indices(5, B)
     got = []
     for d, mine in enumerate((11, 5)):
-        batches, _ = schedules.micro_batches(data, 5, B, 2, d, 2, 0, rows=(11, 5))
+        batches, _ = micro_batching.micro_batches(data, 5, B, 2, d, 2, 0, rows=(11, 5))
         assert [mb.x.shape[0] for mb in batches] == [(mine + 1) // 2, mine // 2]
         got += [i for mb in batches for i in mb.dropout_key.sample_ids]
         assert sum(mb.aux_weight for mb in batches) == pytest.approx(mine / B)
     assert got == [int(i) for i in ids]
     for d in range(2):
-        a, n = schedules.micro_batches(data, 5, B, 2, d, 2, 0)
-        b, m = schedules.micro_batches(data, 5, B, 2, d, 2, 0, rows=(8, 8))
+        a, n = micro_batching.micro_batches(data, 5, B, 2, d, 2, 0)
+        b, m = micro_batching.micro_batches(data, 5, B, 2, d, 2, 0, rows=(8, 8))
         assert n == m and all(np.array_equal(u.x, v.x) and np.array_equal(u.y, v.y)
                               and u.aux_weight == v.aux_weight and u.dropout_key ==
                               v.dropout_key for u, v in zip(a, b))
     for bad in ((12, 3), (8, 7), (8, 8, 0), (8.0, 8)):
         with pytest.raises(ValueError, match="must give each of the dp=2 ranks"):
-            schedules.micro_batches(data, 5, B, 2, 0, 4, 0, rows=bad)
+            micro_batching.micro_batches(data, 5, B, 2, 0, 4, 0, rows=bad)
 
 
 def _dp_gradient(rows: tuple[int, ...], M: int) -> tuple[float, dict[str, np.ndarray]]:
@@ -129,7 +129,7 @@ def _dp_gradient(rows: tuple[int, ...], M: int) -> tuple[float, dict[str, np.nda
     for d in range(len(rows)):
         for p in model.parameters():
             p.grad = None
-        batches, n = schedules.micro_batches(data, 0, B, len(rows), d, M, 0, rows=rows)
+        batches, n = micro_batching.micro_batches(data, 0, B, len(rows), d, M, 0, rows=rows)
         for mb in batches:
             _, l_mb = model(mb.x, mb.y, n_tokens=n, aux_weight=mb.aux_weight,
                             dropout_key=mb.dropout_key)

@@ -1,0 +1,257 @@
+"""Pipeline schedules as data: which stage runs the forward and backward of which
+micro-batch, and in what order.
+
+A pipeline schedule says, for each of the P stages (pp ranks), the order in which that
+stage runs its actions: a plain list per stage. Each rank holds V model chunks (V = 1
+except for interleaved 1F1B); chunk c of stage s is VIRTUAL stage k = c P + s, so the
+model's layers flow through virtual stages 0, 1, ..., V P - 1 (stage 0, 1, ..., P-1, then
+stage 0 again).
+    F(m, c)   forward of micro-batch m through chunk c
+    B(m, c)   its backward: the whole backward, or, in a split schedule (zero bubble),
+              only the gradient of the chunk's input (what the previous stage waits for)
+    W(m, c)   split schedules only: the gradient of the chunk's weights
+The messages an action implies are not written in the schedule; `messages_in` and
+`messages_out` derive them, so a schedule cannot name a send that does not exist.
+
+Generators: gpipe, one_f_one_b, interleaved_1f1b, zero_bubble_h1 (make_schedule by name).
+schedule_csv.py reads and writes them as text, schedule_validate.py proves one complete
+and deadlock-free, schedule_sim.py gives its timeline, bubble and peak activations, and
+stage.py runs it on the ranks. The micro-batches themselves, and the trivial schedule
+without a pipeline (gradient accumulation), are parallel/micro_batching.py's.
+Read next: schedule_validate.py, schedule_sim.py, stage.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+KINDS = ("F", "B", "W")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One cell of a schedule: kind F, B or W of micro-batch `micro_batch`, chunk `chunk`."""
+
+    kind: str
+    micro_batch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message a schedule implies: `kind` "act" (a forward activation)
+    or "grad" (the gradient of one), of micro-batch `micro_batch`, from stage src to dst,
+    for virtual stage `vstage` of the receiver."""
+
+    src: int
+    dst: int
+    kind: str
+    micro_batch: int
+    vstage: int
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """actions[s]: stage s's actions in the order it runs them. P stages, M micro-batches,
+    V chunks per stage; split_backward: B is the input gradient only and W exists."""
+
+    name: str
+    stages: int
+    micro_batches: int
+    actions: tuple[tuple[Action, ...], ...]
+    chunks: int = 1
+    split_backward: bool = False
+
+    @property
+    def n_virtual(self) -> int:
+        """V P: the number of model pieces the layers are cut into."""
+        return self.chunks * self.stages
+
+    def vstage(self, stage: int, chunk: int) -> int:
+        """Virtual stage of chunk `chunk` of stage `stage`: c P + s."""
+        return chunk * self.stages + stage
+
+    def place(self, vstage: int) -> tuple[int, int]:
+        """(stage, chunk) holding virtual stage k: (k mod P, k div P)."""
+        return vstage % self.stages, vstage // self.stages
+
+    def messages_in(self, stage: int, a: Action) -> list[Message]:
+        """What action `a` of `stage` must receive before it runs: F the activation from
+        virtual stage k-1 (k > 0), B the gradient from k+1 (k < V P - 1); W nothing."""
+        k = self.vstage(stage, a.chunk)
+        if a.kind == "F" and k > 0:
+            return [Message(self.place(k - 1)[0], stage, "act", a.micro_batch, k)]
+        if a.kind == "B" and k < self.n_virtual - 1:
+            return [Message(self.place(k + 1)[0], stage, "grad", a.micro_batch, k)]
+        return []
+
+    def messages_out(self, stage: int, a: Action) -> list[Message]:
+        """What action `a` of `stage` sends when done: F its output to k+1, B the input
+        gradient to k-1; the last virtual stage's F ends in the loss and sends nothing."""
+        k = self.vstage(stage, a.chunk)
+        if a.kind == "F" and k < self.n_virtual - 1:
+            return [Message(stage, self.place(k + 1)[0], "act", a.micro_batch, k + 1)]
+        if a.kind == "B" and k > 0:
+            return [Message(stage, self.place(k - 1)[0], "grad", a.micro_batch, k - 1)]
+        return []
+
+    def local_needs(self, a: Action) -> Action | None:
+        """The action of the same stage that must run before `a`: B needs F (its saved
+        activations; on the last virtual stage also its loss), W needs B; F nothing."""
+        if a.kind == "B":
+            return Action("F", a.micro_batch, a.chunk)
+        if a.kind == "W":
+            return Action("B", a.micro_batch, a.chunk)
+        return None
+
+
+# --- the schedule generators -------------------------------------------------------------
+#
+# Each returns a PipelineSchedule; `schedule_validate.validate` proves any of them (or one
+# read from a CSV file) complete and free of deadlock before a single process starts.
+# Backwards (and Ws) run in ascending micro-batch order on every stage, so each gradient
+# accumulates in the order the single process adds it.
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def _check_sizes(name: str, P: int, M: int, V: int = 1) -> None:
+    for what, value in (("P (stages)", P), ("M (micro-batches)", M), ("V (chunks)", V)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: {what} = {value!r}, but it must be an integer >= 1; "
+                             "use 1 for a single stage (P), micro-batch (M) or chunk (V).")
+
+
+def gpipe(P: int, M: int) -> PipelineSchedule:
+    """GPipe: every stage runs F0 .. F(M-1), then B0 .. B(M-1).
+
+    All M micro-batches' activations are held at once; bubble (P-1)/(M+P-1) with F, B of
+    equal cost. Reference: Huang et al. 2019, arXiv:1811.06965, Sec. 2.
+    """
+    _check_sizes("gpipe", P, M)
+    one = tuple(Action("F", m) for m in range(M)) + tuple(Action("B", m) for m in range(M))
+    return PipelineSchedule("gpipe", P, M, (one,) * P)
+
+
+def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int
+                 ) -> tuple[Action, ...]:
+    """warmup forwards; then (next F, oldest B) pairs; then the remaining Bs (cooldown)."""
+    steady = [a for pair in zip(forwards[warmup:], backwards) for a in pair]
+    return tuple(forwards[:warmup] + steady + backwards[len(forwards) - warmup:])
+
+
+def one_f_one_b(P: int, M: int) -> PipelineSchedule:
+    """1F1B (PipeDream-Flush): stage s warms up with min(P-1-s, M) forwards, then F, B, ...
+
+    Same bubble as GPipe, (P-1)/(M+P-1), but stage s holds at most min(P-s, M) micro-batches
+    of activations instead of M. Reference: Narayanan et al. 2021, arXiv:2006.09503
+    (PipeDream-Flush); arXiv:2104.04473, Sec. 2.2.1.
+    """
+    _check_sizes("1f1b", P, M)
+    fwd, bwd = [Action("F", m) for m in range(M)], [Action("B", m) for m in range(M)]
+    return PipelineSchedule("1f1b", P, M, tuple(
+        _one_f_one_b(fwd, bwd, min(P - 1 - s, M)) for s in range(P)))
+
+
+def interleaved_1f1b(P: int, M: int, V: int = 2) -> PipelineSchedule:
+    """Interleaved 1F1B: V chunks per stage, so a micro-batch crosses every stage V times.
+
+    Megatron's order: micro-batches go in groups of P; on each stage the forwards run, group
+    by group, chunk 0 on the group's micro-batches, then chunk 1, ..., chunk V-1; the
+    backwards in the same order with the chunks reversed (V-1 .. 0). Stage s runs
+        warmup = min(M V, 2 (P-1-s) + (V-1) G)
+    forwards, then alternates F and B, then finishes the backwards. Each virtual stage is
+    1/V of a stage, so the bubble shrinks V times: (P-1)/(V M + P-1) with F, B of equal cost.
+
+    M not a multiple of P. With Megatron's rule (G = P, a last group of the M mod P left
+    over) some cases deadlock, e.g. P = 4, M = 5, V = 3: in a group smaller than P, stage
+    0's F(m, c+1) comes fewer than P forwards after F(m, c), before its input can have gone
+    round all P stages; stage P-1 meanwhile waits, in its 1F1B pairing, for a gradient that
+    stage 0 sends only after that forward. The rule here: the LAST group also takes the
+    M mod P left over (size P .. 2P-1), and G = the size of the largest group (P when M < P
+    or M mod P = 0, which is Megatron's schedule exactly). It costs (V-1)(M mod P) more
+    held forwards, keeps the bubble at (P-1)/(V M + P-1) for every M >= P, and is valid
+    for every M >= 1 (tests/parallel/pipeline/test_pipeline_schedules.py: all P <= 4, M <= 12,
+    V <= 3, and Megatron's rule deadlocking). Reference: Narayanan et al. 2021,
+    arXiv:2104.04473, Sec. 2.2.2.
+    """
+    _check_sizes("interleaved", P, M, V)
+    if V < 2:
+        raise ValueError(f"interleaved: V = {V} chunk per stage is plain 1F1B; use "
+                         "one_f_one_b(P, M), or V >= 2 for the interleaved schedule.")
+    bounds = (list(range(0, M - P + 1, P)) if M >= P else [0]) + [M]    # group edges
+    G = max(P, bounds[-1] - bounds[-2])
+    table = [(m, c) for lo, hi in zip(bounds, bounds[1:]) for c in range(V)
+             for m in range(lo, hi)]
+    fwd = [Action("F", m, c) for m, c in table]
+    bwd = [Action("B", m, V - 1 - c) for m, c in table]
+    return PipelineSchedule("interleaved", P, M, tuple(
+        _one_f_one_b(fwd, bwd, min(M * V, 2 * (P - 1 - s) + (V - 1) * G)) for s in range(P)),
+        chunks=V)
+
+
+def zero_bubble_h1(P: int, M: int) -> PipelineSchedule:
+    """ZB-H1: split each backward into B (input gradient) and W (weight gradient), and let
+    the Ws fill the bubbles, at 1F1B's activation memory.
+
+    Only B is on the critical path: the previous stage waits for its gradient, nobody waits
+    for W. Built as a list schedule in unit time (F = B = W = 1, messages free): at every
+    step each stage runs the first of these that can run now,
+        F  its input has arrived, fewer than P-s forwards lack their B (1F1B's limit), and
+           fewer than P micro-batches are held (F done, W not): 1F1B's peak memory
+        B  its F is done and its gradient has arrived (the last stage needs none)
+        W  the oldest whose B is done
+    and the order of its picks is the schedule. F goes first because the next stage waits
+    for it; with B first, for example P = 2, M = 3 ends one step later. For M >= P the
+    makespan is 3M + P-1, bubble (P-1)/(3M+P-1), a third of 1F1B's (P-1)/(M+P-1) when
+    B+W = 2. Reference: Qi et al. 2023, arXiv:2401.10241, Sec. 2.1 (ZB-H1).
+    """
+    _check_sizes("zb-h1", P, M)
+    done_at: dict[tuple[int, str, int], int] = {}     # (stage, kind, m) -> step it ends
+    nxt = [dict.fromkeys(KINDS, 0) for _ in range(P)]   # stage s's next m of each kind
+    order: list[list[Action]] = [[] for _ in range(P)]
+    t = 0
+    while any(n["W"] < M for n in nxt):
+        for s in range(P):
+            kind = _zb_pick(s, P, M, t, nxt[s], done_at)
+            if kind is not None:
+                done_at[s, kind, nxt[s][kind]] = t + 1
+                order[s].append(Action(kind, nxt[s][kind]))
+                nxt[s][kind] += 1
+        t += 1
+        if t > 3 * M * P + P:                            # never seen; a bug, not bad input
+            raise RuntimeError(f"zero_bubble_h1: no progress after {t} steps (P={P}, M={M})")
+    return PipelineSchedule("zb-h1", P, M, tuple(map(tuple, order)), split_backward=True)
+
+
+def _zb_pick(s: int, P: int, M: int, t: int, n: dict[str, int],
+             done_at: dict[tuple[int, str, int], int]) -> str | None:
+    """What stage s runs at step t (F, B, W or None); n: its next micro-batch per kind."""
+    def ended(key):
+        return done_at.get(key, t + 1) <= t
+    f, b, w = n["F"], n["B"], n["W"]
+    if f < M and (s == 0 or ended((s - 1, "F", f))) and f - b < P - s and f - w < P:
+        return "F"
+    if b < f and ended((s, "F", b)) and (s == P - 1 or ended((s + 1, "B", b))):
+        return "B"
+    if w < b and ended((s, "B", w)):
+        return "W"
+    return None
+
+
+def make_schedule(name: str, P: int, M: int, V: int = 2) -> PipelineSchedule:
+    """The schedule called `name` (one of SCHEDULES); V is used by "interleaved" only."""
+    if name == "gpipe":
+        return gpipe(P, M)
+    if name == "1f1b":
+        return one_f_one_b(P, M)
+    if name == "interleaved":
+        return interleaved_1f1b(P, M, V)
+    if name == "zb-h1":
+        return zero_bubble_h1(P, M)
+    raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}, or "
+                     "read your own with from_csv.")

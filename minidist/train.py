@@ -91,8 +91,8 @@ from minidist.deterministic.expert import ExpertGrains
 from minidist.deterministic.layout import determinize_layout
 from minidist.memory.ledger import Ledger
 from minidist.nn import GPTConfig
-from minidist.parallel import placement
 from minidist.parallel import micro_batching
+from minidist.parallel import placement
 from minidist.parallel.compose import Plan, build
 from minidist.runtime.errors import rank_prefix
 

@@ -5,7 +5,9 @@ every module of the package (ast, nothing is imported), takes every `import` and
 `from ... import` of a minidist module, at the top or inside a function, and checks:
 
     1. each edge goes to a module of the same layer or a lower one;
-    2. the graph has no cycle (a strongly connected component of more than one module).
+    2. the graph has no cycle (a strongly connected component of more than one module);
+    3. a function imports a minidist module only where the import cannot be at the top
+       (IMPORTS_IN_FUNCTIONS: an optional dependency, or a command that must start fast).
 
 What breaks either rule today is listed below, each entry with its reason and the part of
 the redesign that removes it. The lists only shrink: an entry that no longer matches the
@@ -171,6 +173,46 @@ def test_no_import_cycle():
     assert not gone, f"fixed (or changed), so update CYCLES: {gone}"
 
 
+# Modules whose functions import minidist modules, and why the import cannot be at the top.
+# Anything else imports at the top, so that a reader sees a module's dependencies first.
+IMPORTS_IN_FUNCTIONS: dict[str, str] = {
+    "minidist.__main__": "each command imports only its own tool: `python -m minidist gpu "
+                         "check` must start on a GPU machine that lacks multiprocess, and "
+                         "`--help` must not wait for every tool",
+    "minidist.parallel.compose": "mixed precision (memory/precision.py, master_weights.py) "
+                                 "needs ml_dtypes, the optional 'precision' extra",
+}
+
+
+def imports_in_functions() -> dict[str, list[str]]:
+    """{module: ['line: imported module', ...]} for every minidist import inside a function."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Import):
+                        names = [a.name for a in sub.names]
+                    elif isinstance(sub, ast.ImportFrom) and not sub.level:
+                        names = [sub.module or ""]
+                    else:
+                        continue
+                    found |= {f"{sub.lineno}: {n}" for n in names if n.startswith("minidist")}
+        if found:
+            out[module_name(path)] = sorted(found, key=lambda f: int(f.split(":")[0]))
+    return out
+
+
+def test_imports_inside_functions_only_where_a_dependency_is_optional():
+    found = imports_in_functions()
+    new = {m: lines for m, lines in found.items() if m not in IMPORTS_IN_FUNCTIONS}
+    gone = sorted(set(IMPORTS_IN_FUNCTIONS) - set(found))
+    assert not new, "imports inside functions (move them to the top of the module):\n" + \
+        "\n".join(f"  {m}: {', '.join(lines)}" for m, lines in sorted(new.items()))
+    assert not gone, f"no longer needed, so strike them from IMPORTS_IN_FUNCTIONS: {gone}"
+
+
 def test_the_checker_finds_a_planted_cycle_and_a_planted_inversion():
     graph = {"minidist.nn.a": {"minidist.nn.b"}, "minidist.nn.b": {"minidist.nn.a"},
              "minidist.autograd.c": {"minidist.optim.d"}, "minidist.optim.d": set()}
@@ -185,6 +227,8 @@ if __name__ == "__main__":            # print today's violations (to seed or pru
         print(f"against: {a} -> {b}")
     for c in cycles(g):
         print("cycle:", sorted(c))
+    for m, lines in sorted(imports_in_functions().items()):
+        print(f"imports in functions: {m}: {', '.join(lines)}")
     sys.exit(pytest.main([__file__, "-q"]))
 
 

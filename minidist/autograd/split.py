@@ -55,7 +55,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from minidist import backend
-from minidist.autograd.tensor import Tensor, _accumulate_leaf, _topological_order
+from minidist.autograd.saved import ctx_arrays
+from minidist.autograd.tensor import Tensor, accumulate_leaf, topological_order
 
 
 class WeightGrad:
@@ -91,7 +92,7 @@ class WeightGrad:
             if g is None:                                   # no gradient reaches this tensor
                 continue
             if step._node is None:
-                _accumulate_leaf(step, g, given)
+                accumulate_leaf(step, g, given)
                 for hook in getattr(step, "_grad_hooks", None) or ():
                     hook(step)
             else:
@@ -101,7 +102,6 @@ class WeightGrad:
     def kept_arrays(self) -> list:
         """The arrays this W keeps alive until run(): its nodes' saved arrays
         (autograd/saved.py's ctx_arrays) and the output gradients it still owes."""
-        from minidist.autograd.saved import ctx_arrays
         out = [g for g in (self._grads or {}).values()]
         for step in self._steps or ():
             if not isinstance(step, Tensor):                # (backward_fn, ctx, parents, g)
@@ -121,7 +121,7 @@ def backward_input(root: Tensor, grad: Any, inputs: Sequence[Tensor]) -> tuple[l
     until W.run(): W reads them.
     """
     grad = _check(root, grad, inputs)
-    order = _topological_order(root)
+    order = topological_order(root)
     wanted = {id(x) for x in inputs}
     on_path = set()
     for t in order:                                         # parents come before children
@@ -186,7 +186,7 @@ def _own(x: Tensor, g: Any) -> Any:
     if g is None:
         return None
     box = Tensor(x.data)                                    # a stand-in leaf, no copy
-    _accumulate_leaf(box, g, set())
+    accumulate_leaf(box, g, set())
     return box.grad.copy() if box.grad is g else box.grad
 
 

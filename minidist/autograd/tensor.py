@@ -238,7 +238,7 @@ class Tensor:
         return ops.Tanh.apply(self)
 
 
-def _topological_order(root: Tensor) -> list:
+def topological_order(root: Tensor) -> list:
     """Tensors reachable from root through nodes that need grad, parents before children.
 
     Iterative depth-first search (graphs of deep models are deeper than
@@ -266,13 +266,13 @@ def _run_backward(root: Tensor, grad: Any) -> None:
     """Propagate `grad` from root to the leaves (see Tensor.backward)."""
     grads = {id(root): grad}
     given = {id(grad)}                     # arrays a leaf must not keep without a copy
-    for t in reversed(_topological_order(root)):
+    for t in reversed(topological_order(root)):
         g = grads.pop(id(t), None)
         if g is None:                      # no path from this tensor's output to root
             continue
         node = t._node
         if node is None:                   # a leaf: accumulate into .grad
-            _accumulate_leaf(t, g, given)
+            accumulate_leaf(t, g, given)
             if on_backward is not None:
                 on_backward(t, (t.grad,))
             for hook in getattr(t, "_grad_hooks", None) or ():
@@ -293,7 +293,7 @@ def _run_backward(root: Tensor, grad: Any) -> None:
             on_backward(t, [grads.get(id(p)) for p in parents if p is not None])
 
 
-def _accumulate_leaf(t: Tensor, g: Any, given: set) -> None:
+def accumulate_leaf(t: Tensor, g: Any, given: set) -> None:
     """t.grad += g, copying g first if it may alias another array (a view, or given away)."""
     if g.shape != t.data.shape:
         raise RuntimeError(

@@ -29,6 +29,7 @@ Read next: observe/run_dir.py.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -41,9 +42,11 @@ import tempfile                                # noqa: E402
 from dataclasses import dataclass              # noqa: E402
 from time import perf_counter                  # noqa: E402
 
+from minidist.autograd.ops import Add          # noqa: E402
 from minidist.cli import CliParser, at_least   # noqa: E402
 from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.observe import run_dir           # noqa: E402
+from minidist.observe.run_dir import Tracer    # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402
 from minidist.train import Plan, train_on_rank  # noqa: E402
 
@@ -98,8 +101,6 @@ def measure(mode: str, cfg, data_cfg, plan: Plan, steps: int, warmup: int,
 def hook_cost(n: int = 20000, batches: int = 5) -> float:
     """Seconds the trace hooks add per op (its forward and its backward event), timed on a
     stand-in op: fastest batch of n, minus the same calls without hooks."""
-    from minidist.autograd.ops import Add
-    from minidist.observe.run_dir import _Tracer
 
     class Result:                              # what trace_op sees: a Tensor's _node
         __slots__ = ("_node",)
@@ -114,7 +115,7 @@ def hook_cost(n: int = 20000, batches: int = 5) -> float:
             tracer._op(Add, perf_counter(), r)
         r._node[0](None, 1.0)
 
-    tracer, best = _Tracer(), {}
+    tracer, best = Tracer(), {}
     tracer.on = True                           # record, without setting the global hooks
     for _ in range(batches):
         for key, t in (("off", None), ("on", tracer)):
@@ -138,7 +139,6 @@ def render(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minidist bench observe`: step time with and without metrics and trace."""
-    import argparse
     p = CliParser(prog="python -m minidist bench observe", description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp", type=at_least(1), default=2, help="data-parallel ranks")

@@ -59,9 +59,9 @@ from minidist.cli import CliParser
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.observe.trace import Trace
 from minidist.parallel import placement as pl
-from minidist.parallel.pipeline import schedule_render as render
 from minidist.parallel.compose import Plan, build
 from minidist.parallel.micro_batching import micro_batches
+from minidist.parallel.pipeline import schedule_render as render
 from minidist.parallel.pipeline.schedule_sim import (Timeline, bubble_closed_form,
                                                      peak_activations, simulate)
 from minidist.parallel.pipeline.schedules import KINDS, SCHEDULES, Action, PipelineSchedule

@@ -66,14 +66,6 @@ from minidist.nn import GPT                    # noqa: E402
 from minidist.train import Plan                # noqa: E402
 
 
-def _zero_available() -> str | None:
-    try:
-        from minidist.parallel.zero.engine import ZeroEngine  # noqa: F401
-    except ImportError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def run_table(a: argparse.Namespace, cfg, data_cfg) -> list[Row]:
     common = dict(model_cfg=cfg, data_cfg=data_cfg, steps=a.steps, warmup=a.warmup)
     modes = [True, False] if a.overlap is None else [a.overlap]
@@ -84,12 +76,7 @@ def run_table(a: argparse.Namespace, cfg, data_cfg) -> list[Row]:
         runs.append((f"{a.dp} x dp=1", plan(1, overlap=modes[0]), a.dp))
     runs += [(f"dp={a.dp} {'overlap' if o else 'no overlap'}", plan(a.dp, overlap=o), 0)
              for o in modes]
-    missing = _zero_available() if a.zero else None
-    for k in a.zero:
-        if missing:
-            print(f"zero-{k}: skipped, the ZeRO engine is not importable ({missing})")
-        else:
-            runs.append((f"dp={a.dp} zero-{k}", plan(a.dp, zero=k), 0))
+    runs += [(f"dp={a.dp} zero-{k}", plan(a.dp, zero=k), 0) for k in a.zero]
     batch = lambda p: a.batch_per_rank * p.dp                            # noqa: E731
     return best_of(a.repeats, [(n, p, alone, batch(p)) for n, p, alone in runs], common)
 

@@ -50,6 +50,7 @@ from minidist.cluster import policies
 from minidist.cluster.placement import Cluster, give_back, take
 from minidist.cluster.scheduler import Costs, JobRecord, Result, Segment
 from minidist.cluster.traces import Job
+from minidist.reliability import checkpoint as ckpt
 
 MODEL = ("--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--batch", "8",
          "--dtype", "float64", "--every", "1")
@@ -256,7 +257,6 @@ class _Driver:
 
     def _latest_step(self, p: _Proc) -> int:
         """The step of the job's newest committed checkpoint (-1: none, or being written)."""
-        from minidist.reliability import checkpoint as ckpt
         try:
             found = ckpt.latest(os.path.join(p.folder, "ckpt"))
         except (ckpt.CheckpointError, OSError, ValueError):   # mid-save or mid-cleanup

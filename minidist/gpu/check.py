@@ -38,8 +38,8 @@ fails) the run stops there, naming the parts not run. Exit 0 when every part is 
 one mismatched; in the performance parts (fusion, bandwidth, ladder) a MISMATCH is a missed
 target.
 
-Imports: NumPy at the top; each part imports what it needs, none of it `multiprocess` or
-`dill` (the GPU machine lacks both: if `python -m minidist` cannot start, run the module).
+Imports: none of them needs `multiprocess` or `dill` (the GPU machine lacks both: if
+`python -m minidist` cannot start, run the module).
 
 References: Williams, Waterman & Patterson 2009, "Roofline", CACM 52(4); S. Boehm 2022,
     "How to Optimize a CUDA Matmul Kernel for cuBLAS-like Performance"; Dao et al. 2022,
@@ -58,6 +58,23 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
+
+from minidist import backend
+from minidist.autograd.function import Context
+from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
+from minidist.baseline import train_single_process
+from minidist.data import DataConfig, model_config_for
+from minidist.gpu import fused, twins
+from minidist.gpu import unfused as un
+from minidist.gpu.emulate import cases
+from minidist.gpu.emulate.build import compiler_missing
+from minidist.gpu.hierarchy import gpu_bandwidth, gpu_ladder, gpu_latency
+from minidist.gpu.standin import LEVELS, StandIn
+from minidist.gpu.timing import Timer
+from minidist.hardware import op_costs as oc
+from minidist.hardware.roofline import Op, h200, parameter_sizes
+from minidist.nn import GPTConfig
+from minidist.optim.adamw import adamw_step
 
 HBM = 4.8e12                     # B/s, the H200's data sheet
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
@@ -113,7 +130,6 @@ class Rig:
 
     def __post_init__(self) -> None:
         if self.timer is None and getattr(self.device, "cp", None) is not None:
-            from minidist.gpu.timing import Timer
             self.timer = Timer(self.device, calls=self.sizes.get("calls", 10),
                                repeats=self.sizes.get("repeats", 3))
 
@@ -146,7 +162,6 @@ class Rig:
     @contextlib.contextmanager
     def twins(self):
         """backend.xp = the rig's module inside (the twins' math), NumPy after."""
-        from minidist import backend
         backend.use(self.backend)
         try:
             yield
@@ -191,11 +206,9 @@ def find_gpu() -> tuple[Any, str]:
 def stand_in_rig(sizes: dict | None = None):
     """A Rig on gpu/standin.StandIn: NumPy arrays, kernels on the CPU emulator, the caches
     scaled down for DRY_SIZES' working sets (module doc); needs g++."""
-    from minidist.gpu.fused import CupyDevice
-    from minidist.gpu.standin import LEVELS, StandIn
     levels = (replace(LEVELS[0], bytes=16 * KB), replace(LEVELS[1], bytes=512 * KB), LEVELS[2])
     cp = StandIn(levels=levels)
-    return Rig(cp, CupyDevice(cp), "numpy", dict(sizes or DRY_SIZES))
+    return Rig(cp, fused.CupyDevice(cp), "numpy", dict(sizes or DRY_SIZES))
 
 
 # --- the parts: each takes the Rig and returns its Part ------------------------------------
@@ -203,8 +216,6 @@ def stand_in_rig(sizes: dict | None = None):
 def kernels(rig: Rig) -> Part:
     """emulate/cases.py's cases (fused, unfused, twin) on the rig's device, and flash
     attention at the issue's T = 2048, D = 64 (rig.sizes T and D)."""
-    from minidist.gpu import fused, twins
-    from minidist.gpu.emulate import cases
     dev, z = rig.device, rig.sizes
     checks = cases.run_all(dev, z["cases"])
     rng = np.random.default_rng(0)
@@ -228,14 +239,6 @@ def kernels(rig: Rig) -> Part:
 
 def fusion_ops(rig: Rig) -> list[tuple]:
     """(name, fused(), the twin's passes(), unfused.cu(), op_costs pair) for each op."""
-    from minidist.autograd.function import Context
-    from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
-    from minidist.gpu import fused as fu
-    from minidist.gpu import unfused as un
-    from minidist.hardware import op_costs as oc
-    from minidist.hardware.roofline import parameter_sizes
-    from minidist.nn import GPTConfig
-    from minidist.optim.adamw import adamw_step
     xp, dev, z, f32 = rig.xp, rig.device, rig.sizes, np.float32
     N, C, BH, T, D, V, NV = (z[k] for k in ("N", "C", "BH", "T", "D", "V", "NV"))
     r = xp.random.default_rng(0)
@@ -248,11 +251,11 @@ def fusion_ops(rig: Rig) -> list[tuple]:
     pgmv = [[r.standard_normal(n, f32) for n in sizes] for _ in range(3)]
     pgmv.append([r.random(n, f32) for n in sizes])                  # v >= 0
     hyper = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.0, t=1)
-    table = fu.ChunkTable(dev, *pgmv)                    # built once, as a training loop would
-    count, _ = fu.ce_setup(dev, t, V, "sum", -100)     # the targets' one host copy, here
-    _, mean, rstd = fu.layernorm_forward(dev, x, w, b)
+    table = fused.ChunkTable(dev, *pgmv)                    # built once, as a training loop would
+    count, _ = fused.ce_setup(dev, t, V, "sum", -100)     # the targets' one host copy, here
+    _, mean, rstd = fused.layernorm_forward(dev, x, w, b)
     _, _, u_rstd, u_xhat = un.layernorm_forward(dev, x, w, b)     # what the unfused bwd needs
-    y = fu.softmax_forward(dev, S, scale)
+    y = fused.softmax_forward(dev, S, scale)
     with rig.twins():
         ln, ge, sm = _ctx(LayerNorm, x, w, b), _ctx(Gelu, x + b), \
             _ctx(Softmax, xp.where(mask, S * scale, -np.inf))
@@ -262,45 +265,44 @@ def fusion_ops(rig: Rig) -> list[tuple]:
         s = xp.where(mask, (q @ k.transpose(0, 2, 1)) * scale, -np.inf)
         return Softmax.forward(Context(), s) @ v
     return [
-        ("layernorm forward", lambda: fu.layernorm_forward(dev, x, w, b),
+        ("layernorm forward", lambda: fused.layernorm_forward(dev, x, w, b),
          lambda: LayerNorm.forward(Context(), x, w, b),
          lambda: un.layernorm_forward(dev, x, w, b), oc.layernorm(N, C, 4)),
-        ("layernorm backward", lambda: fu.layernorm_backward(dev, dy, x, w, mean, rstd),
+        ("layernorm backward", lambda: fused.layernorm_backward(dev, dy, x, w, mean, rstd),
          lambda: LayerNorm.backward(ln, dy),
          lambda: un.layernorm_backward(dev, dy, u_xhat, w, u_rstd),
          oc.layernorm_backward(N, C, 4)),
-        ("bias + gelu forward", lambda: fu.bias_gelu_forward(dev, x, b),
+        ("bias + gelu forward", lambda: fused.bias_gelu_forward(dev, x, b),
          lambda: Gelu.forward(Context(), x + b), lambda: un.bias_gelu_forward(dev, x, b),
          oc.bias_gelu(N, C, 4)),
-        ("bias + gelu backward", lambda: fu.bias_gelu_backward(dev, dy, x, b),
+        ("bias + gelu backward", lambda: fused.bias_gelu_backward(dev, dy, x, b),
          lambda: Gelu.backward(ge, dy)[0].sum(axis=0),
          lambda: un.bias_gelu_backward(dev, dy, x, b), oc.bias_gelu_backward(N, C, 4)),
-        ("causal softmax", lambda: fu.softmax_forward(dev, S, scale),
+        ("causal softmax", lambda: fused.softmax_forward(dev, S, scale),
          lambda: Softmax.forward(Context(), xp.where(mask, S * scale, -np.inf)),
          lambda: un.softmax_forward(dev, S, scale), oc.scaled_masked_softmax(BH * T, T, 4)),
-        ("causal softmax backward", lambda: fu.softmax_backward(dev, S, y, scale),
+        ("causal softmax backward", lambda: fused.softmax_backward(dev, S, y, scale),
          lambda: xp.where(mask, Softmax.backward(sm, S)[0], 0) * scale,
          lambda: un.softmax_backward(dev, S, y, scale),
          oc.scaled_masked_softmax_backward(BH * T, T, 4)),
-        ("cross-entropy + grad", lambda: fu.cross_entropy(dev, logits, t, reduction="sum",
+        ("cross-entropy + grad", lambda: fused.cross_entropy(dev, logits, t, reduction="sum",
                                                           count=count),
          lambda: (CrossEntropy.forward(Context(), logits, t=t, ignore_index=-100,
                                        reduction="sum"), CrossEntropy.backward(ce, 1.0)),
          lambda: un.cross_entropy(dev, logits, t, reduction="sum", count=count),
          (oc.cross_entropy(NV, V, 4)[0], oc.cross_entropy(NV, V, 4)[1]
           + oc.cross_entropy_backward(NV, V, 4)[1])),
-        (f"adamw ({len(sizes)} tensors)", lambda: fu.adamw_multi_tensor(dev, *pgmv, table=table,
+        (f"adamw ({len(sizes)} tensors)", lambda: fused.adamw_multi_tensor(dev, *pgmv, table=table,
                                                                     **hyper),
          lambda: [adamw_step(*a, **hyper) for a in zip(*pgmv)],
          lambda: un.adamw(dev, *pgmv, **hyper), oc.adamw(sizes, 4)),
-        (f"attention T={T} D={D}", lambda: fu.flash_attention_forward(dev, q, k, v),
+        (f"attention T={T} D={D}", lambda: fused.flash_attention_forward(dev, q, k, v),
          attention_twin, lambda: un.attention_forward(dev, q, k, v), oc.attention(1, BH, T, D, 4)),
     ]
 
 
 def _ctx(function, *arrays, **kwargs):
     """The context `function`'s forward leaves on `arrays`, for timing its backward."""
-    from minidist.autograd.function import Context
     ctx = Context()
     ctx.needs_input_grad = (True,) * len(arrays)
     function.forward(ctx, *arrays, **kwargs)
@@ -311,7 +313,6 @@ def fusion(rig: Rig) -> Part:
     """Fused kernel vs its twin's NumPy passes on CuPy (and vs unfused.cu), beside the
     speedup the roofline predicts: the ratio of the op's two bounds on the H200 (the byte
     ratio where the op is memory-bound)."""
-    from minidist.hardware.roofline import Op, h200
     roof = h200("float32")
     p = Part("fusion")
     p.rows = [f"  {'op (ms)':<26}{'fused':>9}{'twin':>9}{'.cu':>9}{'speedup':>9}"
@@ -347,8 +348,6 @@ def fusion(rig: Rig) -> Part:
 def bandwidth(rig: Rig) -> Part:
     """Read and copy over rig.sizes["bandwidth_set"] (1 GB; gpu/hierarchy.py), and fused
     kernels in compulsory B/s, against the H200's 4.8 TB/s."""
-    from minidist.gpu.hierarchy import gpu_bandwidth
-    from minidist.hardware.roofline import Op
     z = rig.sizes
     size = z["bandwidth_set"]
     (_, read), (_, copy) = gpu_bandwidth((size,), z["loads"], rig.device, rig.timer)  # GB/s
@@ -374,8 +373,6 @@ def bandwidth(rig: Rig) -> Part:
 def ladder(rig: Rig) -> Part:
     """The SGEMM ladder (gpu/hierarchy.py) at n^3 as % of cupy.matmul in FP32 and of the
     H200's FP32 peak (hardware/roofline.py)."""
-    from minidist.gpu.hierarchy import gpu_ladder
-    from minidist.hardware.roofline import h200
     n, peak = rig.sizes["ladder_n"], h200("float32").vector / 1e9          # GFLOP/s
     rows = gpu_ladder(n, dev=rig.device, timer=rig.timer)                  # cuBLAS last
     cublas, p = rows[-1][1], Part("ladder")
@@ -412,7 +409,6 @@ def latency_verdict(lat: list[tuple[int, float]], l2: int) -> tuple[bool, str]:
 def hierarchy(rig: Rig) -> Part:
     """Latency and read bandwidth over the working sets (16 KB .. 1 GB): the cache plateaus,
     judged against the device's own L2 size (latency_verdict)."""
-    from minidist.gpu.hierarchy import gpu_bandwidth, gpu_latency
     z, dev, timer = rig.sizes, rig.device, rig.timer
     sets = z["working_sets"]
     l2 = int(dev.cp.cuda.Device().attributes["L2CacheSize"])
@@ -430,9 +426,6 @@ def hierarchy(rig: Rig) -> Part:
 
 def training(rig: Rig, steps: int = 3, batch: int = 16) -> Part:
     """`steps` AdamW steps of a tiny GPT through backend.xp = rig.backend, against NumPy."""
-    from minidist import backend
-    from minidist.baseline import train_single_process
-    from minidist.data import DataConfig, model_config_for
     data_cfg, device = DataConfig(task="sort", length=6), rig.backend
 
     def run(dtype: str, module: str) -> tuple[np.ndarray, dict]:
@@ -541,8 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text.format(why=" ".join(why.split())))
         return code
     print(f"gpu check · {describe(cp)}", flush=True)
-    from minidist.gpu.fused import CupyDevice
-    rig = Rig(cp, CupyDevice())
+    rig = Rig(cp, fused.CupyDevice())
     if rig.timer is not None:
         print(rig.timer.describe(), flush=True)
     results = run_parts(parts, rig)
@@ -554,7 +546,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def dry_run(parts: list[str]) -> int:
     """Every part through gpu/standin.py: 0 when each part ran to its verdict."""
-    from minidist.gpu.emulate.build import compiler_missing
     if compiler_missing():
         print(f"gpu check --dry-run: cannot run the kernels on the CPU: {compiler_missing()}")
         return EXIT_MISMATCH

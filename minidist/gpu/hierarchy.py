@@ -49,6 +49,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minidist import backend
+from minidist.gpu.fused import CupyDevice
+from minidist.gpu.timing import Timer
+
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 WORKING_SETS = tuple(16 * KB << i for i in range(17))      # 16 KB, 32 KB, ..., 1 GB
 CHASE_STRIDE = 32                  # uint32 slots between two chase targets: one 128-byte line
@@ -219,11 +223,9 @@ def read_reference(x: np.ndarray, total: int, threads: int) -> np.ndarray:
 
 def gpu() -> tuple[object | None, str]:
     """(a fused.CupyDevice, "") when CuPy sees a CUDA device; else (None, why, in words)."""
-    from minidist import backend
     why = backend.gpu_problem()
     if why is not None:
         return None, why
-    from minidist.gpu.fused import CupyDevice
     return CupyDevice(), ""
 
 
@@ -234,7 +236,6 @@ def _device(what: str, dev=None, timer=None):
         if dev is None:
             raise RuntimeError(f"{what} needs a GPU: {why}")
     if timer is None:
-        from minidist.gpu.timing import Timer
         timer = Timer(dev, calls=3, repeats=3)
     return dev, dev.cp, timer
 

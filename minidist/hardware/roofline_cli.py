@@ -36,9 +36,19 @@ from typing import Callable
 
 import numpy as np
 
+from minidist.autograd import Tensor, no_grad
+from minidist.autograd.function import Context
+from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
 from minidist.cli import CliParser, at_least, cli_error
+from minidist.data import DataConfig, model_config_for
 from minidist.hardware import op_costs as oc
-from minidist.hardware.roofline import Op, Roof, gpt_ops, h200, step_seconds, totals
+from minidist.hardware.roofline import (PRECISIONS, Op, Roof, gpt_ops, h200, step_seconds,
+                                        totals)
+from minidist.memory.budget_models import preset
+from minidist.nn.attention import attention_core
+from minidist.nn.layers import Dropout
+from minidist.observe.peak import peak_flops
+from minidist.optim.adamw import adamw_step
 
 CACHE_BYTES = 32 << 20          # a last-level cache this size or smaller is streamed past
 SLACK = 1.5                     # roofs of the check = best measured rate x SLACK
@@ -71,7 +81,6 @@ def cpu_roof(dtype: str = "float32", *, peak_size: int = 1024, path: str | None 
     """This CPU's roofs for one thread: matmul FLOP/s from observe/peak.py (cached at
     `path`), also taken as the vector roof, and the best streaming bandwidth (measured
     now unless given)."""
-    from minidist.observe.peak import peak_flops
     peak = peak_flops(dtype, n=peak_size, path=path).flops
     bw = max(measure_bandwidth().values()) if bandwidth is None else bandwidth
     return Roof(f"this CPU {dtype} (1 thread)", peak, peak, bw, overlap=False)
@@ -89,12 +98,6 @@ class Timed:
 def numpy_ops(dtype: str = "float32", elements: int = 1 << 24, gemm_n: int = 1024
               ) -> list[tuple[str, Op, Callable[[], object]]]:
     """(name, costs, run) of the NumPy twins at ~`elements` per array, C = 1024 rows."""
-    from minidist.autograd import Tensor, no_grad
-    from minidist.autograd.function import Context
-    from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
-    from minidist.nn.attention import attention_core
-    from minidist.nn.layers import Dropout
-    from minidist.optim.adamw import adamw_step
     s, C, rng = np.dtype(dtype).itemsize, 1024, np.random.default_rng(0)
     R = max(1, elements // C)
     x, g = (rng.standard_normal((R, C), dtype) for _ in range(2))
@@ -138,7 +141,6 @@ def numpy_ops(dtype: str = "float32", elements: int = 1 << 24, gemm_n: int = 102
 
 def _ctx(function, *inputs):
     """The context a forward leaves, for timing the backward alone."""
-    from minidist.autograd.function import Context
     ctx = Context()
     ctx.needs_input_grad = (True,) * len(inputs)
     function.forward(ctx, *inputs)
@@ -270,7 +272,6 @@ def plot(ops: list[Op], roofs: list[Roof], path: str, title: str) -> None:
 
 
 def _arguments():
-    from minidist.hardware.roofline import PRECISIONS
     p = CliParser(prog="python -m minidist roofline", description=(
         "FLOPs, compulsory bytes and launches of every op of a GPT training step, fused and "
         "unfused, and their bounds on the H200's roofs and this CPU's."))
@@ -297,9 +298,7 @@ def _arguments():
 
 def _model(a):
     """(GPTConfig, batch, one-line name) of the parsed --model options."""
-    from minidist.data import DataConfig, model_config_for
     if a.model != "tiny":              # imported only here: it imports the parallel layers
-        from minidist.memory.budget_models import preset
         return preset(a.model), a.batch or 8, a.model
     cfg = model_config_for(DataConfig(task=a.task, length=a.length), n_layer=a.n_layer,
                            n_embd=a.n_embd, n_head=a.n_head, dtype="float32")

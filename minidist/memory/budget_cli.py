@@ -24,6 +24,7 @@ Read next: memory/budget.py.
 
 from __future__ import annotations
 
+import argparse
 import re
 
 from minidist.cli import CliParser, at_least, cli_error
@@ -109,7 +110,6 @@ def _arguments() -> CliParser:
 
 
 def _size(text: str) -> int:
-    import argparse
     try:
         return parse_size(text)
     except ValueError as e:

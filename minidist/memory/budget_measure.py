@@ -43,9 +43,10 @@ from minidist.data import DataConfig, SyntheticData
 from minidist.memory import recompute
 from minidist.memory.budget import MemoryPlan, estimate_stages
 from minidist.nn import GPTConfig
-from minidist.parallel import placement
 from minidist.parallel import micro_batching
+from minidist.parallel import placement
 from minidist.parallel.compose import build
+from minidist.runtime.launch import spawn
 
 MEASURED = ("params", "grads", "optimizer", "activations", "buffers", "recompute")
 OPTIMIZERS = {"adamw": ("adamw", 0.0), "sgd_momentum": ("sgd", 0.9), "sgd": ("sgd", 0.0)}
@@ -140,7 +141,6 @@ def check_measurable(cfg: GPTConfig, plan: MemoryPlan) -> None:
 def measure(cfg: GPTConfig, data_cfg: DataConfig, plan: MemoryPlan, batch: int,
             seed: int = 0) -> list[Measured]:
     """Run one step of `plan` on plan.world_size ranks; per rank, bytes by category."""
-    from minidist.runtime.launch import spawn
     check_measurable(cfg, plan)
     estimate_stages(cfg, plan, batch, data_cfg.block_size)       # ValueError: cannot run
     cfg = dataclasses.replace(cfg, recompute=plan.recompute)

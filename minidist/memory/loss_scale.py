@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from minidist import collectives as C
 from minidist.autograd.function import Context, Function
 
 
@@ -107,7 +108,6 @@ def found_inf_everywhere(local: bool, group: Any = None) -> bool:
     all_reduce(max) of one float per rank (8 bytes); no group (one process): local."""
     if group is None or getattr(group, "size", 1) == 1:
         return bool(local)
-    from minidist import collectives as C
     flag = C.all_reduce(np.array([1.0 if local else 0.0]), op="max", group=group)
     return bool(flag[0] > 0)
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minidist.observe.throughput import closed_form
+
 BAR = 10                                       # characters of the progress bar
 
 
@@ -84,7 +86,6 @@ class Progress:
         """The Progress of training GPTConfig `cfg` on `batch` sequences of cfg.block_size
         tokens a step: model FLOPs per step = tokens x (6N + 12LHQT) (observe/throughput.py;
         none for a MoE model, whose MFU needs the FLOP ledger)."""
-        from minidist.observe.throughput import closed_form
         tokens = batch * cfg.block_size
         flops = 0.0 if cfg.moe_every else float(tokens * closed_form(cfg).palm)
         return cls(total_steps, tokens, ranks, flops, peak_flops, start_step)

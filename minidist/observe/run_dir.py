@@ -39,6 +39,7 @@ Read next: observe/metrics.py, observe/report.py (`python -m minidist report RUN
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -51,8 +52,14 @@ from threading import get_ident
 from time import perf_counter
 from typing import Any, Sequence
 
+import numpy as np
+
+import minidist
+from minidist.autograd import function
 from minidist.observe import metrics, run_files
 from minidist.observe.trace import Event, Trace
+from minidist.runtime import call
+from minidist.runtime import flight
 from minidist.train import Hook
 
 LANES = {0: "step", 1: "autograd", 2: "collectives"}
@@ -65,15 +72,13 @@ DEFAULT_TRACE_STEPS = (0, 1)
 def config(model_cfg, data_cfg, plan, *, command: Sequence[str] = (), **run: Any) -> dict:
     """What config.json holds: the command, the three configs, the run's other settings
     (global_batch, lr, ...), tokens per step (global_batch x T) and the versions."""
-    import numpy
-    import minidist
     batch = run.get("global_batch")
     return {"command": " ".join(command), "model": _plain(model_cfg), "data": _plain(data_cfg),
             "plan": _plain(plan), "plan_describe": plan.describe(),
             "world_size": plan.world_size, "run": run,
             "tokens_per_step": None if batch is None else batch * data_cfg.block_size,
             "versions": {"minidist": minidist.__version__, "python": platform.python_version(),
-                         "numpy": numpy.__version__, "platform": platform.platform()},
+                         "numpy": np.__version__, "platform": platform.platform()},
             "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -188,7 +193,6 @@ def add_arguments(ap) -> None:
 
 def steps_argument(text: str) -> tuple[int, ...]:
     """--trace-steps: "0,1" -> (0, 1); "2-4" -> (2, 3, 4); "none" -> ()."""
-    import argparse
     if text.strip().lower() == "none":
         return ()
     try:
@@ -249,7 +253,7 @@ class RankObserver(Hook):
         self.lanes = dict(LANES)
         self._threads: dict[int, int] = {}      # thread ident -> its lane (not the main's)
         self._main = threading.main_thread().ident
-        self._tracer = _Tracer()
+        self._tracer = Tracer()
 
     def begin(self, step: int) -> None:
         if step in self.trace_steps:
@@ -315,7 +319,7 @@ class RankObserver(Hook):
         return self._threads[thread]
 
 
-class _Tracer:
+class Tracer:
     """The two hooks of a traced step; raw records (tuples) until `take`."""
 
     def __init__(self) -> None:
@@ -323,8 +327,6 @@ class _Tracer:
         self._described: dict[tuple, tuple[str, str, str]] = {}   # a call's identity -> text
 
     def start(self) -> None:
-        from minidist.autograd import function
-        from minidist.runtime import flight
         if function.trace_op is not None or flight.observer is not None:
             raise RuntimeError("run_dir: another trace is recording in this process (the "
                                "hooks autograd/function.trace_op or runtime/flight.observer "
@@ -333,8 +335,6 @@ class _Tracer:
         self.on = True
 
     def stop(self) -> None:
-        from minidist.autograd import function
-        from minidist.runtime import flight
         function.trace_op = flight.observer = None
         self.on = False
 
@@ -356,7 +356,6 @@ class _Tracer:
         return timed_backward
 
     def _call(self, row) -> None:
-        from minidist.runtime import call
         t1 = perf_counter()
         t0 = t1 - (row[call.T_END] - row[call.T_START]) * 1e-9
         self.raw.append((2, tuple(row), t0, t1, get_ident()))
@@ -366,8 +365,6 @@ class _Tracer:
             op    [name, 0 forward | 1 backward, start s, end s, track]
             call  [op, group, seq, bytes, state, call.describe text, start s, end s, track]
         Each distinct call is described once (runtime/call.py), its number put in after."""
-        import numpy as np
-        from minidist.runtime import call
         self.last, self.raw = self.raw, []
         ops, calls = [], []
         for kind, what, t0, t1, thread in self.last:

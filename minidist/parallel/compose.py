@@ -53,14 +53,14 @@ import numpy as np
 from minidist.memory.offload import check_plan, offload_engine
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.context.context_parallel import ALGOS as CP_ALGOS
-from minidist.parallel.context.context_parallel import LAYOUTS as CP_LAYOUTS
 from minidist.parallel.context.context_parallel import ContextParallel, apply_context
-from minidist.parallel.data.ddp import ALGOS, DataParallel
+from minidist.parallel.context.context_parallel import LAYOUTS as CP_LAYOUTS
 from minidist.parallel.data.buckets import BucketedDataParallel
+from minidist.parallel.data.ddp import ALGOS, DataParallel
 from minidist.parallel.expert.expert_parallel import apply_experts, is_expert_parameter
-from minidist.parallel.pipeline.stage import PipelineCut, PipelineStage, make_links, split_layers
 from minidist.parallel.pipeline.schedule_validate import validate
 from minidist.parallel.pipeline.schedules import SCHEDULES, PipelineSchedule, make_schedule
+from minidist.parallel.pipeline.stage import PipelineCut, PipelineStage, make_links, split_layers
 from minidist.parallel.sharding import ModelSharding
 from minidist.parallel.tensor.tensor_parallel import TensorParallel, apply_tensor
 from minidist.parallel.zero.engine import ZeroEngine

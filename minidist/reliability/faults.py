@@ -55,6 +55,7 @@ from typing import Iterator
 
 import numpy as np
 
+from minidist.reliability.checkpoint import PHASES
 from minidist.train import Hook
 
 KINDS = ("raise", "exit", "sigkill", "sigstop", "sleep", "slow", "nan", "corrupt")
@@ -123,7 +124,6 @@ def parse(spec: str) -> Fault:
             or not (fault.seconds >= 0 and fault.per_row >= 0):
         raise ValueError(f"--inject {spec!r}: point is one of {', '.join(POINTS)}; rank, "
                          f"step and attempt are >= 0, seconds and per_row >= 0 ({usage})")
-    from minidist.reliability.checkpoint import PHASES
     if fault.phase not in PHASES:
         raise ValueError(f"--inject {spec!r}: phase is one of {', '.join(PHASES)}")
     if fault.kind in ("nan", "corrupt") and fault.point != "start":

@@ -13,6 +13,7 @@ Read with: reliability/interval.py (the model and the simulation).
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
@@ -102,7 +103,6 @@ def _arguments():
 
 def _settings(a) -> tuple[float, float, float, float]:
     """(C, R, M, W) in seconds from the parsed options; ValueError for a usage error."""
-    import os
     if a.llama3 == (a.mtbf is not None):
         raise ValueError("give the MTBF either as --mtbf DUR or as --llama3 --gpus N")
     if (a.gpus is not None) != a.llama3:

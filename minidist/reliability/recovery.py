@@ -41,7 +41,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -347,7 +347,6 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
     """Spawn `rank_main(ctx, a, cfg, data_cfg, plan, t0, job)` on every rank, restarting
     them from the latest checkpoint after a failure (`supervise`); the RankResult's
     losses cover the whole run, the steps before the checkpoint included."""
-    from dataclasses import replace
     config, t0 = run_config(a, cfg, data_cfg), time.perf_counter()
     elastic = Elastic(plan, cfg, a.batch, data_cfg.block_size, a.steps, r.rejoin_after) \
         if r.elastic else None

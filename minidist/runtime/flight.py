@@ -35,6 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
+from minidist.observe.trace import Event, Trace
 from minidist.runtime import call
 
 DEPTH = 16                      # calls remembered per rank
@@ -85,7 +86,6 @@ class FlightRecorder:
     def trace(self, ranks, names: dict[int, str]):
         """Every remembered call of `ranks` as a Chrome trace (observe/trace.py): one row
         per rank, one bar per call; a call still running ends at "now"."""
-        from minidist.observe.trace import Event, Trace
         now_us = time.time_ns() / 1e3
         events = []
         for r in ranks:

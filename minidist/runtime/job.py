@@ -30,6 +30,7 @@ Read next: runtime/wait.py
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from typing import Callable
 
@@ -98,7 +99,6 @@ class JobBoard:
         s = int(self.status[rank])
         info = int(self.exit_info[rank])
         if s == DEAD and info < 0:
-            import signal
             return f"died (killed by {signal.Signals(-info).name})"
         if s == DEAD:
             return f"died (exit code {info})"

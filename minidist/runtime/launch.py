@@ -62,8 +62,9 @@ import multiprocess.connection
 from minidist.runtime.errors import CollectiveMismatch, RankFailure
 from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import DEAD, DONE, EXITING, FAILED, RUNNING, JobBoard
-from minidist.runtime.rank_output import RankOutput
+from minidist.runtime.mpi import init_mpi, under_mpiexec
 from minidist.runtime.process_setup import setup_rank_process
+from minidist.runtime.rank_output import RankOutput
 from minidist.runtime.report import Reports
 from minidist.runtime.shm import Arena, strong_ordering
 from minidist.runtime.world import Job, RuntimeConfig, current_job, is_initialized, set_job
@@ -306,7 +307,6 @@ def init():
     under mpiexec, join the MPI job (runtime/mpi.py); in a plain Python process,
     start a one-rank job and return its context. After `leave()` it rejoins the job
     this process left (a rank of a launched job stays that rank)."""
-    from minidist.runtime.mpi import init_mpi, under_mpiexec
     if not is_initialized() and _LEFT:
         set_job(_LEFT.pop())
     if not is_initialized() and under_mpiexec():

@@ -32,6 +32,7 @@ import numpy as np
 
 from minidist.runtime import call
 from minidist.runtime.errors import CollectiveMismatch, CollectiveTimeout, rank_prefix
+from minidist.runtime.group import Work
 from minidist.runtime.p2p import CHUNK_NBYTES, HDR, MSG_DTYPE, MSG_NBYTES
 from minidist.runtime.wait import wait_until
 
@@ -156,7 +157,6 @@ class MpiGroup:
         return _MpiScope(self, call.pack(self.gid, 0, op, x, root, reduce_op, algo, p2p))
 
     def submit(self, fn):
-        from minidist.runtime.group import Work
         work = Work()                       # MPI calls from one thread at a time: run inline
         try:
             work._result = fn()

@@ -9,11 +9,11 @@ import pytest
 
 import minidist
 from minidist import optim
-from minidist.deterministic.digest import params_digest
-from minidist.train_cli import main
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, SyntheticData, answer_accuracy, model_config_for
+from minidist.deterministic.digest import params_digest
 from minidist.nn import GPT
+from minidist.train_cli import main
 
 DATA = DataConfig(task="sort", length=4, seed=1)
 TINY = model_config_for(DATA, n_layer=1, n_head=2, n_embd=16)                # float64

@@ -61,8 +61,8 @@ from minidist.nn import GPT
 from minidist.parallel import placement as pl
 from minidist.parallel.context import memory as cm
 from minidist.parallel.context import ring_attention as ra
-from minidist.parallel.tensor import memory as tm
 from minidist.parallel.expert.expert_parallel import is_expert_parameter
+from minidist.parallel.tensor import memory as tm
 from minidist.parallel.tensor.tensor_parallel import expected_placement
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank

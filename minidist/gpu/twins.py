@@ -24,8 +24,8 @@ import math
 
 import numpy as np
 
-from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
 from minidist.autograd.function import Context
+from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
 from minidist.optim.adamw import adamw_step
 
 

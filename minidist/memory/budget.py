@@ -69,12 +69,12 @@ from dataclasses import dataclass, field
 from minidist.memory import recompute
 from minidist.memory.budget_models import stage_layers, unit_numels
 from minidist.nn import GPTConfig
+from minidist.parallel.compose import Plan
 from minidist.parallel.context import memory as cm
+from minidist.parallel.pipeline.schedule_sim import peak_activations
+from minidist.parallel.placement import piece_length
 from minidist.parallel.tensor import memory as tm
 from minidist.parallel.zero import memory as zm
-from minidist.parallel.compose import Plan
-from minidist.parallel.placement import piece_length
-from minidist.parallel.pipeline.schedule_sim import peak_activations
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe")

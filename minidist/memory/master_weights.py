@@ -48,9 +48,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minidist.optim import make_optimizer
 from minidist.memory import loss_scale
 from minidist.memory.precision import Autocast, Policy
+from minidist.optim import make_optimizer
 
 
 class _Master:

@@ -5,11 +5,11 @@ Dropout, MLP), attention.py (causal self-attention), moe.py (mixture of experts)
 gpt.py (the model). Parameters are filled by seed.init_parameters from (seed, name).
 """
 
-from minidist.nn.module import Module, ModuleList, Parameter
-from minidist.nn.layers import MLP, Dropout, DropoutKey, Embedding, LayerNorm, Linear
 from minidist.nn.attention import CausalSelfAttention
-from minidist.nn.moe import MoE, Routing, expert_capacity, route
 from minidist.nn.gpt import GPT, Block, GPTConfig
+from minidist.nn.layers import MLP, Dropout, DropoutKey, Embedding, LayerNorm, Linear
+from minidist.nn.module import Module, ModuleList, Parameter
+from minidist.nn.moe import MoE, Routing, expert_capacity, route
 
 __all__ = [
     "Module", "ModuleList", "Parameter", "Linear", "Embedding", "LayerNorm", "Dropout",

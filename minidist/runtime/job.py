@@ -36,9 +36,9 @@ from typing import Callable
 
 import numpy as np
 
-from minidist.runtime.flight import DEPTH, FlightRecorder
 from minidist.runtime import call
 from minidist.runtime.errors import RankFailure
+from minidist.runtime.flight import DEPTH, FlightRecorder
 from minidist.runtime.shm import ALIGN, Arena
 
 STARTING, RUNNING, DONE, FAILED, DEAD, EXITING = 0, 1, 2, 3, 4, 5

@@ -11,8 +11,8 @@ import pytest
 
 from minidist import collectives as C
 from minidist.runtime import RankFailure, call
-from minidist.runtime.launch import spawn
 from minidist.runtime.flight import DEPTH
+from minidist.runtime.launch import spawn
 
 pytestmark = pytest.mark.multiproc
 

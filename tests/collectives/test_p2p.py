@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from minidist import collectives as C
-from minidist.runtime import call
 from minidist.runtime import RankFailure
+from minidist.runtime import call
 from minidist.runtime.launch import spawn
 
 

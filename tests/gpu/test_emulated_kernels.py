@@ -240,8 +240,8 @@ def test_a_second_build_of_the_same_source_and_flags_comes_from_the_cache(emulat
 
 # ---- sanitizers: silent on the real kernels, loud on planted bugs ----
 CHILD = """
-from minidist.gpu.emulate.runner import Emulator
 from minidist.gpu.emulate.cases import run_all, run_case
+from minidist.gpu.emulate.runner import Emulator
 emu = Emulator({variant!r}, kernel_dir={kernel_dir!r})
 checks = {call}
 print(sum(c.ok for c in checks), "of", len(checks), "checks ok")

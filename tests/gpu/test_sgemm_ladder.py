@@ -57,6 +57,7 @@ def test_rung_matches_numpy_float64(emu, rung, shape):
 # memory (3-7); a missing __syncthreads is a race on As / Bs.
 SANITIZED = """
 import numpy as np
+
 from minidist.gpu import hierarchy as h
 from minidist.gpu.emulate.runner import Emulator
 emu = Emulator({variant!r})

@@ -12,8 +12,8 @@ from minidist.memory import budget as mb
 from minidist.memory import budget_models as bm
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel import placement as pl
-from minidist.parallel.zero import memory as zm
 from minidist.parallel.tensor.tensor_parallel import expected_placement
+from minidist.parallel.zero import memory as zm
 
 SMALL = GPTConfig(vocab_size=11, block_size=12, n_layer=4, n_head=4, n_embd=32)
 

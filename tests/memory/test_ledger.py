@@ -15,8 +15,8 @@ from minidist.autograd import function as _function
 from minidist.autograd import functional as F
 from minidist.autograd import tensor as _tensor
 from minidist.autograd.saved import saved_bytes
-from minidist.optim import make_optimizer
 from minidist.data import DataConfig, model_config_for
+from minidist.optim import make_optimizer
 from minidist.memory.ledger import (DeviceOutOfMemory, Ledger, format_bytes, optimizer_arrays,
                                     parse_bytes)
 from minidist.nn import GPT

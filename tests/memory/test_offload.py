@@ -176,6 +176,7 @@ def test_close_removes_the_files_and_the_state_stays_readable(tmp_path):
 _KILLED_RUN = """
 import sys, time
 import numpy as np
+
 from minidist.memory import offload
 from minidist.optim import AdamW
 

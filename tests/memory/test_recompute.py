@@ -17,8 +17,8 @@ from minidist.baseline import train_single_process
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.memory import recompute as rc
 from minidist.nn import GPT, DropoutKey, GPTConfig, Linear
-from minidist.parallel.tensor import memory as tm
 from minidist.parallel.context.context_parallel import ContextParallel, apply_context
+from minidist.parallel.tensor import memory as tm
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 

@@ -5,10 +5,10 @@ their sharded state is the whole state cut the same way."""
 import numpy as np
 import pytest
 
-from minidist.optim import make_optimizer
 from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.optim import SGD
+from minidist.optim import make_optimizer
 from minidist.parallel.zero.flat import FlatShard, split_units
 
 TINY = model_config_for(DataConfig(task="sort", length=4, seed=1), n_layer=2, n_embd=16)

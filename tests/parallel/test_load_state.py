@@ -13,8 +13,8 @@ from minidist import optim
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.nn import GPT
-from minidist.parallel import placement
 from minidist.parallel import micro_batching
+from minidist.parallel import placement
 from minidist.parallel.compose import build
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, _global_loss, train_on_rank

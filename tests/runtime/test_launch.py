@@ -201,6 +201,7 @@ def test_join_timeout_kills_every_rank():
 
 LAUNCHER = """
 import sys, time
+
 from minidist.runtime import spawn
 def rank(ctx):
     sys.stdout.write(f"{__import__('os').getpid()}\\n"); sys.stdout.flush()

@@ -53,9 +53,9 @@ from minidist.autograd import Tensor
 from minidist.autograd.saved import saved_bytes
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.layers import DropoutKey
-from minidist.parallel.tensor import memory as tm
 from minidist.parallel.context.context_parallel import ContextParallel, apply_context
 from minidist.parallel.context.ring_attention import attention_work
+from minidist.parallel.tensor import memory as tm
 from minidist.parallel.tensor.memory import Call
 
 ALGOS = ("ring", "ulysses")

@@ -75,9 +75,9 @@ import numpy as np
 
 from minidist import backend
 from minidist import collectives as C
-from minidist.optim import make_optimizer
 from minidist.nn import Module, Parameter
 from minidist.optim import clip_to
+from minidist.optim import make_optimizer
 from minidist.optim.clip import wide
 from minidist.parallel.engine import Engine
 

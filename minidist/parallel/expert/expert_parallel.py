@@ -53,8 +53,8 @@ from minidist import backend
 from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
-from minidist.nn.moe import MoE, Routing
 from minidist.nn.module import ModuleSubset
+from minidist.nn.moe import MoE, Routing
 
 
 class AllToAll(Function):

@@ -47,8 +47,8 @@ from minidist.nn.gpt import GPTLayout
 from minidist.nn.layers import MLP, Linear
 from minidist.nn.module import Module
 from minidist.parallel import placement as pl
-from minidist.parallel.tensor import sequence as sp
 from minidist.parallel.context.context_parallel import sequence_positions
+from minidist.parallel.tensor import sequence as sp
 from minidist.parallel.tensor.vocab import VocabParallelEmbedding, shard_parameter, vocab_range
 from minidist.parallel.tensor.vocab import vocab_parallel_cross_entropy
 

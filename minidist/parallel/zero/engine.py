@@ -71,12 +71,12 @@ from typing import Callable
 import numpy as np
 
 from minidist import collectives as C
-from minidist.optim import make_optimizer
 from minidist.nn import Module
 from minidist.optim import clip_to
+from minidist.optim import make_optimizer
 from minidist.optim.clip import wide
-from minidist.parallel.zero import stage3
 from minidist.parallel.engine import Engine
+from minidist.parallel.zero import stage3
 from minidist.parallel.zero.flat import FlatShard, FlatUnit, split_units
 
 ALGOS = ("auto", "direct", "ring", "halving")          # the algorithms with a reduce_scatter

@@ -12,8 +12,8 @@ from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel import micro_batching
 from minidist.parallel.compose import build
-from minidist.parallel.data.ddp import ALGOS, DataParallel, ReplicaDivergence
 from minidist.parallel.data.buckets import BucketedDataParallel, plan_buckets
+from minidist.parallel.data.ddp import ALGOS, DataParallel, ReplicaDivergence
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank

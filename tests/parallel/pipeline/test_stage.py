@@ -13,8 +13,8 @@ from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
 from minidist.parallel import micro_batching
 from minidist.parallel.pipeline import schedules
-from minidist.parallel.pipeline.stage import PipelineCut, split_layers
 from minidist.parallel.pipeline.schedule_validate import ScheduleError
+from minidist.parallel.pipeline.stage import PipelineCut, split_layers
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank

@@ -12,8 +12,8 @@ from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.optim import SGD, AdamW
-from minidist.parallel.zero.flat import FlatShard, split_units
 from minidist.parallel.zero.engine import ZeroEngine, algorithms
+from minidist.parallel.zero.flat import FlatShard, split_units
 from minidist.parallel.zero.memory import comm_elements, exact_bytes
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank

@@ -14,8 +14,8 @@ from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.nn.gpt import Block
 from minidist.parallel.zero import stage3
-from minidist.parallel.zero.flat import split_units, unit_of
 from minidist.parallel.zero.engine import ZeroEngine
+from minidist.parallel.zero.flat import split_units, unit_of
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
 from tests.helpers import assert_close

@@ -15,18 +15,32 @@ model's code:
        baseline.train_single_process(deterministic=True) does.
 autograd/, nn/, optim/ and parallel/ contain nothing of the mode.
 
-Tensor parallelism (tensor.py): the single process and every layout compute the
-tp-shardable matmuls over the same fixed tiles (matmul.py), and a tp rank's partial sums
-over split tiles are exchanged and added in the same tree; the LayerNorm and bias
-gradients are sums over tokens in a fixed tree, exchanged over tp when sequence
-parallelism cuts them; the norm is over whole (tp-gathered) gradients.
-Expert parallelism (expert.py): an expert runs each source grain's tokens in a call of
-its own, on an alias whose gradient is that grain's; the experts' grains are added in the
-same tree over their replicas (edp), and their roots replace the experts' slices of the
-dense root.
-Context parallelism (context.py, with token_tiles): every sum over positions is a tree
-over fixed runs of positions, exchanged over cp, and attention runs over all-gathered K
-and V with the queries in runs (attention.py).
+How each grain is summed:
+    Samples (`step.py`): each micro-batch is one grain of `--grain G` rows (default 1); the
+    grains' gradients and losses are added in the aligned tree over their global index. Each
+    rank sums the complete subtrees it holds, the ranks all-gather those nodes, and every
+    rank evaluates the same tree. The root reaches the engine as rank 0's gradient with
+    zeros elsewhere (root + 0 + ... + 0 is the root in any order), so DDP and ZeRO run
+    unchanged. A pipeline stage takes what each backward action (B, W) adds to its sample's
+    share; the tied wte's two shares are exchanged, and MoE aux terms computed on several
+    stages are gathered and added in the model's order.
+    Weight tiles (`matmul.py`, `tensor.py`): the tp-shardable matmuls run over fixed tiles
+    of W (head_dim columns of qkv, head_dim rows of the projection, F/H for the MLP, one
+    vocabulary column for the LM head), so that a tp shard is whole tiles. Every BLAS call
+    then has the single process's shape, and the sums over split tiles (Megatron's f and g)
+    exchange the nodes of the tree instead of an all-reduce. The vocabulary's exp-sum uses
+    the same tree. Under SP the LayerNorm and bias gradients are sums over single tokens in
+    the tree, exchanged over tp. The norm is over whole (tp-gathered) gradients.
+    Experts (`expert.py`): an expert runs each source grain's tokens in a call of its own,
+    on an alias whose gradient is that grain's (kept per micro-batch in flight under pp).
+    The grains are added in the tree over the expert's replicas (edp), and their roots
+    replace the experts' slices of the dense root.
+    Positions (`--token-tiles N`, `context.py`, `attention.py`): every sum over positions is
+    a tree over runs of T/N positions: matmul rows and dW, embeddings, LayerNorms, biases
+    and the loss. Attention computes each query run over all-gathered K and V, and adds dK
+    and dV over the runs in the tree. Context parallelism needs it: a cp rank holds whole
+    runs (N a multiple of 2cp for the zig-zag layout), and exchanges its nodes over cp
+    (under SP over tp, then cp).
 Covered: dp of any size, ZeRO 0-3, pp (every schedule; MoE blocks too, whose aux terms
 the stages gather to add them in the model's order), tp with or without SP, ep (with pp
 too), cp (ring or Ulysses layouts, zig-zag or contiguous, with --token-tiles), and their

@@ -1,6 +1,57 @@
 """Pipeline parallelism: the layer stack cut into P stages, one per pp rank, micro-batches
 flowing through them in the order a schedule gives.
 
+The stages. With pp > 1 the layers are cut into pp stages (stage.py; the embedding on the
+first, the final LayerNorm, head and loss on the last; uneven splits by default, e.g. 5
+layers on 2 stages as 3 + 2, or Plan.layers_per_stage), each cut from the same (seed, name)
+draw, each parameter under its single-process name. With tied embeddings wte lives on the
+first and the last stage, and their gradients are summed between the two every step
+(Megatron's embedding group): the copies stay bitwise equal.
+
+The schedules are plain data (schedules.py): for each stage, the list of its actions in
+order, F(m, c) forward of micro-batch m through chunk c, B(m, c) its backward (only the
+input gradient in a split schedule), W(m, c) the weight gradient (split schedules;
+autograd/split.py cuts a backward in two, bitwise equal to one backward). The sends and
+receives are derived from the actions, never written.
+
+    schedule      order on stage s                 bubble (unit costs)     activations held
+    gpipe         all M forwards, then all M       (P-1)/(M+P-1)           M on every stage
+                  backwards
+    1f1b          P-1-s forwards, then one F one   (P-1)/(M+P-1)           P-s on stage s
+                  B, then the remaining Bs
+    interleaved   V chunks per stage (default 2),  (P-1)/(V M+P-1),        more, smaller
+                  Megatron's order                 M >= P                  chunks
+    zb-h1         1F1B's order with B split from   (P-1)/(3M+P-1), M >= P  P on every stage
+                  W; the Ws fill the bubbles       (F = B = W)
+
+A schedule of your own is a CSV file like torchtitan's (schedule_csv.py), one line per
+stage, cells {virtual stage}{F|B|W}{micro-batch}:
+    0F0,0F1,0B0,0B1
+    1F0,1B0,1F1,1B1
+(`python -m minidist train --pp 2 --grad-accum 2 --schedule my.csv --check` runs it.)
+Before any process starts, schedule_validate.validate proves a schedule complete and free
+of deadlock: every action present once, each B after its F and each W after its B, on every
+link the sender's messages in the order the receiver expects them, and a step-by-step run
+that cannot get stuck; otherwise a ScheduleError names the first stuck action.
+schedule_sim.simulate(schedule, costs) plays it with F, B, W costs (per stage if you like)
+and gives its timeline, bubble fraction and peak activations; schedule_render draws any
+timeline, simulated or recorded from a real run (RankResult.pipeline["timeline"]), as text,
+as a Chrome trace and, with the `plot` extra, as a PNG:
+
+    stage 0 |F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7 |
+    stage 1 |.  F0 F1 F2 .  .  B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7 |
+    stage 2 |.  .  F0 F1 .  B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7 |
+    stage 3 |.  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7 |
+    (ZB-H1, P = 4, M = 8, unit costs: bubble 1/9; `python -m minidist demo pipeline`.)
+
+On the ranks each action runs as the schedule says; activations and gradients travel on
+2-rank link groups with asynchronous sends, every message a numbered send/recv tagged with
+its micro-batch: a message of another micro-batch is a CollectiveMismatch naming both
+(DeepSpeed #5729), a hung stage a CollectiveTimeout naming the pending receive. The dp
+reduction (DDP, ZeRO-1, ZeRO-2) starts after the stage's last backward; ZeRO-3 with pp is
+refused, as DeepSpeed does (it would gather every unit again for each micro-batch). Under
+mpiexec a send runs inline (one thread talks to MPI): fine below MPI's eager limit.
+
     schedules.py           schedules as data: GPipe, 1F1B, interleaved 1F1B, zero bubble
     stage.py               PipelineCut (which layers a stage holds), the links between
                            stages, and PipelineStage, which runs a schedule's actions

@@ -28,7 +28,7 @@ from minidist.nn import GPT                                             # noqa: 
 from minidist.parallel.zero import memory as zm                         # noqa: E402
 from minidist.parallel.zero.flat import ownership_map, split_units           # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
-from minidist.train import Plan, train_on_rank                          # noqa: E402
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank  # noqa: E402
 
 # --- settings (each can be overridden on the command line) ---
 WORLD_SIZE, STEPS, GLOBAL_BATCH, MICRO_BATCHES, LR, SEED = 4, 3, 16, 1, 3e-3, 0
@@ -47,8 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def rank_main(ctx, cfg, data_cfg, plan, args):
     """Every rank runs train.py's loop; the engine (DDP or ZeRO) is chosen by plan.zero."""
-    return train_on_rank(ctx, cfg, data_cfg, plan, steps=args.steps,
-                         global_batch=args.global_batch, lr=args.lr, seed=args.seed)
+    return train_on_rank(ctx, cfg, data_cfg, plan,
+                         RunConfig(steps=args.steps, global_batch=args.global_batch,
+                                   seed=args.seed),
+                         OptimizerConfig(lr=args.lr))
 
 
 def show_formulas(psi: int, W: int) -> None:

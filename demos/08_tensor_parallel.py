@@ -34,7 +34,7 @@ from minidist.parallel.tensor.tensor_parallel import (TensorParallel, apply_tens
                                                       vocab_range)
 from minidist.parallel.tensor.vocab import vocab_parallel_cross_entropy        # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
-from minidist.train import Plan, train_on_rank                          # noqa: E402
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank  # noqa: E402
 
 # --- settings (each can be overridden on the command line) ---
 TP, STEPS, GLOBAL_BATCH, SHOW_BATCH, LR, SEED = 2, 3, 8, 2, 3e-3, 0
@@ -137,8 +137,8 @@ def rank_main(ctx, cfg, data_cfg, args):
     show["loss"]["lib"] = vocab_parallel_cross_entropy(logits, y, tp, cfg.vocab_size).item() \
         / show["loss"]["n"]
     run = train_on_rank(ctx, cfg, data_cfg, Plan(tp=ctx.world_size, check_placements=True),
-                        steps=args.steps, global_batch=args.global_batch, lr=args.lr,
-                        seed=args.seed)
+                        RunConfig(steps=args.steps, global_batch=args.global_batch, seed=args.seed),
+                        OptimizerConfig(lr=args.lr))
     return pieces, show, run
 
 

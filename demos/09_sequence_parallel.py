@@ -31,7 +31,7 @@ from minidist.nn import GPT                                             # noqa: 
 from minidist.parallel import placement as pl                           # noqa: E402
 from minidist.parallel.tensor.tensor_parallel import TensorParallel, apply_tensor       # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
-from minidist.train import Plan, train_on_rank                          # noqa: E402
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank  # noqa: E402
 
 # --- settings (each can be overridden on the command line) ---
 TP, STEPS, GLOBAL_BATCH, SHOW_BATCH, LR, SEED = 2, 3, 8, 2, 3e-3, 0
@@ -130,10 +130,11 @@ def rank_main(ctx, cfg, data_cfg, args):
     loss.backward()
     show["unsummed"] = {n: p.grad.copy() for n, p in buggy.named_parameters()
                         if isinstance(pl.placement_of(p, "tp"), pl.Replicate)}
-    run = train_on_rank(ctx, cfg, data_cfg, Plan(tp=ctx.world_size, sequence_parallel=True,
+    run = train_on_rank(ctx, cfg, data_cfg,
+                        Plan(tp=ctx.world_size, sequence_parallel=True,
                                                   check_placements=True),
-                        steps=args.steps, global_batch=args.global_batch, lr=args.lr,
-                        seed=args.seed)
+                        RunConfig(steps=args.steps, global_batch=args.global_batch, seed=args.seed),
+                        OptimizerConfig(lr=args.lr))
     return show, run
 
 

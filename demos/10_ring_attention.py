@@ -30,7 +30,7 @@ from minidist.observe.trace import Event, Trace, now_us
 from minidist.parallel.context.ring_attention import (LAYOUTS, attention_work, imbalance,
                                                       ring_attention, sequence_layout)
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 # --- settings (each can be overridden on the command line; T = 0 means 4 cp) ---
 CP, LAYOUT, T, B, H, D, SEED, STEPS, GLOBAL_BATCH, LR = 4, "zigzag", 0, 1, 2, 4, 0, 3, 4, 3e-3
@@ -93,8 +93,8 @@ def rank_main(ctx, args, arrays, cfg, data_cfg):
     y.backward(arrays[3][:, :, mine])                            # dy: my rows of the global dy
     t2 = now_us()
     run = train_on_rank(ctx, cfg, data_cfg, Plan(cp=ctx.world_size, cp_layout=args.layout),
-                        steps=args.steps, global_batch=args.global_batch, lr=args.lr,
-                        seed=args.seed)
+                        RunConfig(steps=args.steps, global_batch=args.global_batch, seed=args.seed),
+                        OptimizerConfig(lr=args.lr))
     return (y.data, q.grad, k.grad, v.grad), g.timeline(((t0, t1), (t1, t2))), run
 
 

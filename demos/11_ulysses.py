@@ -26,7 +26,7 @@ from minidist.nn.layers import Dropout
 from minidist.parallel.context.ring_attention import LAYOUTS, sequence_layout
 from minidist.parallel.context.ulysses import heads_to_seq, seq_to_heads, ulysses_attention
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 # --- settings (each can be overridden on the command line; T = 0: 4 cp, H = 0: 2 cp) ---
 CP, LAYOUT, T, H, B, D, SEED, STEPS, GLOBAL_BATCH, LR = 2, "zigzag", 0, 0, 1, 4, 0, 3, 4, 3e-3
@@ -54,8 +54,8 @@ def rank_main(ctx, args, arrays, cfg, data_cfg):
     y_lib.backward(dy)
     sent.append(g.stats["bytes_sent"])
     run = train_on_rank(ctx, cfg, data_cfg, Plan(cp=W, cp_algo="ulysses", cp_layout=args.layout),
-                        steps=args.steps, global_batch=args.global_batch, lr=args.lr,
-                        seed=args.seed)
+                        RunConfig(steps=args.steps, global_batch=args.global_batch, seed=args.seed),
+                        OptimizerConfig(lr=args.lr))
     held = [np.stack([q, k, v]), qkv, y_h, y]
     sent = np.diff(sent).tolist()
     return held, (sent[0], sent[2], sent[3], sent[4]), (y_lib.data, qt.grad, kt.grad, vt.grad), run

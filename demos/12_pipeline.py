@@ -28,7 +28,7 @@ from minidist.parallel.pipeline.schedule_sim import (Timeline, bubble_closed_for
 from minidist.parallel.pipeline.schedule_validate import validate
 from minidist.parallel.pipeline.schedules import SCHEDULES, Action, make_schedule
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 # --- settings (each can be overridden on the command line) ---
 P, M, V, PP, RUN_M, RUN, STEPS, GLOBAL_BATCH, LR, SEED = 4, 8, 2, 2, 4, "1f1b,zb-h1", 3, 16, 3e-3, 0
@@ -98,8 +98,10 @@ def show_schedules(P: int, M: int, V: int) -> list[str]:
 def rank_main(ctx, args, cfg, data_cfg, name: str):
     """Every pp rank trains its stage under schedule `name`; returns its RankResult."""
     plan = Plan(pp=ctx.world_size, micro_batches=args.run_m, schedule=name)
-    return train_on_rank(ctx, cfg, data_cfg, plan, steps=args.steps,
-                         global_batch=args.global_batch, lr=args.lr, seed=args.seed)
+    return train_on_rank(ctx, cfg, data_cfg, plan,
+                         RunConfig(steps=args.steps, global_batch=args.global_batch,
+                                   seed=args.seed),
+                         OptimizerConfig(lr=args.lr))
 
 
 def show_run(name: str, runs, pp: int, M: int) -> list[str]:

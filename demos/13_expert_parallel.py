@@ -27,7 +27,7 @@ from minidist.data import DataConfig, model_config_for
 from minidist.nn.moe import MoE
 from minidist.parallel.expert.expert_parallel import ExpertParallelMoE
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 # --- settings (each can be overridden on the command line) ---
 EP, EXPERTS, TOP_K, TOKENS, GROUP, CAPACITY_FACTOR, C, HIDDEN, SEED = 2, 4, 2, 8, 4, 1.0, 6, 8, 0
@@ -129,8 +129,9 @@ def show_layer(a, res: list[dict]) -> list[str]:
 
 def rank_train(ctx, a, cfg, data_cfg):
     plan = Plan(dp=a.ep, ep=a.ep)                 # the ep ranks are the dp ranks
-    return train_on_rank(ctx, cfg, data_cfg, plan, steps=a.steps, global_batch=a.global_batch,
-                         lr=a.lr, seed=a.seed)
+    return train_on_rank(ctx, cfg, data_cfg, plan,
+                         RunConfig(steps=a.steps, global_batch=a.global_batch, seed=a.seed),
+                         OptimizerConfig(lr=a.lr))
 
 
 def show_training(a) -> float:

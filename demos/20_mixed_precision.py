@@ -22,7 +22,7 @@ import numpy as np
 
 from minidist.data import DataConfig, model_config_for
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on_rank
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, EVERY, BATCH, LR, SEED, OVERFLOW_STEP, SCALE_STEPS = 100, 10, 16, 3e-3, 0, 6, 10
@@ -64,8 +64,9 @@ def rank_main(ctx, a, precision: str, steps: int, overflow: bool):
             del e.model.loss
     plan = Plan(dp=ctx.world_size, precision=precision,
                 grad_reduce="fp32" if precision == "fp32" else "low")
-    result = train_on_rank(ctx, cfg, data, plan, steps=steps, global_batch=a.batch, lr=a.lr,
-                           seed=a.seed, on_step_end=end)
+    result = train_on_rank(ctx, cfg, data, plan,
+                           RunConfig(steps=steps, global_batch=a.batch, seed=a.seed),
+                           OptimizerConfig(lr=a.lr), hooks=[OnStepEnd(end)])
     return result, history or None
 
 

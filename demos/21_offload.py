@@ -30,7 +30,7 @@ from minidist.data import DataConfig, model_config_for                 # noqa: E
 from minidist.memory.ledger import format_bytes                        # noqa: E402
 from minidist.memory.offload import PREFIX, TIERS                      # noqa: E402
 from minidist.runtime.launch import spawn                              # noqa: E402
-from minidist.train import Plan, train_on_rank                         # noqa: E402
+from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on_rank  # noqa: E402
 
 # --- settings (each can be overridden on the command line) ---
 WORLD_SIZE, ZERO, STEPS, N_LAYER, N_EMBD, N_HEAD, LENGTH, BATCH, SEED = 2, 3, 4, 2, 32, 4, 6, 16, 0
@@ -67,8 +67,10 @@ def rank_main(ctx, cfg, data_cfg, plan: Plan, a):
     def look(end):
         if end.step == 0:
             seen.update(where(end.engine.opt))
-    run = train_on_rank(ctx, cfg, data_cfg, plan, steps=a.steps, global_batch=a.batch,
-                        lr=1e-2, seed=a.seed, memory_ledger=True, on_step_end=look)
+    run = train_on_rank(ctx, cfg, data_cfg, plan,
+                        RunConfig(steps=a.steps, global_batch=a.batch, seed=a.seed,
+                                  memory_ledger=True),
+                        OptimizerConfig(lr=1e-2), hooks=[OnStepEnd(look)])
     return run, seen
 
 

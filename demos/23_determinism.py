@@ -32,7 +32,7 @@ from minidist.deterministic.digest import params_digest
 from minidist.nn import GPTConfig
 from minidist.parallel.compose import Plan
 from minidist.runtime import spawn
-from minidist.train import train_on_rank
+from minidist.train import OptimizerConfig, RunConfig, train_on_rank
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, BATCH, DTYPE, SEED = 3, 12, "float64", 0
@@ -69,9 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def rank_main(ctx, cfg, data, plan, a, deterministic):
-    return train_on_rank(ctx, cfg, data, plan, steps=a.steps, global_batch=a.batch, lr=1e-2,
-                         seed=a.seed, clip_grad=0.5, deterministic=deterministic,
-                         token_tiles=TOKEN_TILES if deterministic else None)
+    return train_on_rank(ctx, cfg, data, plan,
+                         RunConfig(steps=a.steps, global_batch=a.batch, seed=a.seed,
+                                   deterministic=deterministic,
+                                   token_tiles=TOKEN_TILES if deterministic else None),
+                         OptimizerConfig(lr=1e-2, clip_grad=0.5))
 
 
 def run(name, cfg, data, a, deterministic, kwargs=None):

@@ -26,7 +26,7 @@ from pathlib import Path
 from minidist.data import DataConfig, model_config_for
 from minidist.observe import report, run_dir
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on_rank
 
 # --- settings (each can be overridden on the command line) ---
 DP, TP, STEPS, TRACE_STEP, BATCH, N_LAYER, N_EMBD, N_HEAD, LR = 2, 2, 3, 1, 8, 2, 16, 2, 1e-2
@@ -54,8 +54,8 @@ def rank_main(ctx, cfg, data, plan, a, path):
         position[end.step] = int(ctx.world.records.recorder.pos[ctx.rank])
 
     observer = run_dir.RankObserver(path, ctx.rank, (a.trace_step,), ctx.world.group_names)
-    train_on_rank(ctx, cfg, data, plan, steps=a.steps, global_batch=a.batch, lr=LR,
-                  observer=observer, on_step_end=note)
+    train_on_rank(ctx, cfg, data, plan, RunConfig(steps=a.steps, global_batch=a.batch),
+                  OptimizerConfig(lr=LR), hooks=[observer, OnStepEnd(note)])
     observer.close()
     return position[a.trace_step] - position[a.trace_step - 1]   # calls in the traced step
 

@@ -49,24 +49,20 @@ the run directory's observer (observe/run_dir.py), on_step and on_step_end callb
 step itself: the spike guard (reliability/spike.py), which decides the update, and the
 deterministic mode (deterministic/step.py), which computes the gradient grain by grain.
 
-train_on_rank's arguments: those of baseline.train_single_process (grad_accum is
-plan.micro_batches; for a dense model the same result up to the order of additions), and
-    on_step(step, global loss)   after each step, on every rank; one more 8-byte
-                                 all-reduce per step (not counted in bytes_per_step)
-    start_step, initial_state, total_steps   resume: initial_state = (params, optimizer
-                                 state) in the global layout (any Plan's) is loaded, and the
-                                 steps run are start_step .. start_step + steps - 1; data,
-                                 dropout and the lr schedule follow the global step index;
-                                 total_steps: the whole run's length (cosine decay)
-    injector, straggler, observer, on_step_end   the hooks above
-    guard, data_offset           loss-spike handling; step s trains on the global batch
-                                 s + data_offset (batches skipped after a rollback)
-    device_memory, memory_ledger the steps run under memory/ledger.py's Ledger (a per-rank
-                                 budget in bytes or "64MB", or none); RankResult.memory
-                                 ["ledger"] is its summary()
-    deterministic, grain, token_tiles   bitwise train_single_process(deterministic=True,
-                                 grain=..., token_tiles=...): each micro-batch is one grain
-                                 of `grain` rows, whatever plan.micro_batches says
+train_on_rank's configuration is four dataclasses and the hooks:
+    model_cfg (nn.GPTConfig), data_cfg (data.DataConfig)   what is trained, on what
+    plan (parallel/compose.Plan)     how the ranks split the work
+    run (RunConfig)                  which steps, the global batch, the seed; resuming
+                                     (start_step, total_steps, data_offset); the memory
+                                     ledger; the deterministic mode
+    opt (optim.OptimizerConfig)      the optimizer, its learning-rate schedule, clipping
+    hooks                            the features above; OnStep(fn) calls fn(step, global
+                                     loss) after each step (one more 8-byte all-reduce, not
+                                     in bytes_per_step), OnStepEnd(fn) calls fn(StepEnd)
+baseline.train_single_process takes the same model, data, run and optimizer settings
+(grad_accum is plan.micro_batches; for a dense model the same result up to the order of
+additions). Resuming: initial_state = (params, optimizer state) in the global layout (any
+Plan's) is loaded, and data, dropout and the lr schedule follow the global step index.
 
 CLI: `python -m minidist train --pp 2 --dp 2 --cp 2 --tp 2 [--sp] [--zero 1] [--schedule
 1f1b] [--check]` (train_cli.py).
@@ -79,24 +75,25 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from minidist import collectives as C
-from minidist import optim
 from minidist.data import DataConfig, SyntheticData, check_compatible
 from minidist.deterministic import step as determinism
 from minidist.deterministic.expert import ExpertGrains
 from minidist.deterministic.layout import determinize_layout
 from minidist.memory.ledger import Ledger
 from minidist.nn import GPTConfig
+from minidist.optim import OptimizerConfig
 from minidist.parallel import micro_batching
 from minidist.parallel import placement
 from minidist.parallel.compose import Plan, build
 from minidist.runtime.errors import rank_prefix
 
-__all__ = ["Plan", "RankResult", "StepEnd", "train_on_rank"]
+__all__ = ["Hook", "OnStep", "OnStepEnd", "OptimizerConfig", "Plan", "RankResult",
+           "RunConfig", "StepEnd", "train_on_rank"]
 
 
 @dataclass(frozen=True)
@@ -195,52 +192,89 @@ def _traffic(groups: dict[str, object]) -> dict[str, int]:
     return out
 
 
-def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *,
-                  steps: int, global_batch: int, lr: float, seed: int = 0,
-                  optimizer: str = "adamw", weight_decay: float = 0.0,
-                  betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.0,
-                  clip_grad: float | None = None, warmup_steps: int = 0,
-                  lr_schedule: str = "constant", min_lr: float = 0.0,
-                  on_step: Callable[[int, float], None] | None = None,
-                  start_step: int = 0, initial_state: tuple[dict, dict] | None = None,
-                  total_steps: int | None = None, injector=None, guard=None,
-                  data_offset: int = 0,
-                  on_step_end: Callable[["StepEnd"], None] | None = None,
-                  straggler=None, observer=None,
-                  device_memory: int | str | None = None,
-                  memory_ledger: bool = False, deterministic: bool = False,
-                  grain: int = 1, token_tiles: int | None = None) -> RankResult:
-    """Train GPT(model_cfg, seed) on this rank's share of `steps` global batches: the loop
-    of baseline.train_single_process around this rank's ParallelStep, with the run's
-    features attached as hooks (module docstring: the arguments, the hook protocol)."""
-    total_steps = _check_steps(steps, start_step, total_steps, lr_schedule)
+@dataclass(frozen=True)
+class RunConfig:
+    """Which steps a run trains, on which data, and how it measures them.
+
+    The run trains global steps start_step .. start_step + steps - 1 on global batches of
+    global_batch rows (step s reads batch s + data_offset: batches skipped after a
+    rollback); total_steps is the whole run's length (the cosine schedule's end; default
+    start_step + steps). device_memory: the steps run under memory/ledger.py's Ledger, a
+    per-rank budget in bytes or "64MB" (memory_ledger: the ledger without a budget).
+    deterministic: bitwise baseline.train_single_process(deterministic=True, grain=...,
+    token_tiles=...): each micro-batch is one grain of `grain` rows."""
+
+    steps: int
+    global_batch: int
+    seed: int = 0
+    start_step: int = 0
+    total_steps: int | None = None
+    data_offset: int = 0
+    device_memory: int | str | None = None
+    memory_ledger: bool = False
+    deterministic: bool = False
+    grain: int = 1
+    token_tiles: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("steps", "start_step", "data_offset"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"RunConfig: {field}={value!r} must be an int >= 0.")
+        last = self.start_step + self.steps
+        if self.total_steps is not None and (isinstance(self.total_steps, bool) or not
+                                             isinstance(self.total_steps, int)
+                                             or self.total_steps < last):
+            raise ValueError(f"RunConfig: total_steps={self.total_steps!r} must be an int >= "
+                             f"start_step + steps = {last}.")
+
+    @property
+    def step_range(self) -> range:
+        """The global indices of the steps this run trains."""
+        return range(self.start_step, self.start_step + self.steps)
+
+    @property
+    def length(self) -> int:
+        """total_steps, or start_step + steps."""
+        return self.start_step + self.steps if self.total_steps is None else self.total_steps
+
+
+def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan,
+                  run: RunConfig, opt: OptimizerConfig, hooks: Sequence[Hook | None] = (), *,
+                  straggler=None, guard=None,
+                  initial_state: tuple[dict, dict] | None = None) -> RankResult:
+    """Train GPT(model_cfg, run.seed) on this rank's share of run.steps global batches: the
+    loop of baseline.train_single_process around this rank's ParallelStep, with the run's
+    features attached as hooks (None entries skipped; the module docstring has the
+    protocol). straggler (reliability/straggler.py) is the first hook and decides the
+    rows of each dp rank; guard (reliability/spike.py) decides each update; initial_state:
+    (params, optimizer state) in the global layout, loaded before the first step."""
     check_compatible(model_cfg, data_cfg)
-    plan.validate(model_cfg, global_batch, data_cfg.block_size)
-    if deterministic:                  # a grain per micro-batch: the grain decides, not M
-        determinism.check(plan, model_cfg, guard, straggler, grain, global_batch, token_tiles)
-        plan = replace(plan, micro_batches=global_batch // (plan.dp * grain))
+    B = run.global_batch
+    plan.validate(model_cfg, B, data_cfg.block_size)
+    grain = run.grain if run.deterministic else 1
+    if run.deterministic:              # a grain per micro-batch: the grain decides, not M
+        determinism.check(plan, model_cfg, guard, straggler, grain, B, run.token_tiles)
+        plan = replace(plan, micro_batches=B // (plan.dp * grain))
     placement.set_checking(plan.checks)
-    lay = build(ctx, plan, model_cfg, seed, optimizer=optimizer, lr=lr,
-                weight_decay=weight_decay, betas=betas, momentum=momentum)
+    lay = build(ctx, plan, model_cfg, run.seed, **opt.engine_arguments())
     if initial_state is not None:
         lay.engine.load_full_state(*initial_state)
-    run = ParallelStep(lay, model_cfg, global_batch, clip_grad, guard,
-                       (grain, token_tiles) if deterministic else None)
-    meter = Meter(ctx, lay, plan, device_memory, memory_ledger)
-    hooks = [h for h in (straggler, OnStep(on_step) if on_step else None, observer,
-                         injector, OnStepEnd(on_step_end) if on_step_end else None) if h]
+    step_run = ParallelStep(lay, model_cfg, B, opt.clip_grad, guard,
+                            (grain, run.token_tiles) if run.deterministic else None)
+    meter = Meter(ctx, lay, plan, run.device_memory, run.memory_ledger)
+    hooks = [h for h in (straggler, *hooks) if h is not None]
     data, dp_rank = SyntheticData(data_cfg), lay.dp_group.rank
     positions = None if lay.context is None else lay.context.positions(data_cfg.block_size)
-    for step in range(start_step, start_step + steps):
+    for step in run.step_range:
         for h in hooks:
             h.on_step_start(step)
-        lr_s = lr if lr_schedule == "constant" else optim.lr_at(
-            step, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr)
+        lr_s = opt.lr_at(step, run.length)
         rows = None if straggler is None else straggler.rows        # uneven under rebalance
-        first, mine = determinism.my_rows(rows, global_batch, plan.dp, dp_rank)
+        first, mine = determinism.my_rows(rows, B, plan.dp, dp_rank)
         batches, n_tokens = micro_batching.micro_batches(
-            data, step + data_offset, global_batch, plan.dp, dp_rank,
-            mine // grain if deterministic else plan.micro_batches, seed, positions,
+            data, step + run.data_offset, B, plan.dp, dp_rank,
+            mine // grain if run.deterministic else plan.micro_batches, run.seed, positions,
             **({} if rows is None else {"rows": rows}))
         for h in hooks:
             batches = h.prepare(step, batches, lay.model)
@@ -252,31 +286,14 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, *
             with contextlib.ExitStack() as around:
                 for h in hooks:
                     around.enter_context(h.around_compute(step, batches, lay.model))
-                return run.compute(batches, n_tokens, first // grain, lr_s)
+                return step_run.compute(batches, n_tokens, first // grain, lr_s)
 
         loss = meter.compute(compute)          # timed, under the memory ledger if any
-        norm = run.update(step, lr_s, loss, compute, meter.global_loss)
-        end = meter.end(step, lr_s, norm, run.timeline, dp_rank)
+        norm = step_run.update(step, lr_s, loss, compute, meter.global_loss)
+        end = meter.end(step, lr_s, norm, step_run.timeline, dp_rank)
         for h in hooks:
             h.on_step_end(end)
-    return meter.result(run.timelines)
-
-
-def _check_steps(steps, start_step, total_steps, lr_schedule: str) -> int:
-    """ValueError unless the step counts and schedule make a run; total_steps (default
-    start_step + steps)."""
-    if not isinstance(steps, int) or steps < 0 or lr_schedule not in ("constant", "cosine"):
-        raise ValueError(f"train_on_rank: steps={steps!r} must be an int >= 0 and "
-                         f"lr_schedule={lr_schedule!r} 'constant' or 'cosine'.")
-    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-        raise ValueError(f"train_on_rank: start_step={start_step!r} must be an int >= 0 (the "
-                         "global index of the first step to run).")
-    total_steps = start_step + steps if total_steps is None else total_steps
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) \
-            or total_steps < start_step + steps:
-        raise ValueError(f"train_on_rank: total_steps={total_steps!r} must be an int >= "
-                         f"start_step + steps = {start_step + steps}.")
-    return total_steps
+    return meter.result(step_run.timelines)
 
 
 class ParallelStep:

@@ -39,7 +39,8 @@ from minidist.parallel.pipeline.schedules import SCHEDULES
 from minidist.reliability import confined, recovery, straggler as stragglers
 from minidist.reliability.checkpoint import CheckpointError, CheckpointStorageError
 from minidist.runtime import RankFailure
-from minidist.train import RankResult, StepEnd, train_on_rank
+from minidist.train import (OnStep, OnStepEnd, OptimizerConfig, RankResult, RunConfig,
+                            StepEnd, train_on_rank)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,19 +355,21 @@ def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: flo
             _stdout_to_devnull()             # quietly, so its last flush at exit succeeds
             raise
 
-    resume["on_step_end"] = progress
     path = getattr(a, "run_path", None)          # main()'s run directory, if any
     observer = None if path is None else run_dir.RankObserver(path, ctx.rank, a.trace_steps,
                                                               ctx.world.group_names)
-    result = train_on_rank(ctx, cfg, data_cfg, plan, global_batch=a.batch, lr=a.lr,
-                           seed=a.seed, optimizer=a.optimizer,
-                           on_step=lambda step, loss: losses.update({step: loss})
-                           if printed(step) else None,
-                           straggler=straggler, observer=observer,
-                           device_memory=getattr(a, "device_memory", None),
-                           deterministic=getattr(a, "deterministic", False),
-                           grain=getattr(a, "grain", 1),
-                           token_tiles=getattr(a, "token_tiles", None), **resume)
+    run = RunConfig(steps=resume["steps"], global_batch=a.batch, seed=a.seed,
+                    start_step=resume["start_step"], total_steps=resume["total_steps"],
+                    data_offset=resume["data_offset"],
+                    device_memory=getattr(a, "device_memory", None),
+                    deterministic=getattr(a, "deterministic", False),
+                    grain=getattr(a, "grain", 1), token_tiles=getattr(a, "token_tiles", None))
+    remember = OnStep(lambda step, loss: losses.update({step: loss}) if printed(step) else None)
+    result = train_on_rank(ctx, cfg, data_cfg, plan, run,
+                           OptimizerConfig(lr=a.lr, name=a.optimizer),
+                           [remember, observer, resume["injector"], OnStepEnd(progress)],
+                           straggler=straggler, guard=resume["guard"],
+                           initial_state=resume["initial_state"])
     if saver is not None:
         saver.close()
     if observer is not None:

@@ -6,6 +6,9 @@ import os
 
 import numpy as np
 
+from minidist.optim import OptimizerConfig
+from minidist.train import RunConfig
+
 
 def assert_close(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, what: str = ""):
     """np.allclose with a message that names the worst element."""
@@ -140,3 +143,11 @@ def assert_runs_match(runs, ref, what: str, atol: float = 1e-12) -> None:
     for rank, run in enumerate(runs[1:], start=1):
         for name, p in runs[0].params.items():
             assert np.array_equal(run.params[name], p), f"{what}: rank {rank} drifted in {name}"
+
+
+def configs(**kw):
+    """(RunConfig, OptimizerConfig) from baseline.train_single_process's keywords, so that a
+    test hands the single process and train_on_rank the same settings."""
+    run_fields = ("steps", "global_batch", "seed", "deterministic", "grain", "token_tiles")
+    opt = {("name" if k == "optimizer" else k): v for k, v in kw.items() if k not in run_fields}
+    return RunConfig(**{k: v for k, v in kw.items() if k in run_fields}), OptimizerConfig(**opt)

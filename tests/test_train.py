@@ -12,8 +12,8 @@ from minidist.parallel import compose
 from minidist.parallel.data.ddp import DataParallel
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
-from tests.helpers import assert_close
+from minidist.train import OnStep, OptimizerConfig, Plan, RunConfig, train_on_rank
+from tests.helpers import assert_close, configs
 
 DATA = DataConfig(task="reverse", length=3)
 TINY = model_config_for(DATA, n_layer=1, n_embd=8, n_head=2, dtype="float64")
@@ -48,9 +48,11 @@ def test_global_batch_must_split_over_dp_times_micro_batches():
 @pytest.mark.multiproc
 def test_dp_must_match_the_world_and_the_batch_is_checked_on_the_rank():
     with pytest.raises(RankFailure, match="dp=2 x tp=1 = 2 ranks, but the job has 1"):
-        spawn(1, train_on_rank, TINY, DATA, Plan(dp=2), steps=1, global_batch=4, lr=1e-3)
+        spawn(1, train_on_rank, TINY, DATA, Plan(dp=2), RunConfig(steps=1, global_batch=4),
+              OptimizerConfig(lr=1e-3))
     with pytest.raises(RankFailure, match="global_batch=5 does not split"):
-        spawn(2, train_on_rank, TINY, DATA, Plan(dp=2), steps=1, global_batch=5, lr=1e-3)
+        spawn(2, train_on_rank, TINY, DATA, Plan(dp=2), RunConfig(steps=1, global_batch=5),
+              OptimizerConfig(lr=1e-3))
 
 
 class _RecordingZero(DataParallel):
@@ -72,20 +74,21 @@ def test_zero_stages_are_dispatched_to_the_zero_engine(monkeypatch):
     monkeypatch.setattr(compose, "ZeroEngine", _RecordingZero)
     kw = dict(steps=2, global_batch=4, lr=1e-2, optimizer="sgd", momentum=0.9)
     ref = train_single_process(TINY, DATA, **kw)
-    runs = spawn(2, train_on_rank, TINY, DATA, Plan(dp=2, zero=2, algo="ring"), **kw)
+    runs = spawn(2, train_on_rank, TINY, DATA, Plan(dp=2, zero=2, algo="ring"),
+                 *configs(**kw))
     for run in runs:
         assert run.memory["made_as"] == {"stage": 2, "algo": "ring", "optimizer": "sgd"}
         assert_close(run.losses, ref.losses, atol=1e-12, what="loss")
         for key, s in ref.optimizer_state.items():
             assert_close(run.optimizer_state[key], s, atol=1e-12, what=key)
-    plain = spawn(1, train_on_rank, TINY, DATA, Plan(), **kw)[0]
+    plain = spawn(1, train_on_rank, TINY, DATA, Plan(), *configs(**kw))[0]
     assert "made_as" not in plain.memory                     # zero=0: DataParallel itself
 
 
 @pytest.mark.multiproc
 def test_rank_result_reports_memory_bytes_and_timing():
-    run = spawn(2, train_on_rank, TINY, DATA, Plan(dp=2), steps=2, global_batch=4,
-                lr=1e-3)[0]
+    run = spawn(2, train_on_rank, TINY, DATA, Plan(dp=2), RunConfig(steps=2, global_batch=4),
+                OptimizerConfig(lr=1e-3))[0]
     n = sum(p.size for p in run.params.values())
     assert run.memory == {"params": 8 * n, "grads": 8 * n, "optimizer": 2 * 8 * n}
     assert [b["sent"] for b in run.bytes_per_step] == [8 * n] * 2          # 2(W-1)/W Ψ, W=2
@@ -110,8 +113,9 @@ def test_train_cli_runs_dp_with_zero_and_checks_against_the_baseline():
 
 def _progress_on_rank(ctx, model_cfg, data_cfg):
     seen = []
-    run = train_on_rank(ctx, model_cfg, data_cfg, Plan(dp=ctx.world_size), steps=3,
-                        global_batch=4, lr=1e-2, on_step=lambda s, loss: seen.append((s, loss)))
+    run = train_on_rank(ctx, model_cfg, data_cfg, Plan(dp=ctx.world_size),
+                        RunConfig(steps=3, global_batch=4), OptimizerConfig(lr=1e-2),
+                        hooks=[OnStep(lambda s, loss: seen.append((s, loss)))])
     return seen, run.losses
 
 
@@ -125,3 +129,19 @@ def test_on_step_sees_the_global_loss_of_each_step():
 def test_plan_refuses_zero_with_the_tree_algorithm():
     with pytest.raises(ValueError, match="reduce-scatter"):
         Plan(dp=2, zero=2, algo="tree")
+
+
+def test_run_and_optimizer_configs_refuse_what_makes_no_run():
+    for bad in (dict(steps=-1), dict(steps=True), dict(start_step=-2),
+                dict(total_steps=3, start_step=2), dict(data_offset=1.5)):
+        with pytest.raises(ValueError, match=r"RunConfig: \w+=.* must be an int >= "):
+            RunConfig(**{"steps": 2, "global_batch": 4, **bad})
+    assert RunConfig(steps=2, global_batch=4, start_step=3).length == 5
+    assert list(RunConfig(steps=2, global_batch=4, start_step=3).step_range) == [3, 4]
+    with pytest.raises(ValueError, match="optimizer='lion' is unknown; choose 'adamw' or 'sgd'"):
+        OptimizerConfig(lr=1e-3, name="lion")
+    with pytest.raises(ValueError, match="lr_schedule='linear' is unknown"):
+        OptimizerConfig(lr=1e-3, lr_schedule="linear")
+    cosine = OptimizerConfig(lr=1.0, lr_schedule="cosine", warmup_steps=2, min_lr=0.1)
+    assert [cosine.lr_at(s, 4) for s in (0, 1, 2, 4)] == [0.0, 0.5, 1.0, 0.1]
+    assert OptimizerConfig(lr=0.5).lr_at(7, 4) == 0.5

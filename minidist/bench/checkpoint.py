@@ -68,7 +68,7 @@ from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.reliability import confined, recovery      # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402
-from minidist.train import Plan, train_on_rank  # noqa: E402
+from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on_rank  # noqa: E402
 
 MODES = ("none", "sync", "async")
 LR, TARGET_ASYNC = 3e-3, 0.05                  # the CLI's lr; issue 13: async <= 5 %
@@ -109,8 +109,8 @@ def _on_rank(ctx, cfg, data_cfg, plan: Plan, steps: int, batch: int, mode: str,
                 saver.close()                     # async: the last write, committed
         hooks.append((end.step, t0, time.perf_counter(), c0))
 
-    r = train_on_rank(ctx, cfg, data_cfg, plan, steps=steps, global_batch=batch, lr=LR,
-                      on_step_end=hook)
+    r = train_on_rank(ctx, cfg, data_cfg, plan, RunConfig(steps=steps, global_batch=batch),
+                      OptimizerConfig(lr=LR), hooks=[OnStepEnd(hook)])
     return {"step": r.timing["step"], "hooks": hooks,
             "phases": saver.phases if saver is not None and ctx.rank == 0 else []}
 

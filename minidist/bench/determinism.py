@@ -66,7 +66,7 @@ from minidist.deterministic.digest import params_digest  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.runtime.errors import RankFailure  # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402
-from minidist.train import Plan, train_on_rank  # noqa: E402
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank  # noqa: E402
 
 TARGET = 1.5                    # the bound on deterministic / normal step time
 LR = 1e-3
@@ -135,9 +135,11 @@ def parse_grains(text: str) -> list[int | str]:
 
 def _on_rank(ctx, cfg, data_cfg, plan: Plan, steps: int, batch: int, grain: int | None,
              token_tiles: int | None):
-    r = train_on_rank(ctx, cfg, data_cfg, plan, steps=steps, global_batch=batch, lr=LR,
-                      deterministic=grain is not None, grain=grain or 1,
-                      token_tiles=token_tiles if grain is not None else None)
+    r = train_on_rank(ctx, cfg, data_cfg, plan,
+                      RunConfig(steps=steps, global_batch=batch, deterministic=grain is not None,
+                                grain=grain or 1,
+                                token_tiles=token_tiles if grain is not None else None),
+                      OptimizerConfig(lr=LR))
     return r.timing["step"], params_digest(r.params)
 
 

@@ -48,7 +48,7 @@ from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.observe import run_dir           # noqa: E402
 from minidist.observe.run_dir import Tracer    # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402
-from minidist.train import Plan, train_on_rank  # noqa: E402
+from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on_rank  # noqa: E402
 
 MODES = ("off", "metrics", "trace")
 
@@ -68,8 +68,9 @@ def _on_rank(ctx, cfg, data_cfg, plan, steps: int, batch: int, mode: str, path: 
     observer = None if mode == "off" else run_dir.RankObserver(
         path, ctx.rank, range(steps) if mode == "trace" else (), ctx.world.group_names)
     ends: list[float] = []
-    r = train_on_rank(ctx, cfg, data_cfg, plan, steps=steps, global_batch=batch, lr=1e-3,
-                      on_step_end=lambda end: ends.append(perf_counter()), observer=observer)
+    r = train_on_rank(ctx, cfg, data_cfg, plan, RunConfig(steps=steps, global_batch=batch),
+                      OptimizerConfig(lr=1e-3),
+                      hooks=[observer, OnStepEnd(lambda end: ends.append(perf_counter()))])
     if observer is not None:
         observer.close()
     return r.timing["step"], ends, 0 if observer is None else observer.written, \

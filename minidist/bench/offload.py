@@ -49,15 +49,16 @@ from minidist.memory.ledger import format_bytes  # noqa: E402
 from minidist.memory.offload import TIERS      # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.runtime.launch import spawn      # noqa: E402
-from minidist.train import Plan, train_on_rank  # noqa: E402
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank  # noqa: E402
 
 TARGET = 1.3                                   # issue 11: step <= 1.3 x the plain step
 
 
 def _peak(ctx, cfg, data_cfg, plan: Plan, batch: int) -> tuple[int, int]:
     """(device peak, bytes moved off the device) of this rank over one step."""
-    run = train_on_rank(ctx, cfg, data_cfg, plan, steps=1, global_batch=batch, lr=1e-3,
-                        memory_ledger=True)
+    run = train_on_rank(ctx, cfg, data_cfg, plan,
+                        RunConfig(steps=1, global_batch=batch, memory_ledger=True),
+                        OptimizerConfig(lr=1e-3))
     moved = run.memory["optimizer"] + (run.memory["params"] if plan.zero == 3 else 0)
     return run.memory["ledger"]["peak"], moved if plan.offload != "none" else 0
 

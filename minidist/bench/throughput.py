@@ -41,7 +41,7 @@ from minidist.observe.flops import PHASES, FlopLedger
 from minidist.observe.peak import DTYPES, peak_flops
 from minidist.observe.throughput import closed_form, throughput
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OnStep, OptimizerConfig, Plan, RunConfig, train_on_rank
 
 
 def _peaks(ctx, n: int, refresh: bool) -> list:
@@ -52,8 +52,8 @@ def _on_rank(ctx, cfg, data_cfg, plan: Plan, steps: int, batch: int):
     """Train; count the first step with the ledger; return (step times, the ledger)."""
     led = FlopLedger().start()
     try:
-        r = train_on_rank(ctx, cfg, data_cfg, plan, steps=steps, global_batch=batch,
-                          lr=1e-3, on_step=lambda step, loss: led.stop())
+        r = train_on_rank(ctx, cfg, data_cfg, plan, RunConfig(steps=steps, global_batch=batch),
+                          OptimizerConfig(lr=1e-3), hooks=[OnStep(lambda step, loss: led.stop())])
     finally:
         led.stop()
     return r.timing["step"], led

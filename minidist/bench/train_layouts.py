@@ -65,7 +65,7 @@ from minidist.parallel.expert.expert_parallel import is_expert_parameter
 from minidist.parallel.tensor import memory as tm
 from minidist.parallel.tensor.tensor_parallel import expected_placement
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 
 def _act_on_rank(ctx, cfg, rows: int, plan: Plan) -> int:
@@ -224,7 +224,8 @@ def add_ep_arguments(p: argparse.ArgumentParser) -> None:
 def _ep_on_rank(ctx, cfg, data_cfg, plan: Plan, steps: int, batch: int):
     """train_on_rank, and after each step this rank's all-to-all bytes by the formula (the
     sum over its MoE layers of RankResult.moe's "a2a_bytes", ExpertParallelMoE.take_traffic)."""
-    r = train_on_rank(ctx, cfg, data_cfg, plan, steps=steps, global_batch=batch, lr=1e-3)
+    r = train_on_rank(ctx, cfg, data_cfg, plan, RunConfig(steps=steps, global_batch=batch),
+                      OptimizerConfig(lr=1e-3))
     formula = [sum(v.get("a2a_bytes", 0) for v in step.values()) for step in r.moe]
     return r.timing, r.bytes_by_axis, formula, r.moe
 

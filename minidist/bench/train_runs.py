@@ -20,7 +20,7 @@ import numpy as np
 
 from minidist.parallel.context import ring_attention as ra
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OnStep, OptimizerConfig, Plan, RunConfig, train_on_rank
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ def _on_rank(ctx, model_cfg, data_cfg, plan: Plan, steps: int, batch: int, alone
     marks = [(0.0, 0.0)]                       # ring (send, wait) seconds after each step
     ra.RING_TIMES.reset()
     snap = lambda step, loss: marks.append((ra.RING_TIMES.send_s, ra.RING_TIMES.wait_s))  # noqa
-    r = train_on_rank(ctx, model_cfg, data_cfg, plan, steps=steps, global_batch=batch,
-                      lr=1e-3, on_step=snap if plan.cp > 1 else None)
+    r = train_on_rank(ctx, model_cfg, data_cfg, plan, RunConfig(steps=steps, global_batch=batch),
+                      OptimizerConfig(lr=1e-3), hooks=[OnStep(snap) if plan.cp > 1 else None])
     ring = [(s1 - s0, w1 - w0) for (s0, w0), (s1, w1) in zip(marks, marks[1:])]
     return r.timing, [b["sent"] for b in r.bytes_per_step], r.bytes_by_axis, ring
 

@@ -18,7 +18,7 @@ track (tid) per kind of work, so that the bars of a track nest or follow each ot
 Only the steps in trace_steps are traced (default the first two), at most MAX_EVENTS
 events per rank: a trace is for looking at a step, the metrics are for the whole run.
 
-One rank's view (RankObserver, passed to train.train_on_rank as observer=):
+One rank's view (RankObserver, one of train.train_on_rank's hooks):
     1. begin(step): a traced step switches on two hooks: autograd/function.py's trace_op
        (after each forward, with the time before it; it also wraps the node's backward
        rule so that the backward is timed wherever it runs) and runtime/flight.py's

@@ -4,18 +4,19 @@ Each optimizer updates parameters in place and has a pure array function
 (`sgd_step`, `adamw_step`) that its class loops over and the GPU kernel is
 checked against. DDP and every ZeRO stage run the same classes: ZeRO over
 flat shards (parallel/zero/flat.py's FlatShard) instead of whole parameters.
-Reading order: optimizer.py, sgd.py, adamw.py, clip.py, schedule.py; `make_optimizer`
-(below) picks one by name.
+Reading order: optimizer.py, sgd.py, adamw.py, clip.py, schedule.py, config.py (a run's
+OptimizerConfig); `make_optimizer` (below) picks one by name.
 """
 
 from minidist.optim.adamw import AdamW, adamw_step
 from minidist.optim.clip import clip_grad_norm, clip_to, global_grad_norm
+from minidist.optim.config import OptimizerConfig
 from minidist.optim.optimizer import Optimizer
 from minidist.optim.schedule import lr_at
 from minidist.optim.sgd import SGD, sgd_step
 
 __all__ = ["SGD", "AdamW", "sgd_step", "adamw_step", "global_grad_norm", "clip_grad_norm",
-           "clip_to", "lr_at", "Optimizer", "make_optimizer"]
+           "clip_to", "lr_at", "Optimizer", "OptimizerConfig", "make_optimizer"]
 
 
 def make_optimizer(name: str, params: list, lr: float, weight_decay: float,

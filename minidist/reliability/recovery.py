@@ -390,9 +390,9 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
 
 def on_rank(ctx, a, plan, job: tuple,
             hooks: dict[str, Any] | None = None) -> tuple[dict, "RankCheckpoints | None"]:
-    """A rank's side of `run`: (train_on_rank's keyword arguments for this attempt -- the
-    steps to run, the state to start from, faults, spike guard, data offset --, this
-    rank's RankCheckpoints or None). `hooks`: the run's other stateful hooks by name (the
+    """A rank's side of `run`: (what this attempt runs -- train.RunConfig's start_step,
+    steps, total_steps and data_offset, and train_on_rank's initial_state, injector (a
+    hook) and guard --, this rank's RankCheckpoints or None). `hooks`: the run's other stateful hooks by name (the
     straggler handler), each with state_dict() and load_state_dict(); the spike guard
     joins them. Their state goes into every checkpoint and comes back from the one this
     attempt resumes, so a resumed run equals the uninterrupted one with every option."""
@@ -412,5 +412,4 @@ def on_rank(ctx, a, plan, job: tuple,
         r.progress, injector, offset, token, hooks)
     return {"start_step": start, "steps": max(0, stop - start), "total_steps": a.steps,
             "initial_state": None if state is None else (state.params, state.optimizer),
-            "injector": injector, "guard": guard, "data_offset": offset,
-            "on_step_end": None if saver is None else saver.on_step_end}, saver
+            "injector": injector, "guard": guard, "data_offset": offset}, saver

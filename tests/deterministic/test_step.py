@@ -14,7 +14,7 @@ from minidist.data import DataConfig
 from minidist.nn import GPTConfig
 from minidist.parallel.compose import Plan
 from minidist.runtime import spawn
-from minidist.train import train_on_rank
+from minidist.train import OptimizerConfig, RunConfig, train_on_rank
 
 pytestmark = pytest.mark.multiproc
 DATA = DataConfig("sort", length=4)
@@ -27,8 +27,9 @@ def _cfg(dtype: str) -> GPTConfig:
 
 
 def _rank(ctx, cfg, plan):
-    return train_on_rank(ctx, cfg, DATA, plan, steps=STEPS, global_batch=B, lr=LR,
-                         clip_grad=CLIP, deterministic=True)
+    return train_on_rank(ctx, cfg, DATA, plan,
+                         RunConfig(steps=STEPS, global_batch=B, deterministic=True),
+                         OptimizerConfig(lr=LR, clip_grad=CLIP))
 
 
 def _same(run, ref, what):
@@ -84,8 +85,9 @@ def test_pipeline_layouts_equal_the_single_process_bit_for_bit(dtype, dp, pp, ze
 
 
 def _grain_rank(ctx, cfg, plan, grain):
-    return train_on_rank(ctx, cfg, DATA, plan, steps=STEPS, global_batch=B, lr=LR,
-                         clip_grad=CLIP, deterministic=True, grain=grain)
+    return train_on_rank(ctx, cfg, DATA, plan,
+                         RunConfig(steps=STEPS, global_batch=B, deterministic=True, grain=grain),
+                         OptimizerConfig(lr=LR, clip_grad=CLIP))
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -121,8 +123,9 @@ def _reference(dtype: str, batch: int):
 
 
 def _rank_b(ctx, cfg, plan, batch):
-    return train_on_rank(ctx, cfg, DATA, plan, steps=STEPS, global_batch=batch, lr=LR,
-                         clip_grad=CLIP, deterministic=True)
+    return train_on_rank(ctx, cfg, DATA, plan,
+                         RunConfig(steps=STEPS, global_batch=batch, deterministic=True),
+                         OptimizerConfig(lr=LR, clip_grad=CLIP))
 
 
 TP_PLANS = [Plan(tp=2), Plan(tp=4), Plan(dp=2, tp=2, zero=3),
@@ -265,8 +268,10 @@ def test_every_moe_factorisation_of_w_up_to_8_equals_the_single_process(dtype, p
 
 
 def _rank_tt(ctx, cfg, plan, token_tiles, batch=B):
-    return train_on_rank(ctx, cfg, DATA, plan, steps=STEPS, global_batch=batch, lr=LR,
-                         clip_grad=CLIP, deterministic=True, token_tiles=token_tiles)
+    return train_on_rank(ctx, cfg, DATA, plan,
+                         RunConfig(steps=STEPS, global_batch=batch, deterministic=True,
+                                   token_tiles=token_tiles),
+                         OptimizerConfig(lr=LR, clip_grad=CLIP))
 
 
 @functools.lru_cache(maxsize=16)

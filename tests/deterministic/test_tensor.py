@@ -17,7 +17,7 @@ from minidist.data import DataConfig
 from minidist.nn import GPTConfig
 from minidist.parallel.compose import Plan
 from minidist.runtime import spawn
-from minidist.train import train_on_rank
+from minidist.train import OptimizerConfig, RunConfig, train_on_rank
 
 pytestmark = pytest.mark.multiproc
 DATA = DataConfig("sort", length=4)              # T = 8 positions: tp = 2 and 4 split them
@@ -37,8 +37,9 @@ def _reference(dtype: str, grain: int = 1):
 
 
 def _rank(ctx, cfg, plan, grain):
-    return train_on_rank(ctx, cfg, DATA, plan, steps=STEPS, global_batch=B, lr=LR,
-                         clip_grad=CLIP, deterministic=True, grain=grain)
+    return train_on_rank(ctx, cfg, DATA, plan,
+                         RunConfig(steps=STEPS, global_batch=B, deterministic=True, grain=grain),
+                         OptimizerConfig(lr=LR, clip_grad=CLIP))
 
 
 def _same(run, ref, what):

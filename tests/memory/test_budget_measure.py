@@ -77,10 +77,10 @@ def test_compare_reports_every_stage_and_category():
 def test_the_measured_step_holds_what_train_on_rank_holds(plan):
     """The step measured here is train.py's: its model states equal RankResult.memory."""
     from minidist.runtime.launch import spawn
-    from minidist.train import train_on_rank
+    from minidist.train import OptimizerConfig, RunConfig, train_on_rank
     cfg, plan = model_config_for(DATA, **TINY), MemoryPlan(**plan)
-    runs = spawn(plan.world_size, train_on_rank, cfg, DATA, plan.to_plan(), steps=1,
-                 global_batch=BATCH, lr=1e-3)
+    runs = spawn(plan.world_size, train_on_rank, cfg, DATA, plan.to_plan(),
+                 RunConfig(steps=1, global_batch=BATCH), OptimizerConfig(lr=1e-3))
     for m, run in zip(measure(cfg, DATA, plan, BATCH), runs):
         peaks = sum(v for k, v in run.memory.items() if k.startswith("peak_"))
         assert {c: m.bytes[c] for c in ("params", "grads", "optimizer", "buffers")} == \

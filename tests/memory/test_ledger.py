@@ -26,7 +26,7 @@ from minidist.optim import AdamW
 from minidist.parallel.data.buckets import BucketedDataParallel
 from minidist.parallel.zero.engine import ZeroEngine
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 DATA = DataConfig(task="sort", length=4, seed=1)                        # T = 8
 TINY = model_config_for(DATA, n_layer=2, n_head=2, n_embd=16)           # float64
@@ -273,8 +273,8 @@ def test_model_state_equals_engine_memory_under_ddp_and_zero(stage):
 
 @pytest.mark.multiproc
 def test_train_on_rank_returns_the_ledgers_step_peaks():
-    runs = spawn(2, train_on_rank, TINY, DATA, Plan(dp=2, zero=1), steps=2, global_batch=4,
-                 lr=1e-2, memory_ledger=True)
+    runs = spawn(2, train_on_rank, TINY, DATA, Plan(dp=2, zero=1),
+                 RunConfig(steps=2, global_batch=4, memory_ledger=True), OptimizerConfig(lr=1e-2))
     for run in runs:
         led = run.memory["ledger"]
         assert led["budget"] is None and len(led["step_peaks"]) == 2

@@ -20,7 +20,7 @@ from minidist.data import DataConfig, model_config_for
 from minidist.memory import offload
 from minidist.optim import SGD, AdamW
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from minidist.train_cli import main
 
 DATA = DataConfig(task="sort", length=4, seed=1)                        # T = 8
@@ -83,8 +83,9 @@ def test_dp2_offloaded_equals_plain_and_the_device_peak_drops_by_its_bytes(tmp_p
     for tier in offload.TIERS:
         plan = Plan(dp=2, zero=stage, offload=tier,
                     offload_dir=str(tmp_path) if tier == "disk" else None)
-        runs[tier] = spawn(2, train_on_rank, TINY, DATA, plan, steps=STEPS, global_batch=BATCH,
-                           lr=LR, seed=0, memory_ledger=True)
+        runs[tier] = spawn(2, train_on_rank, TINY, DATA, plan,
+                           RunConfig(steps=STEPS, global_batch=BATCH, seed=0, memory_ledger=True),
+                           OptimizerConfig(lr=LR))
     assert _run_dirs(tmp_path) == [], "train_on_rank closes the offload: no files left"
     for tier in ("host", "disk"):
         for rank in range(2):
@@ -107,8 +108,10 @@ def test_resuming_into_offloaded_zero3_continues_bitwise_as_the_plain_run(tmp_pa
     for tier in ("none", "disk"):
         plan = Plan(dp=2, zero=3, offload=tier,
                     offload_dir=str(tmp_path) if tier == "disk" else None)
-        runs[tier] = spawn(2, train_on_rank, TINY, DATA, plan, steps=2, global_batch=BATCH,
-                           lr=LR, seed=0, start_step=1, total_steps=3,
+        runs[tier] = spawn(2, train_on_rank, TINY, DATA, plan,
+                           RunConfig(steps=2, global_batch=BATCH, seed=0, start_step=1,
+                                     total_steps=3),
+                           OptimizerConfig(lr=LR),
                            initial_state=(first.params, first.optimizer_state))
     for rank in range(2):
         _assert_same(runs["disk"][rank], runs["none"][rank], f"resumed rank {rank}")

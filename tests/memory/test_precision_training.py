@@ -14,7 +14,7 @@ from minidist.nn import GPT
 from minidist.parallel.zero.flat import split_units
 from minidist.parallel.zero.memory import exact_bytes, formula_bytes
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on_rank
 
 pytestmark = pytest.mark.multiproc
 DATA = DataConfig(task="sort", length=6, seed=0)
@@ -26,8 +26,8 @@ B, LR, N, LAST = 16, 3e-3, 100, 10          # batch, lr, steps, steps averaged a
 def _run(W: int = 1, zero: int = 0, precision: str = "fp32", reduce: str = "fp32",
          steps: int = N):
     plan = Plan(dp=W, zero=zero, precision=precision, grad_reduce=reduce)
-    return spawn(W, train_on_rank, CFG, DATA, plan, steps=steps, global_batch=B, lr=LR,
-                 seed=0)
+    return spawn(W, train_on_rank, CFG, DATA, plan, RunConfig(steps=steps, global_batch=B, seed=0),
+                 OptimizerConfig(lr=LR))
 
 
 def _same_params(a, b) -> bool:
@@ -151,8 +151,8 @@ def _overflow_on_rank_1(ctx, zero: int):
             else:
                 del e.model.loss
     plan = Plan(dp=2, zero=zero, precision="fp16", grad_reduce="low")
-    result = train_on_rank(ctx, CFG, DATA, plan, steps=AT + 2, global_batch=B, lr=LR, seed=0,
-                           on_step_end=end,
+    result = train_on_rank(ctx, CFG, DATA, plan, RunConfig(steps=AT + 2, global_batch=B, seed=0),
+                           OptimizerConfig(lr=LR), hooks=[OnStepEnd(end)],
                            guard=_InfIntoRank0sShard(ctx.rank) if zero else None)
     return result, seen
 

@@ -20,7 +20,7 @@ from minidist.nn import GPT, DropoutKey, GPTConfig, Linear
 from minidist.parallel.context.context_parallel import ContextParallel, apply_context
 from minidist.parallel.tensor import memory as tm
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 DATA = DataConfig(task="sort", length=4, seed=1)                  # V = 11, T = 8
 STEPS, M = 2, 2
@@ -264,7 +264,8 @@ def _policies_on_rank(ctx, cfg, plan, batch, modes):
     for mode in modes:
         before = rc.counts()
         run = train_on_rank(ctx, dataclasses.replace(cfg, recompute=mode), DATA, plan,
-                            steps=STEPS, global_batch=batch, lr=1e-2, clip_grad=0.05)
+                            RunConfig(steps=STEPS, global_batch=batch),
+                            OptimizerConfig(lr=1e-2, clip_grad=0.05))
         out[mode] = run, {n: _delta(before, n) for n in NAMES.values()}
     return out
 

@@ -10,7 +10,7 @@ import pytest
 from minidist.data import DataConfig, model_config_for
 from minidist.observe import metrics, run_dir
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 DATA = DataConfig(task="reverse", length=3)
 TINY = model_config_for(DATA, n_layer=2, n_embd=16, n_head=2, dtype="float64")
@@ -68,8 +68,8 @@ def test_summary_follows_its_formulas():
 
 def _observed(ctx, path, plan):
     obs = run_dir.RankObserver(path, ctx.rank, (), ctx.world.group_names)
-    result = train_on_rank(ctx, TINY, DATA, plan, steps=STEPS, global_batch=BATCH, lr=1e-2,
-                           observer=obs)
+    result = train_on_rank(ctx, TINY, DATA, plan, RunConfig(steps=STEPS, global_batch=BATCH),
+                           OptimizerConfig(lr=1e-2), hooks=[obs])
     obs.close()
     return result
 

@@ -18,7 +18,7 @@ from minidist.observe import metrics, run_dir
 from minidist.runtime import RankFailure, call
 from minidist.runtime import flight as _flight
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on_rank
 from minidist.train_cli import main as train_main
 
 DATA = DataConfig(task="reverse", length=3)
@@ -40,8 +40,8 @@ def _rank(ctx, path, plan, traced=TRACED, fail_at=None):
             raise RuntimeError(f"rank 1 fails after step {end.step}")
 
     obs = run_dir.RankObserver(path, ctx.rank, traced, ctx.world.group_names)
-    res = train_on_rank(ctx, TINY, DATA, plan, steps=STEPS, global_batch=BATCH, lr=1e-2,
-                        observer=obs, on_step_end=snap)
+    res = train_on_rank(ctx, TINY, DATA, plan, RunConfig(steps=STEPS, global_batch=BATCH),
+                        OptimizerConfig(lr=1e-2), hooks=[obs, OnStepEnd(snap)])
     obs.close()
     return res, ring
 

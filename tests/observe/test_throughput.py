@@ -11,7 +11,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.observe.flops import FlopLedger
 from minidist.observe.throughput import closed_form, from_ledger, throughput
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 CONFIGS = [dict(), dict(tie_weights=False), dict(bias=False), dict(mlp_ratio=2, n_head=4),
            dict(n_layer=3, n_embd=24, n_head=3, vocab_size=17, bias=False, tie_weights=False)]
@@ -92,7 +92,8 @@ def test_mfu_and_hfu_arithmetic():
 def _count_one_step(ctx, cfg, data_cfg, plan, batch):
     led = FlopLedger()
     with led:
-        train_on_rank(ctx, cfg, data_cfg, plan, steps=1, global_batch=batch, lr=1e-3)
+        train_on_rank(ctx, cfg, data_cfg, plan, RunConfig(steps=1, global_batch=batch),
+                      OptimizerConfig(lr=1e-3))
     return led
 
 

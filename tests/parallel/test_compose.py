@@ -13,7 +13,7 @@ from minidist.data import DataConfig, model_config_for
 from minidist.parallel.pipeline import schedules
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from tests.helpers import assert_runs_match
 
 DATA = DataConfig(task="sort", length=6, seed=2)   # V = 11 (divisible by no tp > 1), T = 12
@@ -47,8 +47,9 @@ def _run(dp, tp, zero, sp, cp=1, algo="ring", layout="zigzag"):
     batch = dp * M * 2
     plan = Plan(dp=dp, tp=tp, cp=cp, zero=zero, micro_batches=M, sequence_parallel=sp,
                 cp_algo=algo, cp_layout=layout)
-    runs = spawn(dp * cp * tp, train_on_rank, _cfg(tp, cp), _data(cp), plan, steps=STEPS,
-                 global_batch=batch, lr=LR, clip_grad=CLIP, weight_decay=0.01)
+    runs = spawn(dp * cp * tp, train_on_rank, _cfg(tp, cp), _data(cp), plan,
+                 RunConfig(steps=STEPS, global_batch=batch),
+                 OptimizerConfig(lr=LR, weight_decay=0.01, clip_grad=CLIP))
     _check(runs, _reference(tp, batch, cp), f"dp={dp} cp={cp} ({algo}, {layout}) tp={tp} "
                                             f"zero={zero} sp={sp}")
 
@@ -129,7 +130,8 @@ def test_every_factorisation_with_pipeline_stages_matches_single_process(pp, dp,
                 sequence_parallel=sp, schedule=schedule)
     batch = dp * micro * 2
     runs = spawn(plan.world_size, train_on_rank, _cfg(tp, cp, n_layer), _data(cp), plan,
-                 steps=STEPS, global_batch=batch, lr=LR, clip_grad=CLIP, weight_decay=0.01)
+                 RunConfig(steps=STEPS, global_batch=batch),
+                 OptimizerConfig(lr=LR, weight_decay=0.01, clip_grad=CLIP))
     _check(runs, _reference(tp, batch, cp, n_layer, micro), f"{plan.describe()} zero={zero}")
 
 
@@ -183,7 +185,8 @@ def test_plan_refuses_bad_or_unbuilt_axes(field, bad):
 @pytest.mark.multiproc
 def test_a_plan_for_another_world_size_is_refused_on_the_rank():
     with pytest.raises(RankFailure, match=r"dp=1 x tp=2 = 2 ranks, but the job has 3"):
-        spawn(3, train_on_rank, _cfg(2), DATA, Plan(tp=2), steps=1, global_batch=4, lr=LR)
+        spawn(3, train_on_rank, _cfg(2), DATA, Plan(tp=2), RunConfig(steps=1, global_batch=4),
+              OptimizerConfig(lr=LR))
 
 
 def _groups(ctx):
@@ -220,8 +223,8 @@ def test_zero_memory_over_dp_of_tp_shards_equals_the_formula(zero):
     from minidist.parallel.zero.memory import exact_bytes
     dp, tp, cfg = 2, 2, _cfg(2)
     plan = Plan(dp=dp, tp=tp, zero=zero, micro_batches=M)
-    runs = spawn(dp * tp, train_on_rank, cfg, DATA, plan, steps=1, global_batch=dp * M * 2,
-                 lr=LR)
+    runs = spawn(dp * tp, train_on_rank, cfg, DATA, plan,
+                 RunConfig(steps=1, global_batch=dp * M * 2), OptimizerConfig(lr=LR))
     expected = exact_bytes(zero, _local_numels(cfg, tp), dp, itemsize=8, micro_batches=M)
     for rank, run in enumerate(runs):                 # every rank holds the same bytes
         assert run.memory == expected, f"rank {rank}: {run.memory} != {expected}"

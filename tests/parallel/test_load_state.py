@@ -17,7 +17,7 @@ from minidist.parallel import micro_batching
 from minidist.parallel import placement
 from minidist.parallel.compose import build
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, _global_loss, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, _global_loss, train_on_rank
 from tests.helpers import assert_close
 
 DATA = DataConfig(task="sort", length=6, seed=2)      # V = 11 (padded under tp), T = 12
@@ -261,8 +261,9 @@ def _describe(plan: Plan) -> str:
 @functools.lru_cache(maxsize=None)
 def _trained(plan: Plan, moe: bool, steps: int):
     """train_on_rank's results on every rank, `steps` steps from the start."""
-    runs = spawn(plan.world_size, train_on_rank, _cfg(moe), DATA, plan, steps=steps,
-                 global_batch=BATCH, lr=LR, clip_grad=CLIP, weight_decay=WD)
+    runs = spawn(plan.world_size, train_on_rank, _cfg(moe), DATA, plan,
+                 RunConfig(steps=steps, global_batch=BATCH),
+                 OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP))
     for rank, run in enumerate(runs[1:], start=1):
         _assert_bitwise(run.params, runs[0].params, f"{_describe(plan)}: rank {rank}")
     return runs

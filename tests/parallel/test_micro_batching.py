@@ -8,7 +8,7 @@ from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.parallel import micro_batching
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 DATA = DataConfig(task="add")                     # answers of one token: easy to count
 CFG = model_config_for(DATA, n_layer=1, n_head=2, n_embd=8)
@@ -36,15 +36,15 @@ def test_a_loss_divided_by_a_local_token_count_is_caught(monkeypatch):
     monkeypatch.setattr(micro_batching, "micro_batches", _local_count)
     with pytest.raises(RankFailure, match=r"the loss was divided by n_tokens=4, but the dp "
                                           r"ranks' micro-batches hold 8 counted targets"):
-        spawn(2, train_on_rank, CFG, DATA, Plan(dp=2, check_placements=True), steps=1,
-              global_batch=8, lr=1e-2)
+        spawn(2, train_on_rank, CFG, DATA, Plan(dp=2, check_placements=True),
+              RunConfig(steps=1, global_batch=8), OptimizerConfig(lr=1e-2))
 
 
 @pytest.mark.multiproc
 def test_without_check_mode_nothing_is_counted_twice():
     # check mode off: no token all-reduce, no digests; bytes are the gradient traffic only
-    runs = spawn(2, train_on_rank, CFG, DATA, Plan(dp=2, check_placements=False), steps=1,
-                 global_batch=8, lr=1e-2)
+    runs = spawn(2, train_on_rank, CFG, DATA, Plan(dp=2, check_placements=False),
+                 RunConfig(steps=1, global_batch=8), OptimizerConfig(lr=1e-2))
     n = sum(p.size for p in runs[0].params.values())
     assert [r.bytes_per_step[0]["sent"] for r in runs] == [8 * n, 8 * n]
     assert np.isfinite(runs[0].losses[0])

@@ -19,7 +19,7 @@ from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
-from tests.helpers import assert_close, mpiexec_or_skip
+from tests.helpers import assert_close, configs, mpiexec_or_skip
 
 pytestmark = [pytest.mark.mpi, pytest.mark.multiproc]
 
@@ -65,7 +65,7 @@ def test_training_under_mpiexec_matches_the_shared_memory_run(tmp_path, fields):
         losses = f["losses"]
         params = {k.split(":", 1)[1]: f[k] for k in f.files if k.startswith("param:")}
 
-    shm = spawn(2, train_on_rank, TINY, DATA, Plan(**fields), **RUN)[0]
+    shm = spawn(2, train_on_rank, TINY, DATA, Plan(**fields), *configs(**RUN))[0]
     ref = train_single_process(TINY, DATA, grad_accum=fields.get("micro_batches", 1), **RUN)
     what = f"{fields} under mpiexec"
     # float64: the runs add the same numbers, only the grouping over ranks may differ.

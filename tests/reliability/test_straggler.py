@@ -19,7 +19,7 @@ from minidist.reliability import faults
 from minidist.reliability.straggler import (EVERY, FACTOR, PATIENCE, Balancer, Detector,
                                             Straggler, for_rank, partition)
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from tests.helpers import assert_close
 
 DATA = DataConfig(task="sort", seed=3)
@@ -209,8 +209,8 @@ def _rank(ctx, plan: Plan, steps: int, mode: str | None, rows=None, slow: str | 
         straggler = Straggler(mode, ctx.world, plan.dp, B, plan.micro_batches, lines.append,
                               balancer=balancer)
     injector = None if slow is None else faults.Injector([faults.parse(slow)], ctx.rank)
-    result = train_on_rank(ctx, CFG, DATA, plan, steps=steps, global_batch=B, lr=LR,
-                           injector=injector, straggler=straggler)
+    result = train_on_rank(ctx, CFG, DATA, plan, RunConfig(steps=steps, global_batch=B),
+                           OptimizerConfig(lr=LR), hooks=[injector], straggler=straggler)
     return result, [] if straggler is None else [r for r, _ in straggler.history], lines
 
 

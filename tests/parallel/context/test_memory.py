@@ -12,7 +12,7 @@ from minidist.parallel.context import memory as cm
 from minidist.parallel.context import ring_attention as ra
 from minidist.parallel.tensor import memory as tm
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 DATA = DataConfig(task="sort", length=12, seed=2)          # T = 24: 2 cp chunks for cp 2, 3, 4
 
@@ -39,8 +39,8 @@ def test_bytes_per_step_equal_the_formula(dp, tp, cp, algo, layout, H, G, M):
     cfg = model_config_for(DATA, n_layer=2, n_head=H, n_embd=8 * H)
     plan = Plan(dp=dp, tp=tp, cp=cp, cp_algo=algo, cp_layout=layout, micro_batches=M,
                 check_placements=False)             # check mode's digests are traffic too
-    runs = spawn(plan.world_size, train_on_rank, cfg, DATA, plan, steps=2, global_batch=G,
-                 lr=1e-2)
+    runs = spawn(plan.world_size, train_on_rank, cfg, DATA, plan,
+                 RunConfig(steps=2, global_batch=G), OptimizerConfig(lr=1e-2))
     T, rows = DATA.block_size, G // (dp * M)
     attention = cm.step_bytes(cfg, rows, T, cp, algo, tp=tp, micro_batches=M)
     assert attention > 0

@@ -16,8 +16,8 @@ from minidist.parallel.data.buckets import BucketedDataParallel, plan_buckets
 from minidist.parallel.data.ddp import ALGOS, DataParallel, ReplicaDivergence
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
-from tests.helpers import assert_close, assert_runs_match
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
+from tests.helpers import assert_close, assert_runs_match, configs
 
 DATA = DataConfig(task="sort", length=4)
 TINY = model_config_for(DATA, n_layer=2, n_embd=16, n_head=2, dtype="float64")
@@ -43,8 +43,9 @@ def test_dp_training_matches_single_process(W, M, extra):
     ref = train_single_process(TINY, DATA, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,
                                weight_decay=WD, grad_accum=M)           # the ground truth
     plan = Plan(**{"dp": W, "micro_batches": M, "bucket_bytes": SMALL_BUCKET, **extra})
-    runs = spawn(W, train_on_rank, TINY, DATA, plan, steps=STEPS, global_batch=GLOBAL_BATCH,
-                 lr=LR, weight_decay=WD)
+    runs = spawn(W, train_on_rank, TINY, DATA, plan,
+                 RunConfig(steps=STEPS, global_batch=GLOBAL_BATCH),
+                 OptimizerConfig(lr=LR, weight_decay=WD))
     assert_runs_match(runs, ref, f"W={W} M={M} {extra}")
 
 
@@ -53,7 +54,8 @@ def test_dp_on_8_ranks_with_clipping_and_a_schedule():
     kw = dict(steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, clip_grad=0.5, warmup_steps=1,
               lr_schedule="cosine", min_lr=1e-3)
     ref = train_single_process(TINY, DATA, **kw)
-    runs = spawn(8, train_on_rank, TINY, DATA, Plan(dp=8, bucket_bytes=SMALL_BUCKET), **kw)
+    runs = spawn(8, train_on_rank, TINY, DATA, Plan(dp=8, bucket_bytes=SMALL_BUCKET),
+                 *configs(**kw))
     assert max(ref.grad_norms) > 0.5                     # clipping really happened
     assert_runs_match(runs, ref, "W=8 clip 0.5, cosine")
 
@@ -66,9 +68,10 @@ def _shares(n, W):
 @pytest.mark.parametrize("algo", ["direct", "ring"])
 def test_bytes_per_step_equal_the_formula(algo):
     W = 3                                                 # Ψ and buckets not divisible by 3
-    runs = spawn(W, train_on_rank, TINY, DATA, Plan(dp=W, bucket_bytes=SMALL_BUCKET,
+    runs = spawn(W, train_on_rank, TINY, DATA,
+                 Plan(dp=W, bucket_bytes=SMALL_BUCKET,
                                                     algo=algo),
-                 steps=2, global_batch=GLOBAL_BATCH, lr=LR)
+                 RunConfig(steps=2, global_batch=GLOBAL_BATCH), OptimizerConfig(lr=LR))
     params = GPT(TINY).parameters()
     psi = sum(p.size for p in params)
     sizes = [sum(params[i].size for i in b) for b in plan_buckets(params, SMALL_BUCKET)]

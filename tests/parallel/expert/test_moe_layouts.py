@@ -15,7 +15,7 @@ from minidist.nn import GPT, MoE
 from minidist.nn.moe import route_groups
 from minidist.parallel.pipeline import schedules
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from tests.helpers import assert_runs_match
 from tests.parallel.test_compose import FACTORISATIONS, PIPELINED, _data
 
@@ -110,8 +110,9 @@ def _run(pp, dp, cp, tp, zero, top_k, M, schedule="1f1b", aux=0.1, ep=1):
                 ep=ep)
     batch = dp * M * 2
     cfg = _cfg(n_layer, top_k, group, aux, tp, cp)
-    runs = spawn(plan.world_size, train_on_rank, cfg, _data(cp), plan, steps=STEPS,
-                 global_batch=batch, lr=LR, clip_grad=CLIP, weight_decay=0.01)
+    runs = spawn(plan.world_size, train_on_rank, cfg, _data(cp), plan,
+                 RunConfig(steps=STEPS, global_batch=batch),
+                 OptimizerConfig(lr=LR, weight_decay=0.01, clip_grad=CLIP))
     assert_runs_match(runs, _reference(n_layer, top_k, group, M, batch, aux, tp, cp),
                       f"MoE top-{top_k} {plan.describe()} zero={zero} M={M}")
 
@@ -218,8 +219,8 @@ def test_routing_stats_are_counted_once_with_recomputation():
     # recomputes every block in backward: the loss equals one process (above), and the
     # per-step routing statistics equal those of a run without recomputation.
     cfg, plan = _cfg(2, 2), dict(dp=2, ep=2, micro_batches=2)
-    runs = [spawn(2, train_on_rank, cfg, DATA, Plan(zero=z, **plan), steps=2, global_batch=8,
-                  lr=LR)[0] for z in (0, 3)]
+    runs = [spawn(2, train_on_rank, cfg, DATA, Plan(zero=z, **plan),
+                  RunConfig(steps=2, global_batch=8), OptimizerConfig(lr=LR))[0] for z in (0, 3)]
     for a, b in zip(runs[0].moe, runs[1].moe):
         assert a.keys() == b.keys()
         for layer in a:

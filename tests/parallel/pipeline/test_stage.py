@@ -17,7 +17,7 @@ from minidist.parallel.pipeline.schedule_validate import ScheduleError
 from minidist.parallel.pipeline.stage import PipelineCut, split_layers
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from tests.helpers import assert_runs_match
 
 DATA = DataConfig(task="sort", length=6, seed=2)            # T = 12
@@ -39,7 +39,8 @@ def _reference(n_layer: int, M: int, batch: int, tie: bool = True, n_head: int =
 def _run(plan: Plan, n_layer: int, tie: bool = True, n_head: int = 2, what: str = ""):
     batch = plan.dp * plan.micro_batches * 2
     runs = spawn(plan.world_size, train_on_rank, _cfg(n_layer, tie, n_head), DATA, plan,
-                 steps=STEPS, global_batch=batch, lr=LR, clip_grad=CLIP, weight_decay=0.01)
+                 RunConfig(steps=STEPS, global_batch=batch),
+                 OptimizerConfig(lr=LR, weight_decay=0.01, clip_grad=CLIP))
     ref = _reference(n_layer, plan.micro_batches, batch, tie, n_head)
     assert max(ref.grad_norms) > CLIP                         # clipping really happened
     assert_runs_match(runs, ref, what or plan.describe())
@@ -186,7 +187,8 @@ def _stage_fails(ctx, how):
                 time.sleep(60)
             return original(self, a)
         pipeline.PipelineStage._forward = forward
-    train_on_rank(ctx, _cfg(2), DATA, plan, steps=1, global_batch=4, lr=LR)
+    train_on_rank(ctx, _cfg(2), DATA, plan, RunConfig(steps=1, global_batch=4),
+                  OptimizerConfig(lr=LR))
 
 
 @pytest.mark.multiproc

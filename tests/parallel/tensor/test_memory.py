@@ -14,7 +14,7 @@ from minidist.nn import GPT
 from minidist.parallel.tensor import memory as tm
 from minidist.parallel.tensor.tensor_parallel import TensorParallel, apply_tensor
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 
 # --- the per-call counts, against the collectives themselves ---------------------------
@@ -70,7 +70,8 @@ def test_bytes_per_step_equal_the_formula(dp, tp, sp, length, C_, H, G, M, zero)
     cfg = model_config_for(data, n_layer=2, n_head=H, n_embd=C_)
     plan = Plan(dp=dp, tp=tp, zero=zero, micro_batches=M, sequence_parallel=sp,
                 check_placements=False)             # check mode's digests are traffic too
-    runs = spawn(dp * tp, train_on_rank, cfg, data, plan, steps=2, global_batch=G, lr=1e-2)
+    runs = spawn(dp * tp, train_on_rank, cfg, data, plan, RunConfig(steps=2, global_batch=G),
+                 OptimizerConfig(lr=1e-2))
     rows, T = G // (dp * M), data.block_size
     want = [tm.step_bytes(cfg, rows, T, tp, sp, micro_batches=M, rank=r) for r in range(tp)]
     for q, run in enumerate(runs):                    # global rank q is tp rank q % tp

@@ -11,7 +11,7 @@ from minidist.parallel.tensor import sequence as sp
 from minidist.parallel.tensor.tensor_parallel import TensorParallel
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from tests.helpers import dist_gradcheck
 
 X = np.random.default_rng(3).standard_normal((2, 6, 3))             # (B, T, C), T = 6
@@ -68,6 +68,7 @@ def test_layernorm_gradients_not_summed_over_tp_are_caught(monkeypatch):
     monkeypatch.setattr(sp.SequenceParallelLayerNorm, "forward", _ln_without_sum)
     with pytest.raises(RankFailure, match=r"the gradient of '(blocks\.0\.ln_\d|ln_f)\.(weight|"
                                           r"bias)' differs between tp ranks \[0, 1\]"):
-        spawn(2, train_on_rank, CFG, DATA, Plan(tp=2, sequence_parallel=True,
+        spawn(2, train_on_rank, CFG, DATA,
+              Plan(tp=2, sequence_parallel=True,
                                                  check_placements=True),
-              steps=1, global_batch=2, lr=1e-2)
+              RunConfig(steps=1, global_batch=2), OptimizerConfig(lr=1e-2))

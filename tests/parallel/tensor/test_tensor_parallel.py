@@ -19,7 +19,7 @@ from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.seed import init_parameters
 from minidist.train import Plan, train_on_rank
-from tests.helpers import assert_close, dist_gradcheck
+from tests.helpers import assert_close, configs, dist_gradcheck
 
 DATA = DataConfig(task="sort", length=4)
 CFG = model_config_for(DATA, n_layer=1, n_head=2, n_embd=12)
@@ -216,7 +216,7 @@ def test_untied_head_is_sharded_and_trains_like_one_process():
     cfg = model_config_for(DATA, n_layer=1, n_head=2, n_embd=12, tie_weights=False)
     kw = dict(steps=2, global_batch=4, lr=1e-2)
     ref = train_single_process(cfg, DATA, **kw)
-    for run in spawn(2, train_on_rank, cfg, DATA, Plan(tp=2), **kw):
+    for run in spawn(2, train_on_rank, cfg, DATA, Plan(tp=2), *configs(**kw)):
         assert_close(run.losses, ref.losses, atol=1e-12, what="loss")
         assert_close(run.params["lm_head.weight"], ref.params["lm_head.weight"], atol=1e-12,
                      what="lm_head")

@@ -17,7 +17,7 @@ from minidist.parallel.zero.flat import FlatShard, split_units
 from minidist.parallel.zero.memory import comm_elements, exact_bytes
 from minidist.runtime.launch import spawn
 from minidist.train import Plan, train_on_rank
-from tests.helpers import assert_close, assert_runs_match
+from tests.helpers import assert_close, assert_runs_match, configs
 
 DATA = DataConfig(task="sort", length=4, seed=1)
 TINY = model_config_for(DATA, n_layer=2, n_head=2, n_embd=16)                 # float64
@@ -32,8 +32,8 @@ def _reference(cfg=TINY, M=1, B=GLOBAL_BATCH, **kw):
 
 def _run(W, stage, M=1, cfg=TINY, B=GLOBAL_BATCH, algo="auto", **kw):
     plan = Plan(dp=W, zero=stage, micro_batches=M, algo=algo)
-    return spawn(W, train_on_rank, cfg, DATA, plan, steps=STEPS, global_batch=B, lr=LR,
-                 seed=0, **kw)
+    return spawn(W, train_on_rank, cfg, DATA, plan,
+                 *configs(steps=STEPS, global_batch=B, lr=LR, seed=0, **kw))
 
 
 def _numels(cfg, W):

@@ -17,7 +17,7 @@ from minidist.parallel.zero import stage3
 from minidist.parallel.zero.engine import ZeroEngine
 from minidist.parallel.zero.flat import split_units, unit_of
 from minidist.runtime.launch import spawn
-from minidist.train import Plan, train_on_rank
+from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from tests.helpers import assert_close
 
 DATA = DataConfig(task="sort", length=4, seed=1)                        # T = 8
@@ -163,8 +163,8 @@ def test_zero3_with_tensor_parallelism_matches_single_process(sp):
     ref = train_single_process(TINY, DATA, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,
                                seed=0)
     plan = Plan(dp=2, tp=2, zero=3, sequence_parallel=sp, check_placements=True)
-    runs = spawn(4, train_on_rank, TINY, DATA, plan, steps=STEPS, global_batch=GLOBAL_BATCH,
-                 lr=LR, seed=0)
+    runs = spawn(4, train_on_rank, TINY, DATA, plan,
+                 RunConfig(steps=STEPS, global_batch=GLOBAL_BATCH, seed=0), OptimizerConfig(lr=LR))
     for rank, run in enumerate(runs):
         what = f"tp=2 sp={sp} rank {rank}"
         assert_close(run.losses, ref.losses, atol=1e-12, what=f"{what}: losses")

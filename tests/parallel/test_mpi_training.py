@@ -37,13 +37,14 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     import minidist
     from minidist.data import DataConfig, model_config_for
-    from minidist.train import Plan, train_on_rank
+    from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
     plan, out = Plan(**json.loads(sys.argv[1])), sys.argv[2]
     ctx = minidist.init()
     data = DataConfig(task="sort", length=4)
     cfg = model_config_for(data, n_layer=2, n_embd=16, n_head=2, dtype="float64")
-    run = train_on_rank(ctx, cfg, data, plan, steps=3, global_batch=8, lr=1e-2)
+    run = train_on_rank(ctx, cfg, data, plan, RunConfig(steps=3, global_batch=8),
+                        OptimizerConfig(lr=1e-2))
     if ctx.rank == 0:
         np.savez(out, transport=type(ctx).__name__, losses=np.array(run.losses),
                  **{"param:" + name: p for name, p in run.params.items()})

@@ -10,7 +10,9 @@ Reading order (each module's docstring says what to read next):
     6. nn/, optim/             the GPT (and its MoE), AdamW and SGD
     7. seed.py, data.py        layout-independent parameters and batches
     8. baseline.py             single-process training: the ground truth
-    9. parallel/               data parallelism and ZeRO, checked against the baseline
+    9. train.py, parallel/     the per-rank loop, then one subpackage per parallelism (data,
+                               zero, tensor, context, pipeline, expert), applied in order
+                               by parallel/compose.py and checked against the baseline
 
 The names below are the torch.distributed-shaped API; they are loaded on first use, so
 `import minidist.baseline` does not pull in the runtime.

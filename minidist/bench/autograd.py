@@ -17,7 +17,7 @@ variables are set before NumPy is imported, or the bench re-runs itself so that 
 
 Run: python -m minidist.bench.autograd [--sizes tiny c256] [--repeats 10] [--no-torch]
      (or `python -m minidist bench autograd ...` once wired into __main__.py)
-Read next: bench/training.py
+Read next: bench/train.py
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ With ep > 1 (expert parallelism, parallel/expert/) the dp axis is split into (ed
 ep the faster: the ep groups (consecutive dp ranks) share the experts of each MoE layer,
 E/ep each, and exchange tokens; an expert's gradient is summed over its replicas, the
 ranks with the same ep coordinate (edp x cp), the dense ones over dp x cp as before.
-Read next: parallel/pipeline/schedules.py, then train.py.
+Read next: parallel/micro_batching.py, parallel/data/ (the first engine), then train.py.
 """
 
 from __future__ import annotations

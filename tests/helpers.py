@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
-
-from minidist.optim import OptimizerConfig
-from minidist.train import RunConfig
 
 
 def assert_close(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, what: str = ""):
@@ -148,6 +146,8 @@ def assert_runs_match(runs, ref, what: str, atol: float = 1e-12) -> None:
 def configs(**kw):
     """(RunConfig, OptimizerConfig) from baseline.train_single_process's keywords, so that a
     test hands the single process and train_on_rank the same settings."""
-    run_fields = ("steps", "global_batch", "seed", "deterministic", "grain", "token_tiles")
+    from minidist.optim import OptimizerConfig      # here, so that the tests of the lower
+    from minidist.train import RunConfig            # layers import no training stack
+    run_fields = {f.name for f in dataclasses.fields(RunConfig)}
     opt = {("name" if k == "optimizer" else k): v for k, v in kw.items() if k not in run_fields}
     return RunConfig(**{k: v for k, v in kw.items() if k in run_fields}), OptimizerConfig(**opt)

@@ -95,7 +95,7 @@ class Function:
                 arrays.append(a)
                 parents.append(None)
                 needs.append(False)
-        track = track and _tensor.is_grad_enabled()
+        track = track and _tensor.grad_enabled
         ctx.needs_input_grad = needs
         t0 = perf_counter() if trace_op is not None else 0.0
         out = cls.forward(ctx, *arrays, **kwargs)

@@ -39,7 +39,9 @@ from typing import Any
 
 from minidist import backend
 
-_grad_enabled = True
+# Read by Function.apply on every operation (a module attribute, not a call: the hot path);
+# set only by no_grad.
+grad_enabled = True
 # Called as on_grad_add(g) for each gradient sum the engine itself does (a tensor used twice,
 # `+=` into a leaf's .grad) when set: observe/flops.py's FLOP ledger. None: no cost but a test.
 on_grad_add = None
@@ -51,21 +53,21 @@ on_backward = None
 
 def is_grad_enabled() -> bool:
     """True unless inside a `no_grad()` block."""
-    return _grad_enabled
+    return grad_enabled
 
 
 class no_grad:
     """Context manager: operations inside record no graph (evaluation, optimizer steps)."""
 
     def __enter__(self) -> "no_grad":
-        global _grad_enabled
-        self._previous = _grad_enabled
-        _grad_enabled = False
+        global grad_enabled
+        self._previous = grad_enabled
+        grad_enabled = False
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        global _grad_enabled
-        _grad_enabled = self._previous
+        global grad_enabled
+        grad_enabled = self._previous
 
 
 class Tensor:

@@ -7,8 +7,8 @@ element by +-eps and re-evaluating L (central differences, 2 forward passes per 
 The two agree to about eps^2, so the demo ends with OK and the largest difference.
 
 Run:       python demos/04_autograd.py [--eps 1e-6] [--seed 0]
-Read with: minidist/autograd/tensor.py (the backward walk), minidist/autograd/function.py,
-           minidist/autograd/ops.py, minidist/autograd/gradcheck.py
+Read with: minidist/autograd/tensor.py (the Tensor, the backward walk, Function and the
+           elementary operations), minidist/autograd/gradcheck.py
 Paper:     Baydin et al. 2018, "Automatic differentiation in machine learning: a survey",
            JMLR 18, arXiv:1502.05767 (reverse mode, Sec. 3.2)
 """

@@ -53,13 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 AGAINST_THE_ORDER: dict[tuple[str, str], str] = {}
 
 # Today's cycles, as the sets of modules they join: why, and what removes them.
-CYCLES: dict[frozenset[str], str] = {
-    frozenset({"minidist.autograd.function", "minidist.autograd.functional",
-               "minidist.autograd.fused", "minidist.autograd.ops", "minidist.autograd.tensor"}):
-        "a Tensor's operators (+, @, .sum) are the autograd's Functions, and every Function "
-        "returns a Tensor: tensor.py imports ops.py and functional.py at its end (micrograd "
-        "keeps the two in one file); one package, one unit",
-}
+CYCLES: dict[frozenset[str], str] = {}
 
 
 def module_name(path: Path) -> str:

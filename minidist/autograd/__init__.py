@@ -5,17 +5,16 @@
     loss = F.cross_entropy(F.gelu(x @ w) @ v, targets)
     loss.backward()          # x.grad, w.grad, v.grad now hold dloss/d(.)
 
-Reading order: tensor.py (Tensor and the backward walk), function.py (how an
-operation is defined), ops.py (arithmetic, reductions, reshapes, indexing),
-functional.py and fused.py (matmul, activations, norms, losses),
-gradcheck.py (how every backward rule is tested).
+Reading order: tensor.py (the Tensor, the backward walk, how an operation is
+defined, and the elementary operations behind a Tensor's operators),
+functional.py and fused.py (activations, norms, losses), gradcheck.py (how
+every backward rule is tested); saved.py and split.py serve memory accounting
+and the pipeline's split backward.
 """
 
-# tensor.py first: it defines Tensor, then imports ops/functional, which build on it.
-from minidist.autograd.tensor import Tensor, is_grad_enabled, no_grad  # isort: skip
 from minidist.autograd import functional
-from minidist.autograd.function import Context, Function
 from minidist.autograd.gradcheck import gradcheck
+from minidist.autograd.tensor import Context, Function, Tensor, is_grad_enabled, no_grad
 
 __all__ = ["Tensor", "Function", "Context", "no_grad", "is_grad_enabled", "functional",
            "gradcheck"]

@@ -4,9 +4,9 @@
     h = F.gelu(x @ w1 + b1)                  # (B, T, F)
     loss = F.cross_entropy(logits, targets)  # logits (B, T, V), targets (B, T) int
 
-This module defines matmul, concatenate/split, relu, embedding, dropout,
-where/masked_fill, and re-exports the elementwise ops (ops.py) and the fused
-ops with hand-written backward (fused.py). Every function accepts Tensors and
+This module defines concatenate/split, relu, embedding, dropout,
+where/masked_fill, and re-exports matmul and the elementwise ops (tensor.py) and
+the fused ops with hand-written backward (fused.py). Every function accepts Tensors and
 constants (Python numbers, xp arrays) and returns a Tensor.
 
 Read next: autograd/fused.py, then nn/
@@ -17,74 +17,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from minidist import backend
-from minidist.autograd import fused, ops
-from minidist.autograd.function import Context, Function
-from minidist.autograd.ops import unbroadcast
-from minidist.autograd.tensor import Tensor
+from minidist.autograd import fused
+from minidist.autograd import tensor as core
+from minidist.autograd.tensor import (Context, Exp, Function, Log, Mul, Tanh, Tensor, getitem,
+                                      reshape, shape_of, unbroadcast)
+from minidist.autograd.tensor import MatMul, matmul  # noqa: F401  (F.matmul, F.MatMul)
 
-# Mixed precision (memory/precision.py) sets this to its Autocast while a forward runs:
-# matmul then rounds its inputs and output to the low-precision format, and softmax,
-# log_softmax, layer_norm and cross_entropy upcast their inputs to float32. None: as is.
-precision = None
-
-
-def _mm(x: Any, y: Any) -> Any:
-    """x @ y; a stack (..., K) times a matrix (K, N) runs as ONE (prod(...), K) @ (K, N) GEMM."""
-    if x.ndim > 2 and y.ndim == 2:
-        return (x.reshape(-1, x.shape[-1]) @ y).reshape(x.shape[:-1] + (y.shape[1],))
-    return x @ y
-
-
-class MatMul(Function):
-    """y = a @ b, batched over leading axes with broadcasting (NumPy matmul rules).
-
-    For a (..., M, K), b (..., K, N), y (..., M, N):
-        da = unbroadcast(g @ b^T),   db = unbroadcast(a^T @ g)   (^T swaps the last two axes)
-    A 1-D a is a row (1, K) and a 1-D b a column (K, 1), as in NumPy. The usual
-    Linear case, a (B, T, C) @ w (C, F), computes dw = a(BT, C)^T @ g(BT, F) as one GEMM.
-    Cost: each of forward, da and db is 2*M*K*N flops per batch element.
-    """
-
-    @staticmethod
-    def forward(ctx: Context, a: Any, b: Any) -> Any:
-        if precision is not None:                    # memory/precision.py: rounded GEMM
-            return precision.matmul_forward(ctx, a, b)
-        ctx.save_for_backward(a, b)
-        return _mm(a, b)
-
-    @staticmethod
-    def backward(ctx: Context, g: Any) -> tuple:
-        if getattr(ctx, "autocast", None) is not None:
-            return ctx.autocast.matmul_backward(ctx, g)
-        return matmul_grads(*ctx.saved_tensors, g, *ctx.needs_input_grad)
-
-
-def matmul_grads(a: Any, b: Any, g: Any, need_a: bool, need_b: bool) -> tuple:
-    """(da, db) of y = a @ b for the output gradient g (MatMul's rule; None if not needed)."""
-    a2 = a.reshape(1, -1) if a.ndim == 1 else a                  # (..., M, K)
-    b2 = b.reshape(-1, 1) if b.ndim == 1 else b                  # (..., K, N)
-    if a.ndim == 1 and b.ndim == 1:                              # put back M=1 / N=1
-        g = g.reshape(1, 1)
-    elif a.ndim == 1:
-        g = g[..., None, :]                                      # (..., N) -> (..., 1, N)
-    elif b.ndim == 1:
-        g = g[..., None]                                         # (..., M) -> (..., M, 1)
-    da = db = None
-    if need_a:
-        da = unbroadcast(_mm(g, b2.swapaxes(-1, -2)), a2.shape)
-        da = da.reshape(a.shape) if a.ndim == 1 else da
-    if need_b:
-        if b2.ndim == 2 and a2.ndim > 2:                         # sum over the stack in GEMM
-            db = a2.reshape(-1, a2.shape[-1]).T @ g.reshape(-1, g.shape[-1])
-        else:
-            db = unbroadcast(a2.swapaxes(-1, -2) @ g, b2.shape)
-        db = db.reshape(b.shape) if b.ndim == 1 else db
-    return da, db
-
-
-def matmul(a: Any, b: Any) -> Tensor:
-    """a @ b with NumPy's matmul semantics (see MatMul)."""
-    return MatMul.apply(a, b)
 
 
 class Concatenate(Function):
@@ -114,7 +52,7 @@ def concatenate(tensors: Sequence[Any], axis: int = 0) -> Tensor:
 def split(x: Tensor, sections_or_indices: Any, axis: int = 0) -> list:
     """Cut x along `axis` like xp.split: into N equal parts, or at the given indices.
 
-    Each piece is a slice of x (ops.GetItem), so its gradient lands in the
+    Each piece is a slice of x (tensor.py's GetItem), so its gradient lands in the
     right place of dx and the pieces' gradients add up there.
     """
     n = x.shape[axis]
@@ -130,7 +68,7 @@ def split(x: Tensor, sections_or_indices: Any, axis: int = 0) -> list:
         cuts = list(sections_or_indices)
     lead = (slice(None),) * (axis % x.ndim)
     edges = [0] + cuts + [n]
-    return [ops.getitem(x, lead + (slice(lo, hi),)) for lo, hi in zip(edges[:-1], edges[1:])]
+    return [getitem(x, lead + (slice(lo, hi),)) for lo, hi in zip(edges[:-1], edges[1:])]
 
 
 class ReLU(Function):
@@ -210,7 +148,7 @@ def dropout(x: Any, p: float, rng: Any, training: bool = True) -> Tensor:
     data = x.data if isinstance(x, Tensor) else xp.asarray(x)
     scale = xp.asarray(rng.random(data.shape) >= p).astype(data.dtype)   # m, 1 = kept
     scale *= 1.0 / (1.0 - p)
-    return ops.Mul.apply(x, scale)
+    return Mul.apply(x, scale)
 
 
 class Where(Function):
@@ -218,7 +156,7 @@ class Where(Function):
 
     @staticmethod
     def forward(ctx: Context, a: Any, b: Any, *, cond: Any) -> Any:
-        ctx.cond, ctx.shapes = cond, (ops._shape(a), ops._shape(b))
+        ctx.cond, ctx.shapes = cond, (shape_of(a), shape_of(b))
         return backend.xp.where(cond, a, b)
 
     @staticmethod
@@ -245,22 +183,22 @@ def masked_fill(x: Any, mask: Any, value: float) -> Tensor:
 
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """exp(x) / sum exp(x) over `axis` (fused.Softmax)."""
-    if precision is not None:
-        x = precision.upcast(x)
+    if core.autocast is not None:
+        x = core.autocast.upcast(x)
     return fused.Softmax.apply(x, axis=axis)
 
 
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
     """x - log sum exp(x) over `axis` (fused.LogSoftmax)."""
-    if precision is not None:
-        x = precision.upcast(x)
+    if core.autocast is not None:
+        x = core.autocast.upcast(x)
     return fused.LogSoftmax.apply(x, axis=axis)
 
 
 def layer_norm(x: Any, weight: Any, bias: Any, eps: float = 1e-5) -> Tensor:
     """Normalise over the last axis, then scale by weight and shift by bias (fused.LayerNorm)."""
-    if precision is not None:
-        x, weight, bias = (precision.upcast(v) for v in (x, weight, bias))
+    if core.autocast is not None:
+        x, weight, bias = (core.autocast.upcast(v) for v in (x, weight, bias))
     return fused.LayerNorm.apply(x, weight, bias, eps=eps)
 
 
@@ -281,12 +219,12 @@ def cross_entropy(logits: Tensor, targets: Any, ignore_index: int = -100,
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'.")
     t = cross_entropy_targets(logits, targets, ignore_index)
-    if precision is not None:
-        logits = precision.upcast(logits)
-    z = logits if logits.ndim == 2 else ops.reshape(logits, -1, logits.shape[-1])
+    if core.autocast is not None:
+        logits = core.autocast.upcast(logits)
+    z = logits if logits.ndim == 2 else reshape(logits, -1, logits.shape[-1])
     loss = fused.CrossEntropy.apply(z, t=t.reshape(-1), ignore_index=ignore_index,
                                     reduction=reduction)
-    return ops.reshape(loss, t.shape) if reduction == "none" else loss
+    return reshape(loss, t.shape) if reduction == "none" else loss
 
 
 def cross_entropy_targets(logits: Tensor, targets: Any, ignore_index: int = -100) -> Any:
@@ -307,6 +245,6 @@ def cross_entropy_targets(logits: Tensor, targets: Any, ignore_index: int = -100
     return t
 
 
-exp = ops.Exp.apply
-log = ops.Log.apply
-tanh = ops.Tanh.apply
+exp = Exp.apply
+log = Log.apply
+tanh = Tanh.apply

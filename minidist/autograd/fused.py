@@ -23,7 +23,7 @@ import math
 from typing import Any
 
 from minidist import backend
-from minidist.autograd.function import Context, Function
+from minidist.autograd.tensor import Context, Function
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)

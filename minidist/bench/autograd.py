@@ -43,7 +43,7 @@ from dataclasses import dataclass              # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist import optim                     # noqa: E402
-from minidist.autograd import function as autograd_function     # noqa: E402
+from minidist.autograd.tensor import Observer, observe, unobserve  # noqa: E402
 from minidist.cli import CliParser             # noqa: E402
 from minidist.nn import GPT, GPTConfig         # noqa: E402
 
@@ -109,39 +109,39 @@ def minidist_step_fn(model: GPT, x, y):
     return step
 
 
+class Profiler(Observer):
+    """Times every operation's forward and, when it runs, its backward rule, by class name.
+
+    An autograd Observer: plugged in for the duration of `profiling` only, so nothing in
+    autograd/ changes. table[(name, "fwd" | "bwd")] accumulates [seconds, calls].
+    """
+
+    def __init__(self, table: dict) -> None:
+        self.table = table
+
+    def forward(self, fn, ctx, args, arrays, kwargs, result, t0) -> None:
+        _add(self.table, (fn.__name__, "fwd"), time.perf_counter() - t0)
+        if result._node is not None:
+            bwd, ctx, parents = result._node
+            result._node = (self._timed(bwd, fn.__name__), ctx, parents)
+
+    def _timed(self, backward, name: str):
+        def timed_backward(ctx, g):
+            t0 = time.perf_counter()
+            out = backward(ctx, g)
+            _add(self.table, (name, "bwd"), time.perf_counter() - t0)
+            return out
+        return timed_backward
+
+
 @contextmanager
 def profiling(table: dict):
-    """Time every Function.apply (forward) and every recorded backward rule, by class name.
-
-    Patches Function.apply for the duration of the block only; nothing in autograd/
-    changes. table[(name, "fwd" | "bwd")] accumulates [seconds, calls].
-    """
-    descriptor = autograd_function.Function.__dict__["apply"]        # the classmethod object
-    original = descriptor.__func__
-
-    def timed_apply(cls, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = original(cls, *args, **kwargs)
-        _add(table, (cls.__name__, "fwd"), time.perf_counter() - t0)
-        if out._node is not None:
-            bwd, ctx, parents = out._node
-            out._node = (_timed_backward(bwd, cls.__name__, table), ctx, parents)
-        return out
-
-    autograd_function.Function.apply = classmethod(timed_apply)
+    """`with profiling(table):` every operation inside is timed into table (see Profiler)."""
+    profiler = observe(Profiler(table))
     try:
         yield table
     finally:
-        autograd_function.Function.apply = descriptor
-
-
-def _timed_backward(fn, name: str, table: dict):
-    def wrapped(ctx, g):
-        t0 = time.perf_counter()
-        out = fn(ctx, g)
-        _add(table, (name, "bwd"), time.perf_counter() - t0)
-        return out
-    return wrapped
+        unobserve(profiler)
 
 
 def _add(table: dict, key, seconds: float) -> None:

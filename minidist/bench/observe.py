@@ -42,7 +42,7 @@ import tempfile                                # noqa: E402
 from dataclasses import dataclass              # noqa: E402
 from time import perf_counter                  # noqa: E402
 
-from minidist.autograd.ops import Add          # noqa: E402
+from minidist.autograd.tensor import Add          # noqa: E402
 from minidist.cli import CliParser, at_least   # noqa: E402
 from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.observe import run_dir           # noqa: E402
@@ -103,7 +103,7 @@ def hook_cost(n: int = 20000, batches: int = 5) -> float:
     """Seconds the trace hooks add per op (its forward and its backward event), timed on a
     stand-in op: fastest batch of n, minus the same calls without hooks."""
 
-    class Result:                              # what trace_op sees: a Tensor's _node
+    class Result:                              # what Tracer.forward sees: a Tensor's _node
         __slots__ = ("_node",)
 
     def rule(ctx, g):
@@ -113,11 +113,11 @@ def hook_cost(n: int = 20000, batches: int = 5) -> float:
         r = Result()
         r._node = (rule, None, ())
         if tracer is not None:
-            tracer._op(Add, perf_counter(), r)
+            tracer.forward(Add, None, (), [], {}, r, perf_counter())
         r._node[0](None, 1.0)
 
     tracer, best = Tracer(), {}
-    tracer.on = True                           # record, without setting the global hooks
+    tracer.on = True                           # record, without plugging it in
     for _ in range(batches):
         for key, t in (("off", None), ("on", tracer)):
             t0 = perf_counter()

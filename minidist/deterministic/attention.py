@@ -46,7 +46,7 @@ import numpy as np
 from minidist import backend
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
-from minidist.autograd.function import Context, Function
+from minidist.autograd.tensor import Context, Function
 from minidist.deterministic.matmul import Tokens, tree_over_tiles
 
 

@@ -37,7 +37,7 @@ from minidist import backend
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
 from minidist.autograd import fused
-from minidist.autograd.function import Context
+from minidist.autograd.tensor import Context
 from minidist.deterministic.attention import CanonicalAttention
 from minidist.deterministic.matmul import Tiles, Tokens, add_bias, gpt_tiles, tiled_matmul, \
     tree_over_tiles

@@ -62,7 +62,7 @@ from typing import Callable
 import numpy as np
 
 from minidist import backend
-from minidist.autograd.function import Context, Function
+from minidist.autograd.tensor import Context, Function
 from minidist.deterministic.tree_sum import combine, gather_nodes, stacked_nodes
 
 

@@ -60,7 +60,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minidist import backend
-from minidist.autograd.function import Context
+from minidist.autograd.tensor import Context
 from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for

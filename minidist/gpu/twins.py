@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from minidist.autograd.function import Context
+from minidist.autograd.tensor import Context
 from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
 from minidist.optim.adamw import adamw_step
 

@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 
 from minidist.autograd import Tensor, no_grad
-from minidist.autograd.function import Context
+from minidist.autograd.tensor import Context
 from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
 from minidist.cli import CliParser, at_least, cli_error
 from minidist.data import DataConfig, model_config_for

@@ -13,10 +13,10 @@ op saves becomes an activation; a weight an op saves stays a parameter).
     parameters, gradients, optimizer   track_model(model, opt), or track_engine: what
         engine.memory() counts (DDP, ZeRO 1-3), so the three equal it; each .grad as it ends
     activations     the arrays a graph node keeps for its backward (its ctx, as saved.py
-                    counts): autograd/function.py's on_forward hook
+                    counts): the ledger's Observer.forward (autograd/tensor.py)
     temporaries     op outputs nobody saved (minidist's graph Tensors keep .data until the
                     graph goes; PyTorch keeps only saved tensors) and the backward's activation
-                    gradients: autograd/tensor.py's on_backward hook
+                    gradients: its Observer.backward
     communication   ZeRO-3's gathered units (ZeRO's unsharded flats are gradients, as in
                     engine.memory(); so are DDP's shared-memory buckets)
 Not counted: scratch inside one op (freed before it returns), the transport's shared-memory
@@ -26,7 +26,8 @@ moved to host memory or disk (its optimizer's state_arrays() is empty; host_arra
 
 One rank's view:
     1. ledger = Ledger(budget="64MB"); ledger.track_engine(engine)
-    2. with ledger: forward and backward    the hooks register each array as it appears
+    2. with ledger: forward and backward    the ledger, an autograd Observer, registers
+                                            each array as it appears
     3. ledger.mark("optimizer") after the update; ledger.end_step() -> the step's peak
     4. read .current, .peak, .peak_by_category, .timeline, snapshot(), table(), summary()
 Registrations and frees go to an event log that snapshot() replays up to the peak (a new peak
@@ -51,8 +52,8 @@ from typing import Any, Callable
 import numpy as np
 
 from minidist import backend
-from minidist.autograd import function as _function
-from minidist.autograd import tensor as _tensor
+from minidist.autograd import tensor as core
+from minidist.autograd.tensor import Observer, observe, unobserve
 from minidist.autograd.saved import base_buffer, ctx_arrays
 from minidist.nn.module import Parameter
 
@@ -98,7 +99,7 @@ LiveArray = namedtuple("LiveArray", "category name shape dtype nbytes")
 TimelinePoint = namedtuple("TimelinePoint", "step label bytes peak by_category")
 
 
-class Ledger:
+class Ledger(Observer):
     """Per-rank device-memory ledger with an optional budget (see the module docstring)."""
 
     def __init__(self, budget: int | str | None = None, *, prefix: str = "") -> None:
@@ -114,7 +115,6 @@ class Ledger:
         self._peak_live: list[LiveArray] = []   # the live set at an earlier step's peak
         self._step_peak, self._segment_peak, self._phase = 0, 0, None   # phase: forward/backward
         self._lock = threading.RLock()         # frees may come on a collective's worker thread
-        self._slots: tuple | None = None       # (our 2 hooks, the 2 we chained to) while on
         self._wrapped: dict[tuple[int, str], Callable[[], None]] = {}     # -> its undo
         self._names: dict[int, str] = {}        # id(Parameter) -> name, for its gradient
 
@@ -216,37 +216,17 @@ class Ledger:
         self._wrapped[(id(obj), attr)] = (lambda: setattr(obj, attr, original)) if had \
             else (lambda: vars(obj).pop(attr, None))
 
-    # --- the autograd hooks: `with ledger:` chains them to whatever was set ---
+    # --- plugging into the autograd: `with ledger:` calls start and stop ---
     def start(self) -> "Ledger":
-        """Count from now on: chain this ledger's hooks into on_forward and on_backward."""
-        if self._slots is not None:
+        """Count from now on: plug this ledger into the autograd as an Observer."""
+        if self.active:
             raise RuntimeError("Ledger.start: this ledger is counting already; stop() first.")
-        prev_f, prev_b = _function.on_forward, _tensor.on_backward
-
-        def on_forward(cls, ctx, arrays, kwargs, result):
-            if prev_f is not None:
-                prev_f(cls, ctx, arrays, kwargs, result)
-            if self._slots is not None and self._slots[0] is on_forward:
-                self._forward(cls, ctx, result)
-
-        def on_backward(t, grads):
-            if prev_b is not None:
-                prev_b(t, grads)
-            if self._slots is not None and self._slots[1] is on_backward:
-                self._backward(t, grads)
-        self._slots = (on_forward, on_backward, prev_f, prev_b)
-        _function.on_forward, _tensor.on_backward = on_forward, on_backward
+        observe(self)
         return self
 
     def stop(self) -> None:
-        """Stop registering (frees still count); unchain our hooks where they are on top."""
-        if self._slots is not None:
-            mine_f, mine_b, prev_f, prev_b = self._slots
-            self._slots = None
-            if _function.on_forward is mine_f:
-                _function.on_forward = prev_f
-            if _tensor.on_backward is mine_b:
-                _tensor.on_backward = prev_b
+        """Stop registering new arrays (frees of those registered still count)."""
+        unobserve(self)
 
     def close(self) -> None:
         """stop(), undo the wrapped methods, stop watching buffers; the numbers stay."""
@@ -267,18 +247,18 @@ class Ledger:
             self.mark()
         self.stop()
 
-    active = property(lambda self: self._slots is not None, doc="between start() and stop()")
+    active = property(lambda self: self in core.observers, doc="between start() and stop()")
 
-    def _forward(self, cls: type, ctx: Any, result: Any) -> None:
+    def forward(self, fn, ctx, args, arrays, kwargs, result, t0) -> None:
         """An op ran: a graph node keeps its ctx arrays (activations); its output is new."""
         if self._phase != "forward":
             self._switch("forward")
         if result._node is not None:
             for a in ctx_arrays(ctx):
-                self.register(a, "activations", cls.__name__)
-        self.register(result.data, "temporaries", cls.__name__)
+                self.register(a, "activations", fn.__name__)
+        self.register(result.data, "temporaries", fn.__name__)
 
-    def _backward(self, t: Any, grads: Any) -> None:
+    def backward(self, t: Any, grads: Any) -> None:
         """The backward finished t: a parameter's .grad, or the gradients of t's inputs."""
         if self._phase != "backward":
             self._switch("backward")

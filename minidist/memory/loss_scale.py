@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from minidist import collectives as C
-from minidist.autograd.function import Context, Function
+from minidist.autograd.tensor import Context, Function
 
 
 @dataclass(frozen=True)

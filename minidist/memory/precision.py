@@ -39,7 +39,7 @@ a small optimism). LayerNorm saves its fp32 upcast input (a fused kernel would s
 the numbers and the bytes.
 
 One rank's view of a step (MixedPrecision in master_weights.py drives it):
-    1. Autocast on (until step()): functional.py's matmul and FP32_OPS consult it in the
+    1. Autocast on (until step()): the autograd's MatMul and FP32_OPS consult it in the
        forward and in whatever the backward recomputes
     2. (fp16) backward of S * loss; gradients summed over dp in grad_reduce's dtype
     3. found inf/NaN anywhere (fp16): skip; else g / S -> fp32, update the master
@@ -59,9 +59,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from minidist.autograd import functional
-from minidist.autograd.function import Context, Function
-from minidist.autograd.tensor import Tensor
+from minidist.autograd import tensor as core
+from minidist.autograd.tensor import Context, Function, Tensor, matmul_grads, mm
 from minidist.memory import fp8
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -144,9 +143,10 @@ class Cast(Function):
 
 
 class Autocast:
-    """The context functional.py consults (`with autocast:`, or start() ... stop()).
+    """The mode the operations consult (`with autocast:`, or start() ... stop()): while it
+    runs it is autograd/tensor.py's `autocast`.
 
-    functional.matmul calls matmul_forward / matmul_backward; FP32_OPS call upcast on
+    MatMul calls matmul_forward / matmul_backward; FP32_OPS call upcast on
     their inputs. Under fp8 each GEMM call site (the k-th matmul since start()) keeps three
     DelayedScaling states: its two inputs (E4M3) and its output gradient (E5M2).
     """
@@ -160,14 +160,14 @@ class Autocast:
 
     def start(self) -> None:
         """Make this the active context (if it is not yet); the next matmul is site 0."""
-        if functional.precision is not self:
-            self._previous, functional.precision = functional.precision, self
+        if core.autocast is not self:
+            self._previous, core.autocast = core.autocast, self
         self._next = 0
 
     def stop(self) -> None:
         """Give back the context that was active before start() (if this one is active)."""
-        if functional.precision is self:
-            functional.precision, self._previous = self._previous, None
+        if core.autocast is self:
+            core.autocast, self._previous = self._previous, None
 
     def __enter__(self) -> "Autocast":
         self.start()
@@ -201,11 +201,11 @@ class Autocast:
             (qa, sa), (qb, sb) = ctx.site[0].quantize(a), ctx.site[1].quantize(b)
             ctx.save_for_backward(qa, qb)
             ctx.scales = (sa, sb)
-            y = functional._mm(fp8.dequantize(qa, sa), fp8.dequantize(qb, sb))
+            y = mm(fp8.dequantize(qa, sa), fp8.dequantize(qb, sb))
         else:
             ra, rb = round_to(a, self.dtype), round_to(b, self.dtype)
             ctx.save_for_backward(ra, rb)
-            y = functional._mm(ra.astype(np.float32), rb.astype(np.float32))
+            y = mm(ra.astype(np.float32), rb.astype(np.float32))
         return round_to(y, self.dtype)
 
     def matmul_backward(self, ctx: Context, g: Any) -> tuple:
@@ -219,7 +219,7 @@ class Autocast:
         else:
             a, b = qa.astype(np.float32), qb.astype(np.float32)
             g = round_to(g, self.dtype).astype(np.float32)
-        grads = functional.matmul_grads(a, b, g, *ctx.needs_input_grad)
+        grads = matmul_grads(a, b, g, *ctx.needs_input_grad)
         return tuple(None if d is None else round_to(d, self.dtype).astype(np.float32)
                      for d in grads)
 

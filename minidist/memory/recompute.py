@@ -73,7 +73,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import Context, Function, Tensor, is_grad_enabled, no_grad
-from minidist.autograd import function as _function
+from minidist.autograd.tensor import alias
 from minidist.autograd.functional import MatMul, concatenate
 
 MODES = ("none", "selective", "full")
@@ -133,7 +133,7 @@ def checkpoint(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     out = _unpack(packed, result["layout"])
     for inner, outer in zip(result["inner"], out if isinstance(out, tuple) else (out,)):
         if outer is not None:
-            _carry(inner, outer)               # the layers' placement tags, onto the result
+            alias(inner, outer)                # outer stands for the layers' result
     return out
 
 
@@ -220,19 +220,10 @@ def _note(name: str, rebuilt: Tensor) -> None:
 
 
 def _leaves(sources: list, arrays: tuple, needs: list) -> list[Tensor]:
-    """Fresh leaves on the kept arrays, with the placement tags of the Tensors passed
-    (check mode: a sequence-parallel block must still see x as Shard(1))."""
-    return [_carry(src, Tensor(a, requires_grad=bool(need)))
+    """Fresh leaves on the kept arrays, each an alias of the Tensor passed (so that the
+    placement check still sees a sequence-parallel block's x as Shard(1))."""
+    return [alias(src, Tensor(a, requires_grad=bool(need)))
             for src, a, need in zip(sources, arrays, needs)]
-
-
-def _carry(src: Tensor, dst: Tensor) -> Tensor:
-    """dst with src's placement tags, passed on as every operation passes them (the
-    autograd's after_apply hook, set in check mode by parallel/placement.py; this module
-    imports nothing from parallel/, since baseline.py must not); a no-op otherwise."""
-    if _function.after_apply is not None:
-        _function.after_apply(Recompute, (src,), dst)
-    return dst
 
 
 def _fill(template: tuple, tensors: list) -> list:

@@ -26,9 +26,9 @@ the implementation (PaLM's MFU numerator). Hardware FLOPs = everything counted, 
 kinds, all four phases: the work that was executed (HFU's numerator).
 
 How it hooks in (one rank's view; each process counts its own operations):
-    1. entering the block sets autograd/function.py's `on_forward` and autograd/tensor.py's
-       `on_grad_add` to this ledger's counters (both None otherwise: no cost but a test);
-    2. after each forward, on_forward counts it from the shapes and, if the output keeps a
+    1. entering the block plugs the ledger into the autograd as an Observer
+       (autograd/tensor.py: nothing is counted, and nothing costs, outside the block);
+    2. after each forward, `forward` counts it from the shapes and, if the output keeps a
        graph node, wraps the node's backward rule so that the rule, when it runs, is
        counted too (whoever calls it: Tensor.backward, split backward, ZeRO-3);
     3. a wrapped backward raises a depth counter while it runs; forwards seen at depth
@@ -46,15 +46,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from minidist.autograd import function as _function
-from minidist.autograd import tensor as _tensor
+from minidist.autograd.tensor import Observer, observe, unobserve
 from minidist.observe import op_flops
 
 PHASES = ("forward", "backward", "recompute", "optimizer")
 _active: "FlopLedger | None" = None
 
 
-class FlopLedger:
+class FlopLedger(Observer):
     """FLOPs by (op, phase): matmul and other FLOPs, and the number of calls."""
 
     def __init__(self) -> None:
@@ -62,23 +61,22 @@ class FlopLedger:
         self.unknown: dict[str, int] = {}                      # op without a rule -> calls
         self._depth = 0                                        # backward rules running now
 
-    # --- switching the hooks on and off (`with ledger:` calls start and stop) ---
+    # --- plugging in and out (`with ledger:` calls start and stop) ---
     def start(self) -> "FlopLedger":
-        """Count from now on: set the autograd's two hooks to this ledger's counters."""
+        """Count from now on: plug this ledger into the autograd."""
         global _active
-        if _active is not None or _function.on_forward is not None:
+        if _active is not None:
             raise RuntimeError("FlopLedger: another ledger is counting in this process; "
                                "stop it first (one ledger at a time).")
-        _active = self
-        _function.on_forward, _tensor.on_grad_add = _on_forward, _on_grad_add
+        _active = observe(self)
         return self
 
     def stop(self) -> None:
-        """Stop counting: both hooks back to None (if this ledger is the one counting)."""
+        """Stop counting (if this ledger is the one counting)."""
         global _active
         if _active is self:
             _active = None
-            _function.on_forward = _tensor.on_grad_add = None
+            unobserve(self)
 
     def __enter__(self) -> "FlopLedger":
         return self.start()
@@ -90,6 +88,25 @@ class FlopLedger:
     def active(self) -> bool:
         """True between start() and stop() (inside `with ledger:`)."""
         return _active is self
+
+    # --- the Observer: what the autograd shows while the ledger counts ---
+    def forward(self, fn, ctx, args, arrays, kwargs, result, t0) -> None:
+        """Count a forward now, and wrap its node's backward rule to count that later."""
+        rules = op_flops.rule_for(fn)
+        if rules is None:
+            self.unknown[fn.__name__] = self.unknown.get(fn.__name__, 0) + 1
+            return
+        shapes, out = [_shape(a) for a in arrays], result.data.shape
+        mm, other = rules[0](ctx, shapes, out)
+        self.add(fn.__name__, "recompute" if self._depth else "forward", mm, other)
+        if result._node is not None:
+            backward, ctx, parents = result._node
+            result._node = (_counted(self, fn.__name__, rules[1], backward, shapes, out),
+                            ctx, parents)
+
+    def grad_add(self, g: Any) -> None:
+        """One add per element of g: the engine's own gradient sums."""
+        self.add("grad_sum", "backward", other=g.size)
 
     # --- recording ---
     def add(self, op: str, phase: str, matmul: int = 0, other: int = 0, calls: int = 1) -> None:
@@ -160,24 +177,6 @@ def _shape(a: Any):
     return None if a is None else getattr(a, "shape", ())
 
 
-def _on_forward(cls: type, ctx: Any, arrays: list, kwargs: dict, result: Any) -> None:
-    """function.on_forward while a ledger counts: the forward now, the backward later."""
-    ledger = _active
-    if ledger is None:
-        return
-    rules = op_flops.rule_for(cls)
-    if rules is None:
-        ledger.unknown[cls.__name__] = ledger.unknown.get(cls.__name__, 0) + 1
-        return
-    shapes, out = [_shape(a) for a in arrays], result.data.shape
-    mm, other = rules[0](ctx, shapes, out)
-    ledger.add(cls.__name__, "recompute" if ledger._depth else "forward", mm, other)
-    if result._node is not None:
-        backward, ctx, parents = result._node
-        result._node = (_counted(ledger, cls.__name__, rules[1], backward, shapes, out),
-                        ctx, parents)
-
-
 def _counted(ledger: FlopLedger, name: str, rule, backward, shapes: list, out: tuple):
     """backward(ctx, g), counted by `rule` when it runs while the ledger is active."""
     def counted_backward(ctx: Any, g: Any) -> Any:
@@ -193,9 +192,3 @@ def _counted(ledger: FlopLedger, name: str, rule, backward, shapes: list, out: t
         return grads
     counted_backward.__qualname__ = backward.__qualname__     # autograd/saved.py names by it
     return counted_backward
-
-
-def _on_grad_add(g: Any) -> None:
-    """tensor.on_grad_add while a ledger counts: one add per element of g."""
-    if _active is not None:
-        _active.add("grad_sum", "backward", other=g.size)

@@ -2,7 +2,7 @@
 
 The FLOP ledger (observe/flops.py) asks this module, for every operation that runs, how
 many floating-point operations it did. The answer comes from the shapes alone, written
-from the code of the operation (autograd/ops.py, functional.py, fused.py), one line of
+from the code of the operation (autograd/tensor.py, functional.py, fused.py), one line of
 NumPy at a time, so it is the work that EXECUTES, not the work the math needs: the
 attention scores are counted for the full T x T square although the causal mask throws
 half of them away, because the code computes all of them.
@@ -57,7 +57,7 @@ def _unbroadcast(out: Shape, inp: Shape) -> int:
     return _n(out) - _n(inp)
 
 
-# --- elementwise and reductions (autograd/ops.py) -------------------------------------
+# --- elementwise and reductions (autograd/tensor.py) ----------------------------------
 
 def _add_bwd(ctx, shapes, out, done) -> Counts:
     return 0, sum(_unbroadcast(out, s) for s, d in zip(shapes, done) if d)
@@ -238,7 +238,7 @@ def _where_bwd(ctx, shapes, out, done) -> Counts:
     return 0, sum(_unbroadcast(out, s) for s, d in zip(shapes, done) if d)
 
 
-_A, _F = "minidist.autograd.ops.", "minidist.autograd.functional."
+_A, _F = "minidist.autograd.tensor.", "minidist.autograd.functional."
 _U, _P = "minidist.autograd.fused.", "minidist.parallel."
 Rule = Callable[..., Counts]
 RULES: dict[str, tuple[Rule, Rule]] = {
@@ -250,7 +250,7 @@ RULES: dict[str, tuple[Rule, Rule]] = {
     _A + "Mean": (_mean, _mean_bwd), _A + "Max": (_reduce, _max_bwd),
     _A + "Reshape": (_zero, _zero), _A + "Transpose": (_zero, _zero),
     _A + "GetItem": (_zero, _getitem_bwd),
-    _F + "MatMul": (_matmul_fwd, _matmul_bwd), _F + "Concatenate": (_zero, _zero),
+    _A + "MatMul": (_matmul_fwd, _matmul_bwd), _F + "Concatenate": (_zero, _zero),
     _F + "ReLU": _elementwise(1, 2), _F + "Embedding": (_zero, _embedding_bwd),
     _F + "Where": (_zero, _where_bwd),
     _U + "Softmax": (_softmax_fwd, _softmax_bwd),

@@ -19,9 +19,9 @@ Only the steps in trace_steps are traced (default the first two), at most MAX_EV
 events per rank: a trace is for looking at a step, the metrics are for the whole run.
 
 One rank's view (RankObserver, one of train.train_on_rank's hooks):
-    1. begin(step): a traced step switches on two hooks: autograd/function.py's trace_op
+    1. begin(step): a traced step switches on two hooks: a Tracer, an autograd Observer
        (after each forward, with the time before it; it also wraps the node's backward
-       rule so that the backward is timed wherever it runs) and runtime/flight.py's
+       rule so that the backward is timed wherever it runs), and runtime/flight.py's
        observer (each collective or send/recv as it ends, from its flight record);
     2. end(step, values, span, pipeline): hooks off; one metrics line; the step's events
        go to RUN_DIR/trace/rank<r>-<pid>.jsonl (one line, appended and flushed).
@@ -30,7 +30,7 @@ failure too): the parts are merged into trace.json and summary.json is written.
 Clocks: ops and steps use time.perf_counter (CLOCK_MONOTONIC: one clock for every process
 of the machine); a flight record holds time.time_ns stamps, so a call's bar is placed at
 [perf_counter() - its duration, perf_counter()] when it ends, inside any bar around it.
-Cost: off, two None tests per op and one per call; on, ~1 us per op (bench/observe.py).
+Cost: off, one test per op and one per call; on, ~1 us per op (bench/observe.py).
 
 Reference: PyTorch's profiler (torch.profiler) exports the same kind of trace;
     Google's "Trace Event Format" (observe/trace.py).
@@ -55,7 +55,8 @@ from typing import Any, Sequence
 import numpy as np
 
 import minidist
-from minidist.autograd import function
+from minidist.autograd import tensor as core
+from minidist.autograd.tensor import Observer, observe, unobserve
 from minidist.observe import metrics, run_files
 from minidist.observe.trace import Event, Trace
 from minidist.runtime import call
@@ -319,31 +320,34 @@ class RankObserver(Hook):
         return self._threads[thread]
 
 
-class Tracer:
-    """The two hooks of a traced step; raw records (tuples) until `take`."""
+class Tracer(Observer):
+    """A traced step's two hooks: an autograd Observer for the operations and the runtime's
+    flight observer for the collective calls; raw records (tuples) until `take`."""
 
     def __init__(self) -> None:
         self.on, self.raw, self.last = False, [], []
         self._described: dict[tuple, tuple[str, str, str]] = {}   # a call's identity -> text
 
     def start(self) -> None:
-        if function.trace_op is not None or flight.observer is not None:
-            raise RuntimeError("run_dir: another trace is recording in this process (the "
-                               "hooks autograd/function.trace_op or runtime/flight.observer "
-                               "are set); one RankObserver per rank process.")
-        function.trace_op, flight.observer = self._op, self._call
+        if any(isinstance(o, Tracer) for o in core.observers) or flight.observer is not None:
+            raise RuntimeError("run_dir: another trace is recording in this process (a Tracer "
+                               "observes the autograd, or runtime/flight.observer is set); "
+                               "one RankObserver per rank process.")
+        observe(self)
+        flight.observer = self._call
         self.on = True
 
     def stop(self) -> None:
-        function.trace_op = flight.observer = None
+        unobserve(self)
+        flight.observer = None
         self.on = False
 
-    def _op(self, cls: type, t0: float, result: Any) -> None:
+    def forward(self, fn, ctx, args, arrays, kwargs, result, t0) -> None:
         t1 = perf_counter()
-        self.raw.append((0, cls.__name__, t0, t1, get_ident()))
+        self.raw.append((0, fn.__name__, t0, t1, get_ident()))
         node = result._node
         if node is not None:                  # time its backward too, whoever runs it
-            result._node = (self._timed(cls.__name__, node[0]),) + node[1:]
+            result._node = (self._timed(fn.__name__, node[0]),) + node[1:]
 
     def _timed(self, name: str, backward):
         def timed_backward(ctx: Any, grad: Any) -> Any:

@@ -24,14 +24,14 @@ L = ceil(n / (k W)) elements per block; the padded tail holds zeros. For the voc
 wrong when the padding is not masked; parallel/tensor/vocab.py masks it).
 
 Check mode (`MINIDIST_CHECK_PLACEMENTS=1`, Plan(check_placements=True), on in the tests):
-parallel layers tag the activations they return (`tag`), the autograd passes the tag on
-through every operation whose tagged inputs agree (so GELU, LayerNorm, dropout and the
+parallel layers tag the activations they return (`tag`), an autograd Observer passes the
+tag on through every operation whose tagged inputs agree (so GELU, LayerNorm, dropout and the
 residual add keep it), an operation that mixes two different placements raises (adding a
 Partial sum to a Replicate tensor is the classic forgotten all-reduce), and every
 collective operator, parallel layer and loss asserts what it expects with `expect`:
     PlacementError: g (reduce from the tp region): input 'x' must be Partial() over tp,
     but it is Replicate(). ...
-Outside check mode none of this runs (one flag test per autograd operation).
+Outside check mode none of this runs (the Observer is not plugged in).
 
 One rank's view: placements are metadata; nothing here communicates.
 References: PyTorch DTensor placements (Replicate / Shard / Partial); Austin et al. 2025,
@@ -49,7 +49,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist.autograd import Tensor
-from minidist.autograd import function as _function
+from minidist.autograd import tensor as core
+from minidist.autograd.tensor import Observer, observe, unobserve
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,11 @@ def set_checking(on: bool) -> None:
     """Turn check mode on or off in this process (each rank sets it from the Plan)."""
     global _checking
     _checking = bool(on)
-    _function.after_apply = _propagate if _checking else None
+    if _checking:
+        if _CHECK not in core.observers:
+            observe(_CHECK)
+    else:
+        unobserve(_CHECK)
 
 
 def tag(t, axis: str, placement: Placement):
@@ -208,24 +213,32 @@ _HINTS = {
 }
 
 
-def _propagate(cls, args, result) -> None:
-    """Autograd hook (check mode): pass the agreed placement of the inputs on to result."""
-    merged: dict | None = None
-    for a in args:
-        placed = _tags.get(a) if isinstance(a, Tensor) else None
-        if not placed:
-            continue
-        if merged is None:
-            merged = dict(placed)
-            continue
-        for axis, pl in placed.items():
-            if merged.setdefault(axis, pl) != pl:
-                raise PlacementError(
-                    f"{cls.__name__} combines activations placed {merged[axis]} and {pl} "
-                    f"over {axis}. "
-                    f"{_HINTS.get((type(merged[axis]), type(pl)), '')}".rstrip())
-    if merged:
-        _tags[result] = merged
+class _PlacementCheck(Observer):
+    """The autograd Observer of check mode: every operation passes the agreed placement of
+    its inputs on to its result, and an alias (a recomputed block's fresh leaf) keeps the
+    placement of the Tensor it stands for."""
+
+    def forward(self, fn, ctx, args, arrays, kwargs, result, t0) -> None:
+        merged: dict | None = None
+        for a in args:
+            placed = _tags.get(a) if isinstance(a, Tensor) else None
+            if not placed:
+                continue
+            if merged is None:
+                merged = dict(placed)
+                continue
+            for axis, pl in placed.items():
+                if merged.setdefault(axis, pl) != pl:
+                    raise PlacementError(
+                        f"{fn.__name__} combines activations placed {merged[axis]} and {pl} "
+                        f"over {axis}. "
+                        f"{_HINTS.get((type(merged[axis]), type(pl)), '')}".rstrip())
+        if merged:
+            _tags[result] = merged
+
+    def alias(self, src, dst) -> None:
+        carry(src, dst)
 
 
+_CHECK = _PlacementCheck()
 set_checking(_checking)

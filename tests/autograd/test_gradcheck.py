@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from minidist.autograd import Function, Tensor, gradcheck
-from minidist.autograd.ops import unbroadcast
+from minidist.autograd.tensor import unbroadcast
 
 
 def _t(*shape, seed=0, dtype=np.float64):

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from minidist.autograd import Tensor
-from minidist.autograd import function as _function
 from minidist.autograd import functional as F
 from minidist.autograd import tensor as _tensor
 from minidist.autograd.saved import saved_bytes
@@ -175,34 +174,40 @@ def test_budget_fails_inside_the_forward_and_the_hooks_come_off():
     mlp, (x, y) = _MLP(), _data()
     ledger = Ledger(budget=8 * (C * H + H + H * V + V) + 100)
     ledger.track_model(mlp)
+    before = _tensor.observers                  # the placement check's, in check mode
     with pytest.raises(DeviceOutOfMemory, match="'MatMul' \\(4, 5\\)"):
         with ledger:
             mlp.loss(x, y)
-    assert _function.on_forward is None and _tensor.on_backward is None
+    assert _tensor.observers == before
 
 
-def test_hooks_off_count_nothing_and_chain_with_what_was_there():
-    assert _function.on_forward is None and _tensor.on_backward is None    # zero cost off
+def test_observers_off_count_nothing_and_sit_beside_others():
+    base = _tensor.observers                  # the placement check's, in check mode
     mlp, (x, y) = _MLP(), _data()
     ledger = Ledger()
     mlp.loss(x, y).backward()                                     # not started: nothing
     assert ledger.total == 0
-    with FlopLedger() as flops:                                   # another hook, set first
+    with FlopLedger() as flops:                                   # another observer, first
         with ledger:
+            assert _tensor.observers == base + (flops, ledger)
             mlp.loss(x, y).backward()
-        assert _function.on_forward is not None, "the FLOP ledger's hook must be back"
+        assert _tensor.observers == base + (flops,), "the FLOP ledger must still observe"
         counted = ledger.peak
     assert flops.model_flops() > 0 and counted > 0
-    assert _function.on_forward is None and _tensor.on_backward is None
+    assert _tensor.observers == base
     seen = []
-    _tensor.on_backward = lambda t, grads: seen.append(len(grads))
+
+    class Counter(_tensor.Observer):
+        def backward(self, t, grads):
+            seen.append(len(grads))
+    other = _tensor.observe(Counter())
     try:
         with ledger:
             mlp.loss(x, y).backward()
-        assert seen, "the previous on_backward must still be called"
-        assert _tensor.on_backward is not None and _function.on_forward is None
+        assert seen, "the other observer must still see the backward"
+        assert _tensor.observers == base + (other,)
     finally:
-        _tensor.on_backward = None
+        _tensor.unobserve(other)
 
 
 def test_single_process_gpt_model_state_and_saved_activations():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from minidist.autograd import Tensor
-from minidist.autograd import function as _function
+from minidist.autograd import tensor as _tensor
 from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.observe import metrics, run_dir
@@ -220,21 +220,22 @@ def _values() -> dict:
 
 def test_hooks_are_set_only_inside_a_traced_step_and_time_the_backward(tmp_path):
     obs = run_dir.RankObserver(tmp_path, 0, trace_steps=(1,))
+    before = _tensor.observers                    # the placement check's, in check mode
     try:
         obs.begin(0)
-        assert _function.trace_op is None and _flight.observer is None   # untraced: no cost
+        assert _tensor.observers == before and _flight.observer is None   # untraced: no cost
         obs.end(0, _values())
         obs.begin(1)
-        assert _function.trace_op is not None and _flight.observer is not None
+        assert len(_tensor.observers) == len(before) + 1 and _flight.observer is not None
         with pytest.raises(RuntimeError, match="another trace"):
             run_dir.RankObserver(tmp_path / "other", 1, (1,)).begin(1)
         x = Tensor(np.ones(3), requires_grad=True)
         (x * 2.0).sum().backward()
         obs.end(1, _values(), span=(0.0, 1.0))
-        assert _function.trace_op is None and _flight.observer is None
+        assert _tensor.observers == before and _flight.observer is None
     finally:
         obs.close()                                  # the hooks are this process's: unset
-    assert _function.trace_op is None and _flight.observer is None
+    assert _tensor.observers == before and _flight.observer is None
     trace = run_dir.merge(list((tmp_path / "trace").glob("*.jsonl")))
     names = [(e["name"], e["cat"], e["tid"]) for e in _bars(trace)]
     assert ("Mul", "forward", 1) in names and ("Mul backward", "backward", 1) in names

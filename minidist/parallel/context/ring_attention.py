@@ -71,7 +71,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import Tensor
-from minidist.autograd.function import Function
+from minidist.autograd.tensor import Function
 from minidist.nn.layers import Dropout, DropoutKey
 
 LAYOUTS = ("zigzag", "contiguous")

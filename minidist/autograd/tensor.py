@@ -324,8 +324,9 @@ def _run_backward(root: Tensor, grad: Any) -> None:
         node = t._node
         if node is None:                   # a leaf: accumulate into .grad
             accumulate_leaf(t, g, given, watching)
-            for o in watching:
-                o.backward(t, (t.grad,))
+            if watching:
+                for o in watching:
+                    o.backward(t, (t.grad,))
             for hook in getattr(t, "_grad_hooks", None) or ():
                 hook(t)
             continue
@@ -338,11 +339,12 @@ def _run_backward(root: Tensor, grad: Any) -> None:
                 continue
             prev = grads.get(id(p))
             grads[id(p)] = gp if prev is None else prev + gp     # never in place: may alias
-            if prev is not None:
+            if prev is not None and watching:
                 for o in watching:
                     o.grad_add(gp)
-        for o in watching:
-            o.backward(t, [grads.get(id(p)) for p in parents if p is not None])
+        if watching:
+            for o in watching:
+                o.backward(t, [grads.get(id(p)) for p in parents if p is not None])
 
 
 def accumulate_leaf(t: Tensor, g: Any, given: set, watching: tuple = ()) -> None:
@@ -419,8 +421,9 @@ class Function:
         result.grad = None
         result.requires_grad = track
         result._node = (cls.backward, ctx, parents) if track else None
-        for o in watching:
-            o.forward(cls, ctx, args, arrays, kwargs, result, t0)
+        if watching:
+            for o in watching:
+                o.forward(cls, ctx, args, arrays, kwargs, result, t0)
         return result
 
 

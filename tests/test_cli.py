@@ -53,7 +53,7 @@ def assert_user_error(res: subprocess.CompletedProcess, *words: str) -> None:
     assert "Traceback" not in res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("args, words", [
+USER_ERRORS = [
     (["train", "--dp", "0"], ["dp=0"]),
     (["train", "--dp", "3"], ["global_batch=32", "dp=3"]),          # 32 rows over 3 ranks
     (["train", "--every", "0"], ["--every", ">= 1"]),
@@ -81,7 +81,17 @@ def assert_user_error(res: subprocess.CompletedProcess, *words: str) -> None:
     (["bench", "checkpoint", "--bogus"], ["--bogus"]),
     (["train", "--dp", "2", "--inject", "boom:rank=0:step=1"], ["unknown kind 'boom'"]),
     (["train", "--dp", "2", "--elastic"], ["--elastic", "--checkpoint-dir"]),
-])
+]
+# Each case starts a Python (~0.5 s), so the default run keeps a handful of distinct kinds,
+# by index: a `run` option (missing script), an unknown command, an unknown top-level option
+# (the last two cost ~0.1 s). `train`'s one-line errors are also checked in-process by
+# test_backend.py; every case runs under -m slow.
+DEFAULT_USER_ERRORS = {13, 16, 17}
+
+
+@pytest.mark.parametrize("args, words", [
+    case if i in DEFAULT_USER_ERRORS else pytest.param(*case, marks=pytest.mark.slow)
+    for i, case in enumerate(USER_ERRORS)])
 def test_a_user_error_is_one_line_with_exit_code_2(args, words):
     assert_user_error(minidist_cli(*args, "--steps", "1") if args[0] == "train"
                       and "--steps" not in args else minidist_cli(*args), *words)
@@ -95,6 +105,7 @@ def test_help_goes_to_stdout_with_exit_code_0(args):
     assert "--version" in res.stdout
 
 
+@pytest.mark.slow                  # ~0.4 s each; the default run keeps the top-level --help above
 @pytest.mark.parametrize("command", ["train", "run", "demo", "bench"])
 def test_each_command_has_help_on_stdout(command):
     res = minidist_cli(command, "--help")
@@ -110,6 +121,7 @@ def test_version_matches_setup_cfg():
                                                         "")
 
 
+@pytest.mark.slow                  # an edge case of `train`, ~0.8 s a layout
 @pytest.mark.parametrize("layout", [[], ["--dp", "2"]])
 def test_zero_steps_trains_nothing_and_shows_no_samples(layout):
     res = minidist_cli("train", *layout, *TINY, "--steps", "0")
@@ -120,6 +132,9 @@ def test_zero_steps_trains_nothing_and_shows_no_samples(layout):
     assert out[-1] == "--steps 0: nothing to train, so no held-out samples to show."
 
 
+# `train`'s closed stdout and Ctrl-C are slow (~0.8 s each); the default run keeps Ctrl-C on
+# `run` below and a closed stdout on `run` (runtime/test_torchrun.py).
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", [[], ["--dp", "2"]])
 def test_a_closed_stdout_ends_train_quietly(layout):
@@ -167,6 +182,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", [[], ["--dp", "2"]])
 def test_ctrl_c_ends_train_quietly_with_130_and_no_rank_left(layout):
@@ -218,6 +234,7 @@ FAILING_RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow      # the default run has `run`'s (runtime/test_torchrun.py, a killed rank)
 @pytest.mark.multiproc
 def test_a_failing_rank_prints_the_rank_failure_first_with_exit_code_1():
     res = subprocess.run([sys.executable, "-c", FAILING_RANK], capture_output=True, text=True,
@@ -260,14 +277,15 @@ def test_each_demo_header_carries_its_file_number():
 @pytest.mark.parametrize("extra, sync, reductions", [
     ([], "DDP with shared-memory buckets (parallel/data/buckets.py)",
      "direct reductions in rank order (collectives/direct.py)"),
-    (["--plain"], "DDP, one all-reduce per parameter (parallel/data/ddp.py)",
-     "ring reductions (collectives/ring.py)"),
+    pytest.param(["--plain"], "DDP, one all-reduce per parameter (parallel/data/ddp.py)",
+                 "ring reductions (collectives/ring.py)", marks=pytest.mark.slow),
     (["--plain", "--zero", "2"], "ZeRO-2 (parallel/zero/engine.py)",
      "ring reductions (collectives/ring.py)")])
 def test_the_header_names_the_algorithms_and_plain_runs_the_textbook_ones(extra, sync,
                                                                            reductions, capsys):
     """The fast paths are the default; the header says which run, and --plain runs the
-    plain ones to the same verdict against the single process."""
+    plain ones to the same verdict against the single process. (The default test run keeps
+    the default algorithms and --plain --zero 2: the train job end to end, with --check.)"""
     from minidist.train_cli import main
     args = ["--dp", "2", "--task", "copy", "--length", "3", "--steps", "2", "--n-layer", "1",
             "--n-embd", "16", "--batch", "8", "--check", "--run-dir", "none"]

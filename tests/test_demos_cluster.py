@@ -1,12 +1,18 @@
 """The job-scheduling demo runs as a user runs it: five policies on one Philly-like trace,
 the comparison tables, and the OK line (audit clean, EASY and LAS ordered as expected);
-its settings can be overridden from the command line."""
+its settings can be overridden from the command line.
+
+The default run keeps the cheaper command-line run (60 jobs on 4 nodes, the same code path and
+OK line); the full 300-job comparison is in the slow set."""
+
+import pytest
 
 from tests.helpers import run_demo
 
 POLICIES = ("fifo", "easy", "sjf", "fair", "las")
 
 
+@pytest.mark.slow
 def test_job_scheduling_demo_compares_policies_and_ends_ok():
     rc, out = run_demo("26_job_scheduling.py")
     text = "\n".join(out)

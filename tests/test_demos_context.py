@@ -1,6 +1,10 @@
 """The context-parallel demos (ring attention, Ulysses) run as a user runs them: they end with
 their OK line, print the same text twice, and the ring demo writes a Chrome trace in which
-every rank has the compute of each ring step and every send."""
+every rank has the compute of each ring step and every send.
+
+The default run keeps one ring-attention run (the cheapest: 3 ranks, contiguous, with its
+trace checked); the default-layout runs, the determinism checks and Ulysses are in the slow
+set."""
 
 import json
 
@@ -35,6 +39,7 @@ def _check_trace(path, W: int) -> None:
         assert len(sends) == 3 * W - 2 and all(e["tid"] == 1 for e in sends), f"rank {r}"
 
 
+@pytest.mark.slow
 def test_ring_attention_demo_default_is_deterministic_and_writes_a_trace(tmp_path):
     path = tmp_path / "ring.json"
     out = _ok(RING, 4, "--trace", str(path))
@@ -58,6 +63,7 @@ def test_ring_attention_demo_contiguous_on_3_ranks_skips_the_future(tmp_path):
     assert "  contiguous   16   32   48   max/mean = 1.50   <- this run" in text
 
 
+@pytest.mark.slow
 def test_ulysses_demo_default_is_deterministic_and_shows_both_all_to_alls():
     out = _ok(ULYSSES, 2)
     assert run_demo(ULYSSES) == (0, out)
@@ -67,6 +73,7 @@ def test_ulysses_demo_default_is_deterministic_and_shows_both_all_to_alls():
     assert "measured, the same on every rank: True" in text
 
 
+@pytest.mark.slow
 def test_ulysses_demo_on_3_ranks():
     text = "\n".join(_ok(ULYSSES, 3, "--cp", "3"))
     assert "heads 0-1 | 2-3 | 4-5" in text and "pos 0 1 10 11 | 2 3 8 9 | 4 5 6 7" in text

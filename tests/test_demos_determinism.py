@@ -1,7 +1,8 @@
 """The determinism demo runs as a user runs it: as usual the layouts' parameter hashes
 differ (the same numbers summed in other orders); with --deterministic every layout of
 the dense GPT (dp, ZeRO, pp schedules, tp, SP, cp) and of the MoE GPT (ep, pp) equals its
-deterministic single process, and it ends with its OK line."""
+deterministic single process, and it ends with its OK line. Slow (21 layouts, ~30 s): the
+layouts themselves run by default in tests/deterministic/."""
 
 import pytest
 
@@ -10,6 +11,7 @@ from tests.helpers import run_demo
 pytestmark = pytest.mark.multiproc
 
 
+@pytest.mark.slow
 def test_determinism_demo_prints_one_hash_for_every_layout():
     rc, out = run_demo("23_determinism.py")
     text = "\n".join(out)

@@ -16,6 +16,8 @@ def _temp_folders() -> set[str]:
     return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("minidist-demo16-")}
 
 
+# slow (~2 s): the default run covers elastic with tests/reliability/test_recovery.py
+@pytest.mark.slow
 def test_elastic_demo_shrinks_grows_and_matches_the_single_process_run():
     before = _temp_folders()
     rc, out = run_demo("16_elastic.py")

@@ -18,6 +18,8 @@ def _ok(*args: str) -> list[str]:
     return out
 
 
+# both slow (~1-2 s each): the default run keeps only the cheapest demos
+@pytest.mark.slow
 def test_expert_demo_default_shows_drops_the_all_to_alls_and_matches_the_references():
     out = _ok()
     text = "\n".join(out)
@@ -46,6 +48,7 @@ def test_expert_demo_default_shows_drops_the_all_to_alls_and_matches_the_referen
     assert all(set(line[19:25]) <= set(" .:-=+*#%@") and line[25] == " " for line in heat), heat
 
 
+@pytest.mark.slow
 def test_expert_demo_without_drops_and_with_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "routing.png"

@@ -1,7 +1,14 @@
 """The hardware and GPU demos run as a user runs them, on the CPU, and end with their OK line.
-(Each demo has its own test function; a GPU, when present, only adds timings.)"""
+(Each demo has its own test function; a GPU, when present, only adds timings.)
+
+All slow: the roofline demo's OK line compares wall-clock times with measured roofs, and the
+other two build and run kernels on the emulator in a subprocess (~2 s each)."""
+
+import pytest
 
 from tests.helpers import run_demo
+
+pytestmark = pytest.mark.slow
 
 
 def test_roofline_demo_places_the_ops_and_nothing_beats_the_roof():

@@ -1,8 +1,12 @@
 """The memory demos run as a reader runs them and end with their OK line."""
 
+import pytest
+
 from tests.helpers import run_demo
 
 
+# slow: the default run keeps only the cheapest demos (~0.4-0.9 s each); this one is ~1 s
+@pytest.mark.slow
 def test_recompute_demo_shows_the_timeline_and_ends_ok():
     rc, out = run_demo("19_recompute.py")
     text = "\n".join(out)

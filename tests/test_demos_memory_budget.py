@@ -9,6 +9,8 @@ from tests.helpers import run_demo
 pytestmark = pytest.mark.multiproc
 
 
+# slow: nine plans on 19 ranks; the default run keeps the one-plan command-line run below
+@pytest.mark.slow
 def test_memory_budget_demo_matches_every_plan_and_zero_figure_1():
     rc, out = run_demo("22_memory_budget.py")
     text = "\n".join(out)

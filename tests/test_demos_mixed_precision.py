@@ -9,6 +9,8 @@ from tests.helpers import run_demo
 pytestmark = pytest.mark.multiproc
 
 
+# slow (~11 s): four precisions trained side by side
+@pytest.mark.slow
 def test_mixed_precision_demo_shows_curves_bytes_and_the_skipped_step():
     rc, out = run_demo("20_mixed_precision.py", "--steps", "60", "--every", "20")
     text = "\n".join(out)

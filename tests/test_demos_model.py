@@ -1,4 +1,5 @@
-"""Demos 04 (autograd) and 05 (train GPT) run as a reader would run them and end with OK."""
+"""Demos 04 (autograd) and 05 (train GPT) run as a reader would run them and end with OK.
+Demo 05 (~4 s of training) is in the slow set; demo 04 and its failing verdict stay."""
 
 import os
 import subprocess
@@ -10,7 +11,8 @@ import pytest
 DEMOS = Path(__file__).resolve().parent.parent / "demos"
 
 
-@pytest.mark.parametrize("demo", ["04_autograd.py", "05_train_gpt.py"])
+@pytest.mark.parametrize("demo", ["04_autograd.py",
+                                  pytest.param("05_train_gpt.py", marks=pytest.mark.slow)])
 def test_demo_ends_with_ok(demo):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, str(DEMOS / demo)], capture_output=True, text=True,

@@ -18,6 +18,9 @@ def _temp_folders() -> set[str]:
     return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith(PREFIX)}
 
 
+# slow (~0.9 s): the default run keeps only the cheapest demos, and the tp axis and a
+# composition of axes are covered there by demo 09 and tests/reliability/test_straggler.py
+@pytest.mark.slow
 def test_observability_demo_shows_the_run_directory_trace_and_report_and_ends_ok():
     before = _temp_folders()
     rc, out = run_demo("25_observability.py")

@@ -17,6 +17,8 @@ def _temp_folders() -> set[str]:
     return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith(PREFIX)}
 
 
+# both slow (~1 s each): the default run keeps only the cheapest demos
+@pytest.mark.slow
 def test_offload_demo_shows_where_arrays_live_and_ends_ok():
     before = _temp_folders()
     rc, out = run_demo("21_offload.py")
@@ -36,6 +38,7 @@ def test_offload_demo_shows_where_arrays_live_and_ends_ok():
     assert _temp_folders() <= before, f"left {_temp_folders() - before}"
 
 
+@pytest.mark.slow
 def test_offload_demo_under_ddp_keeps_the_parameters_on_the_device():
     rc, out = run_demo("21_offload.py", "--zero", "0", "--steps", "2")
     assert rc == 0, "\n".join(out)

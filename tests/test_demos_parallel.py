@@ -1,4 +1,6 @@
-"""The parallel-layout demos run as a user runs them and end with their OK line."""
+"""The parallel-layout demos run as a user runs them and end with their OK line.
+The default run keeps the cheapest test, demo 06's plain run; demo 07 (ZeRO), the
+determinism checks and the 3-rank accumulation run are in the slow set."""
 
 
 import pytest
@@ -9,17 +11,19 @@ pytestmark = pytest.mark.multiproc
 DEMOS = ["06_data_parallel.py", "07_zero.py"]
 
 
-@pytest.mark.parametrize("name", DEMOS)
+@pytest.mark.parametrize("name", [DEMOS[0], pytest.param(DEMOS[1], marks=pytest.mark.slow)])
 def test_demo_ends_with_ok(name):
     rc, out = run_demo(name)
     assert rc == 0 and out[-1].startswith("OK: "), "\n".join(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DEMOS)
 def test_demo_output_is_deterministic(name):
     assert run_demo(name, "--steps", "2") == run_demo(name, "--steps", "2")
 
 
+@pytest.mark.slow
 def test_data_parallel_demo_with_accumulation_ring_and_3_ranks():
     rc, out = run_demo("06_data_parallel.py", "--world-size", "3", "--micro-batches", "2",
                    "--global-batch", "12", "--algo", "ring", "--steps", "3")

@@ -27,6 +27,8 @@ def _rows(out: list[str], header: str) -> list[str]:
     return rows
 
 
+# both slow (~1-2 s each): the default run keeps only the cheapest demos
+@pytest.mark.slow
 def test_pipeline_demo_default_draws_four_schedules_and_matches_one_process():
     out = _ok()
     text = "\n".join(out)
@@ -49,6 +51,7 @@ def test_pipeline_demo_default_draws_four_schedules_and_matches_one_process():
                    for line in out) == 3
 
 
+@pytest.mark.slow
 def test_pipeline_demo_with_fewer_micro_batches_than_stages_and_a_real_interleaved_run():
     out = _ok("--M", "2", "--run", "interleaved", "--run-m", "2", "--steps", "2")
     text = "\n".join(out)

@@ -40,6 +40,9 @@ def _ok(name: str, *args: str) -> str:
     return text
 
 
+# all slow (~2.5-3.3 s each): the default run covers checkpoints and a kill-and-recover
+# with tests/reliability/test_checkpoint.py and test_recovery.py
+@pytest.mark.slow
 def test_checkpointing_demo_shows_layout_atomic_commit_async_and_reshard():
     text = _ok(CHECKPOINTING)
     assert "demo 14 · checkpointing · dp=2 ZeRO-1, 8 steps, a checkpoint every 4" in text
@@ -67,6 +70,7 @@ def test_checkpointing_demo_shows_layout_atomic_commit_async_and_reshard():
            "async = sync, dp=2 -> dp=3 within 1e-12 (max |Δ| = " in text
 
 
+@pytest.mark.slow
 def test_failure_recovery_demo_recovers_to_the_uninterrupted_digest():
     text = _ok(RECOVERY)
     for line in ("  | [rank 1] injecting sigkill:rank=1:step=6:point=start:attempt=0",
@@ -85,6 +89,7 @@ def test_failure_recovery_demo_recovers_to_the_uninterrupted_digest():
                                      "uninterrupted run's")
 
 
+@pytest.mark.slow
 def test_failure_recovery_demo_before_the_first_checkpoint_restarts_from_step_0():
     text = _ok(RECOVERY, "--kill-rank", "0", "--kill-step", "2")
     assert "from step 0 (no checkpoint yet); steps 0..1 are lost and run again" in text, text

@@ -1,4 +1,6 @@
-"""Demos 01-03 (ranks, collectives, ring trace) run as a user runs them and end with OK."""
+"""Demos 01-03 (ranks, collectives, ring trace) run as a user runs them and end with OK.
+The default run keeps one run of each demo (01 on 4 ranks, 02 on 4 ranks, 03); the other
+sizes and the determinism check are in the slow set."""
 
 import json
 
@@ -9,7 +11,8 @@ from tests.helpers import run_demo
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.mark.parametrize("args", [[], ["--world-size", "6", "--dp", "3"]])
+@pytest.mark.parametrize("args", [[], pytest.param(["--world-size", "6", "--dp", "3"],
+                                                  marks=pytest.mark.slow)])
 def test_hello_ranks(args):
     rc, out = run_demo("01_hello_ranks.py", *args)
     assert rc == 0 and out[-1].startswith("OK: "), "\n".join(out)
@@ -17,7 +20,7 @@ def test_hello_ranks(args):
     assert sum(line.startswith("rank ") and " pid " in line for line in out) == W
 
 
-@pytest.mark.parametrize("W, n", [(4, 4), (3, 5)])
+@pytest.mark.parametrize("W, n", [(4, 4), pytest.param(3, 5, marks=pytest.mark.slow)])
 def test_collectives_demo_matches_the_oracle(W, n):
     rc, out = run_demo("02_collectives.py", "--world-size", str(W), "--n", str(n))
     assert rc == 0, "\n".join(out)
@@ -28,6 +31,7 @@ def test_collectives_demo_matches_the_oracle(W, n):
                                               "scatter", "all_to_all"]
 
 
+@pytest.mark.slow
 def test_collectives_demo_output_is_deterministic():
     assert run_demo("02_collectives.py", "--world-size", "3") == \
         run_demo("02_collectives.py", "--world-size", "3")

@@ -17,6 +17,8 @@ def _temp_folders() -> set[str]:
     return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith(PREFIX)}
 
 
+# slow (~6 s): the default run covers the policies with tests/reliability/test_spike.py
+@pytest.mark.slow
 def test_loss_spike_demo_shows_each_policy_and_ends_ok():
     before = _temp_folders()
     rc, out = run_demo("17_loss_spike.py")

@@ -1,7 +1,10 @@
 """The straggler demo runs as a user runs it: dp=2 with a persistently slow rank 1, once with
 --straggler detect and once with --straggler rebalance; rank 1 is named in both, rebalance
 moves rows away from it, --check says both match the single-process run; it ends with its
-OK line and leaves no temporary folder behind. Nothing here depends on timing ratios."""
+OK line and leaves no temporary folder behind. No wall time is asserted, but naming rank 1
+and moving its rows follow measured compute times (rank 1 sleeps 4 ms a row against a few ms
+of compute), so a heavily loaded machine can change what is printed: with its ~8 s, it is in
+the slow set."""
 
 import os
 import tempfile
@@ -17,6 +20,8 @@ def _temp_folders() -> set[str]:
     return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("minidist-demo18-")}
 
 
+# slow: ~8 s, and timing-dependent (see the module docstring)
+@pytest.mark.slow
 def test_straggler_demo_names_rank_1_moves_its_rows_and_matches_the_single_process_run():
     before = _temp_folders()
     rc, out = run_demo("18_straggler.py")

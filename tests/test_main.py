@@ -1,4 +1,9 @@
-"""The command line: `python -m minidist run -n N script.py` runs a script on N ranks."""
+"""The command line: `python -m minidist run -n N script.py` runs a script on N ranks.
+
+The tests here that start a Python (~0.4 s each) repeat what the default run already
+checks elsewhere (runtime/test_torchrun.py: `run -n 3`, a failing rank;
+runtime/test_torch_api.py: a plain process is a one-rank job; test_cli.py: an unknown
+command; test_baseline.py: the baseline imports no runtime), so they run under -m slow."""
 
 import subprocess
 import sys
@@ -29,6 +34,7 @@ def _run(tmp_path, *args):
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_run_starts_one_process_per_rank(tmp_path):
     res = _run(tmp_path, "-n", "3")
@@ -37,6 +43,7 @@ def test_run_starts_one_process_per_rank(tmp_path):
     assert lines == [f"[rank{r}]:rank {r}/3 got {(r - 1) % 3} args ['--x']" for r in range(3)]
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_run_reports_a_failing_rank(tmp_path):
     script = tmp_path / "hello.py"
@@ -47,6 +54,7 @@ def test_run_reports_a_failing_rank(tmp_path):
     assert "rank 1 of 2 failed" in res.stderr and "SystemExit: 3" in res.stderr
 
 
+@pytest.mark.slow
 def test_plain_python_script_gets_a_one_rank_job(tmp_path):
     script = tmp_path / "solo.py"
     script.write_text(SCRIPT)
@@ -56,6 +64,7 @@ def test_plain_python_script_gets_a_one_rank_job(tmp_path):
     assert res.stdout.strip() == "rank 0/1 got 0 args []"
 
 
+@pytest.mark.slow
 def test_unknown_command_prints_usage():
     res = subprocess.run([sys.executable, "-m", "minidist", "frobnicate"], capture_output=True,
                          text=True, timeout=60)
@@ -71,6 +80,7 @@ def test_top_level_api_is_torch_shaped():
         minidist.no_such_thing
 
 
+@pytest.mark.slow
 def test_baseline_does_not_load_the_runtime():
     code = ("import sys, minidist.baseline; "
             "print(any(m.startswith('minidist.runtime') for m in sys.modules))")

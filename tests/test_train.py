@@ -98,7 +98,8 @@ def test_rank_result_reports_memory_bytes_and_timing():
     assert all(w <= s for w, s in zip(run.timing["comm_wait"], run.timing["step"]))
 
 
-@pytest.mark.multiproc
+@pytest.mark.slow      # a subprocess, ~1.2 s; the default run has test_cli.py's in-process
+@pytest.mark.multiproc # `train --dp 2 --check` runs (one with ZeRO-2)
 def test_train_cli_runs_dp_with_zero_and_checks_against_the_baseline():
     import subprocess
     res = subprocess.run([sys.executable, "-m", "minidist", "train", "--dp", "2", "--zero", "1",

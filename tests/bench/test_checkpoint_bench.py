@@ -1,7 +1,10 @@
 """The checkpoint benchmark: a tiny run prints every section (overhead table, one save by
 phase, async save, recovery breakdown, both targets) with numbers that parse, the recovery
 parts add up to the total, a checkpoint holds params + AdamW's m and v, and nothing is
-left on disk. Timings are printed, never asserted."""
+left on disk. Timings are printed, never asserted.
+
+The tiny run (~3 s: trains, saves and recovers a 2-rank job) is in the slow set; the default
+run keeps the checkpoint contents, the recovery transcript parser and the usage errors."""
 
 import re
 
@@ -24,6 +27,7 @@ def _pct(cell: str) -> float:
     return float(cell[:-1])
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_tiny_run_prints_every_section_and_leaves_nothing(capsys, tmp_path):
     args = TINY_ARGS + ["--dir", str(tmp_path)]

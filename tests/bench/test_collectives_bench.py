@@ -1,6 +1,7 @@
 """The collectives benchmark: its conventions (sizes, busbw factors) against the formulas of
 nccl-tests, its tables on a tiny sweep, its shared-memory mode, its calibration file, and the
-MPI side when mpi4py is installed."""
+MPI side when mpi4py is installed. The MPI side (~0.5 s under mpiexec) is in the slow set;
+collectives/test_mpi.py runs the algorithms over MPI in the default run."""
 
 import json
 
@@ -136,6 +137,7 @@ def test_bad_arguments_are_refused(capsys):
     assert "world sizes must be 1..8" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(find_mpiexec() is None, reason="needs mpiexec")
 def test_mpi_side_runs_every_op_correctly():

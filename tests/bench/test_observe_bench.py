@@ -1,6 +1,7 @@
 """The observability benchmark, tiny: it prints the command, a row per mode (off, metrics,
 trace) with trace events only where the trace is on, and both overhead lines; no timing is
-asserted, only the arithmetic that the lines state."""
+asserted, only the arithmetic that the lines state. The tiny run (~0.8 s, three modes) is
+in the slow set; the features it measures are tested in tests/observe/."""
 
 import re
 
@@ -13,6 +14,7 @@ TINY = ["--dp", "2", "--steps", "2", "--warmup", "1", "--repeats", "1", "--n-lay
         "--dtype", "float64"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_tiny_run_prints_one_row_per_mode_and_the_overheads(capsys):
     assert bench.main(TINY) == 0

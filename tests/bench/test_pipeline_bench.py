@@ -1,7 +1,10 @@
 """The pipeline benchmark: on a tiny model, every schedule sends exactly the bytes of the
 formula, holds as many activations as peak_activations says, and (GPipe, 1F1B,
 interleaved) exactly the bytes of that many micro-batches alone; the command prints the
-table and writes the trace. Timings are printed, never asserted."""
+table and writes the trace. Timings are printed, never asserted.
+
+The command in a process of its own (~1 s) is in the slow set; the default run keeps
+run_bench with every schedule, the table and the usage errors."""
 
 import functools
 import subprocess
@@ -67,6 +70,7 @@ def test_held_bytes_are_count_times_one_micro_batch_alone():
     assert "MISMATCH" not in bench.render_table(res)
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_the_command_prints_the_table_and_writes_the_trace(tmp_path):
     path = tmp_path / "pipe.json"

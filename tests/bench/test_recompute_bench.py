@@ -1,10 +1,13 @@
 """The recomputation benchmark: a tiny run prints the command, one row per policy with the
 kept bytes per layer equal to recompute.kept_bytes, says the gradients are bitwise equal and
-exits 0; the caching-allocator table runs in a process of its own (mallopt lasts)."""
+exits 0; the caching-allocator table runs in a process of its own (mallopt lasts). That
+process (~0.5 s) is in the slow set."""
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 from minidist.bench import recompute as bench
 from minidist.memory import recompute as rc
@@ -37,6 +40,7 @@ def test_tiny_run_prints_one_row_per_policy(capsys):
     assert "kept/layer = formula for every policy: yes" in out
 
 
+@pytest.mark.slow
 def test_caching_allocator_table_in_its_own_process():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-m", "minidist.bench.recompute", *TINY,

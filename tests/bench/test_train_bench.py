@@ -2,7 +2,11 @@
 modes and the ZeRO rows; bytes match the DP formula. With --tp: the same global batch on
 every row, and bytes per axis and activations per layer equal to parallel/tensor/memory.py's
 formulas; with --cp: bytes over cp and activations equal to parallel/context/memory.py's,
-attention work per layout, the ring's hidden send time."""
+attention work per layout, the ring's hidden send time.
+
+The default run keeps one --tp run, dp x tp (a composition; its dp column is the DP bytes
+formula), and one --cp run (the ring); the dp-only table with both overlap modes, the ZeRO
+rows, tp with sp and dp x cp (Ulysses) are in the slow set."""
 
 import pytest
 
@@ -19,6 +23,7 @@ def _rows(out: str) -> dict[str, list[str]]:
     return {line[:20].strip(): line[20:].split() for line in lines[start + 1:]}
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_tiny_run_prints_the_table(capsys):
     assert bench.main(TINY_ARGS) == 0
@@ -35,6 +40,7 @@ def test_tiny_run_prints_the_table(capsys):
     assert rows["dp=2 overlap"][6] != "0" and rows["2 x dp=1"][6] == "0"     # alone: silent
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_zero_rows_use_plan_zero(capsys):
     args = TINY_ARGS + ["--zero", "1,3", "--no-overlap"]
@@ -77,7 +83,7 @@ def _tp_rows(out: str) -> dict[str, list[int]]:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("extra, names", [
-    (["--tp", "2", "--sp"], ["dp=1", "tp=2", "tp=2 sp"]),
+    pytest.param(["--tp", "2", "--sp"], ["dp=1", "tp=2", "tp=2 sp"], marks=pytest.mark.slow),
     (["--tp", "2", "--dp", "2"], ["dp=1", "dp=2", "dp=2 tp=2"])])
 def test_tiny_tp_run_prints_bytes_and_activations_next_to_the_formulas(capsys, extra, names):
     args = extra + TP_ARGS
@@ -105,7 +111,8 @@ CP_HEADER = ["run", "ranks", "tokens/s", "ratio", "step", "ms", "cpu", "ms", "cp
 @pytest.mark.multiproc
 @pytest.mark.parametrize("extra, names", [
     (["--cp", "2"], ["dp=1", "cp=2 ring"]),
-    (["--cp", "2", "--dp", "2", "--cp-algo", "ulysses"], ["dp=1", "dp=2", "dp=2 cp=2 ulysses"])])
+    pytest.param(["--cp", "2", "--dp", "2", "--cp-algo", "ulysses"],
+                 ["dp=1", "dp=2", "dp=2 cp=2 ulysses"], marks=pytest.mark.slow)])
 def test_tiny_cp_run_prints_bytes_work_and_memory_next_to_the_formulas(capsys, extra, names):
     args = extra + TP_ARGS[:-3] + ["4", "--dtype", "float64"]              # T = 8: 4 chunks
     assert bench.main(args) == 0

@@ -2,7 +2,10 @@
 over the ep group are the all-to-alls of parallel/expert/'s formula (take_traffic) plus
 the gradient norm's all_gather, exactly, on every rank and every step; the table prints
 them next to each other with the gradient-sync bytes and the routing's load imbalance.
-Nothing here looks at a time: only that the columns are there and positive."""
+Nothing here looks at a time: only that the columns are there and positive.
+
+The default run checks the bytes in process; the command's table (~0.4 s) is in the slow
+set."""
 
 import numpy as np
 import pytest
@@ -41,6 +44,7 @@ def test_ep_bytes_equal_take_traffic_plus_the_norm_on_every_rank_and_step():
     assert row.imbalance >= 1 and 0 <= row.drop < 1 and len(row.kept) == CFG.n_layer
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_cli_prints_the_ep_table(capsys):
     assert bench.main(EP_ARGS) == 0

@@ -1,5 +1,8 @@
 """`python -m minidist cluster simulate` (cluster/cli.py), called as main(argv): the
-comparison table, a trace file in and out, plots, and one-line usage errors (exit 2)."""
+comparison table, a trace file in and out, plots, and one-line usage errors (exit 2).
+
+The plots (~2 s, most of it matplotlib's import and drawing) are in the slow set, like
+every other test that needs matplotlib."""
 
 import importlib.util
 
@@ -38,6 +41,7 @@ def test_one_policy_with_events_and_the_same_trace_through_a_file(tmp_path, caps
     assert "(from file)" in again and rows(again) == rows(first)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
 def test_plots_are_written(tmp_path, capsys):
     assert main(["simulate", "--trace", "synthetic:20", "--plot", str(tmp_path)]) == 0

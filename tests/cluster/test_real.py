@@ -1,6 +1,11 @@
 """--real (cluster/real.py): real `minidist train` processes under a policy, preempted by
 checkpoint (SIGTERM after the next committed save) and resumed from it; every job must end
-with the params sha256 of the same job run start to end, and nothing may be left running."""
+with the params sha256 of the same job run start to end, and nothing may be left running.
+
+Both tests train real jobs for seconds, so both are in the slow set; the default run keeps
+the --real refusals (test_cli.py), the simulated preemptions (test_policies.py,
+test_scheduler.py), and a bitwise resume from a checkpoint is in
+tests/parallel/test_load_state.py."""
 
 import re
 
@@ -15,6 +20,7 @@ from tests.helpers import child_pids
 pytestmark = pytest.mark.multiproc
 
 
+@pytest.mark.slow                                  # ~6 s: two real jobs, one preemption
 def test_a_preempted_job_resumes_to_the_uninterrupted_parameters(tmp_path):
     # 1 slot, las with a 20-step threshold: b (10 steps) waits until a has done 20 of its
     # 60 steps, then preempts it; a resumes from its checkpoint when b is done.
@@ -35,7 +41,7 @@ def test_a_preempted_job_resumes_to_the_uninterrupted_parameters(tmp_path):
     assert child_pids() == []
 
 
-# ~11 s (three real jobs, two preemptions): slow; the default run keeps the one-job case
+# ~11 s (three real jobs, two preemptions): slow
 @pytest.mark.slow
 def test_cli_real_las_on_the_built_in_trace(capsys):
     assert main(["simulate", "--real", "--policy", "las"]) == 0

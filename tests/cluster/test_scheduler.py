@@ -1,7 +1,11 @@
 """The simulator (cluster/scheduler.py) on Philly-like traces, checked from the outside: at
 every event no node holds more than G GPUs and every holder holds exactly its gang,
 placed by the rule; every job runs exactly its work and holds its GPUs for exactly
-duration + preemptions x (C + R); runs are deterministic; bad input is refused."""
+duration + preemptions x (C + R); runs are deterministic; bad input is refused.
+
+The default run checks each policy once, on the two clusters in turn (las, the one that
+preempts, on 4x8; three on 3x4, where 8-GPU jobs span nodes); the other five runs of the
+policy x cluster grid are in the slow set."""
 
 import math
 
@@ -56,8 +60,14 @@ def check_conservation(result, jobs, costs):
         assert rec.first_start >= j.submit and rec.end == segs[-1].end
 
 
-@pytest.mark.parametrize("cluster", CLUSTERS, ids=["4x8", "3x4"])
-@pytest.mark.parametrize("policy", NAMES)
+DEFAULT_RUNS = {("fifo", "3x4"), ("easy", "3x4"), ("sjf", "3x4"), ("fair", "4x8"),
+                ("las", "4x8")}
+
+
+@pytest.mark.parametrize("policy, cluster", [
+    pytest.param(policy, cluster, id=f"{policy}-{cid}",
+                 marks=() if (policy, cid) in DEFAULT_RUNS else pytest.mark.slow)
+    for policy in NAMES for cluster, cid in zip(CLUSTERS, ["4x8", "3x4"])])
 def test_gang_capacity_and_conservation_on_a_philly_trace(policy, cluster):
     jobs = philly_trace(120, cluster, load=1.2, seed=7)
     result = simulate(jobs, cluster, policy, costs=COSTS, thresholds=(1800.0, 18000.0))

@@ -1,5 +1,8 @@
 """direct.py must be bitwise: rank-order sum, equal to NumPy's `acc = x0; acc = acc + x1; ...`,
-identical on every rank, whatever the arrival order and however many rounds it takes."""
+identical on every rank, whatever the arrival order and however many rounds it takes.
+
+The world-size sweeps run W=1 (the lone rank) and W=3 (several peers, N % W != 0) by default
+and the small-message reuse check W=2; the other world sizes are in the slow set."""
 
 import hashlib
 
@@ -13,6 +16,13 @@ from minidist.runtime.launch import spawn
 pytestmark = pytest.mark.multiproc
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
+DEFAULT_W = (1, 3)          # the world sizes of each sweep in the default run
+
+
+def _sweep(sizes, default=DEFAULT_W):
+    """`sizes` as parameters, the ones not in `default` marked slow."""
+    return [W if W in default else pytest.param(W, marks=pytest.mark.slow) for W in sizes]
+
 SMALL_BUFFER = 1024         # bytes per rank: forces many rounds for a few thousand elements
 
 
@@ -52,7 +62,7 @@ def _direct_on_rank(ctx):
     return out
 
 
-@pytest.mark.parametrize("W", WORLD_SIZES)
+@pytest.mark.parametrize("W", _sweep(WORLD_SIZES))
 def test_direct_is_bitwise_the_rank_order_sum(W):
     per_rank = spawn(W, _direct_on_rank)
     for i, (n, dtype, bb) in enumerate(_cases(W)):
@@ -135,7 +145,7 @@ def _shared_on_rank(ctx, rounds):
     return out, sent, recv
 
 
-@pytest.mark.parametrize("W", SHARED_WORLD_SIZES)
+@pytest.mark.parametrize("W", _sweep(SHARED_WORLD_SIZES))
 def test_all_reduce_shared_is_bitwise_the_rank_order_sum_in_place(W):
     rounds = 3
     per_rank = spawn(W, _shared_on_rank, rounds)
@@ -247,6 +257,6 @@ def _small_back_to_back(ctx, calls):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("W", _sweep([2, 4], default=(2,)))
 def test_small_message_buffers_are_never_reused_too_early(W):
     assert spawn(W, _small_back_to_back, 300) == [0] * W

@@ -113,6 +113,10 @@ def _hang_on_the_lean_path(ctx):
     C.all_reduce(x)
 
 
+# slow: it asserts the wall time of the failure (< 4 s), which a loaded machine can exceed;
+# hung-rank reports stay in the default run through tests/runtime/, a timed-out receive
+# through test_p2p.py
+@pytest.mark.slow
 def test_a_deadline_on_the_lean_path_names_the_hung_rank_and_its_last_calls():
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:

@@ -2,7 +2,13 @@
 schedule, tensor-parallel size (with and without SP), expert and context parallelism and
 micro-batch count, float64 and float32, trains the same bits as the deterministic single
 process: losses, gradient norms and every parameter, compared with ==, not a tolerance.
-The sweeps over every factorisation of W <= 8 are slow."""
+
+By default one case per axis runs: ZeRO-1 and ZeRO-2 under dp; plain dp=2, dp=4 with ZeRO-3
+and the composition dp=2 x pp=2 (zb-h1) in the grain-3 test; tp=2; cp=2 (ring, zig-zag);
+dp=2 x ep=2; and the cheap refusals (sequence parallelism: test_tensor.py). Every other
+case of the lists below (both dtypes), the pipeline schedules, the MoE pipelines, full
+recomputation, two runs of one layout, token tiles of 2 positions, and the sweeps over every
+factorisation of W <= 8 run under -m slow."""
 
 import functools
 
@@ -32,6 +38,16 @@ def _rank(ctx, cfg, plan):
                          OptimizerConfig(lr=LR, clip_grad=CLIP))
 
 
+def _dtype_cases(cases, ids, default):
+    """Every case in float64 and float32, with the ids two stacked parametrizes give them
+    ('<case id>-<dtype>'); the (case, dtype) ids in `default` run by default, the rest only
+    under -m slow."""
+    return [pytest.param(*(case if isinstance(case, tuple) else (case,)), dtype,
+                         id=f"{name}-{dtype}",
+                         marks=() if f"{name}-{dtype}" in default else pytest.mark.slow)
+            for case, name in zip(cases, ids) for dtype in ("float64", "float32")]
+
+
 def _same(run, ref, what):
     assert run.losses == ref.losses, (what, run.losses, ref.losses)
     assert run.grad_norms == ref.grad_norms, (what, run.grad_norms, ref.grad_norms)
@@ -39,9 +55,14 @@ def _same(run, ref, what):
         assert np.array_equal(run.params[name], p), f"{what}: {name} differs"
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("dp, zero, M", [(1, 0, 1), (2, 0, 1), (3, 0, 2), (4, 0, 1),
-                                         (2, 1, 2), (3, 2, 1), (2, 3, 2), (4, 3, 1)])
+DP_CASES = [(1, 0, 1), (2, 0, 1), (3, 0, 2), (4, 0, 1), (2, 1, 2), (3, 2, 1), (2, 3, 2), (4, 3, 1)]
+
+
+# default: ZeRO-1 (with 2 micro-batches) and ZeRO-2, the cheapest; plain dp and ZeRO-3 run
+# by default in test_a_larger_grain_is_bitwise_across_layouts_that_hold_whole_grains
+@pytest.mark.parametrize("dp, zero, M, dtype", _dtype_cases(
+    DP_CASES, ["-".join(map(str, c)) for c in DP_CASES],
+    default={"2-1-2-float32", "3-2-1-float32"}))
 def test_every_dp_and_zero_layout_equals_the_single_process_bit_for_bit(dtype, dp, zero, M):
     cfg = _cfg(dtype)
     ref = train_single_process(cfg, DATA, steps=STEPS, global_batch=B, lr=LR, clip_grad=CLIP,
@@ -65,6 +86,7 @@ def test_the_layouts_it_does_not_cover_are_refused_by_name():
         spawn(2, _rank_tt, moe, Plan(cp=2), 8)
 
 
+@pytest.mark.slow      # pp runs by default in the grain-3 test (dp=2 x pp=2, zb-h1)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("dp, pp, zero, schedule", [(1, 2, 0, "1f1b"), (1, 2, 0, "gpipe"),
                                                     (2, 2, 1, "1f1b"), (1, 3, 0, "1f1b"),
@@ -90,7 +112,8 @@ def _grain_rank(ctx, cfg, plan, grain):
                          OptimizerConfig(lr=LR, clip_grad=CLIP))
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+# float32 by default: plain dp, ZeRO-3 and the composition dp x pp (zb-h1) in one test
+@pytest.mark.parametrize("dtype", [pytest.param("float64", marks=pytest.mark.slow), "float32"])
 def test_a_larger_grain_is_bitwise_across_layouts_that_hold_whole_grains(dtype):
     """grain=3: four leaves of three rows; dp=2, dp=4 with ZeRO-3 and dp=2 x pp=2 (zb-h1)
     each equal the single process with the same grain."""
@@ -132,8 +155,9 @@ TP_PLANS = [Plan(tp=2), Plan(tp=4), Plan(dp=2, tp=2, zero=3),
             Plan(pp=2, tp=2, micro_batches=2, schedule="zb-h1"), Plan(dp=2, tp=4, zero=1)]
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("plan", TP_PLANS, ids=[p.describe() for p in TP_PLANS])
+# default: tp=2 alone (float64), the cheapest tp layout
+@pytest.mark.parametrize("plan, dtype", _dtype_cases(
+    TP_PLANS, [p.describe() for p in TP_PLANS], default={"dp=1 x tp=2-float64"}))
 def test_tensor_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, plan):
     """Column and row shards are whole tiles of deterministic/matmul.py; the vocabulary-parallel
     loss sums over V in the single process's tree; the norm is over whole gradients."""
@@ -141,6 +165,7 @@ def test_tensor_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, pla
         _same(run, _reference(dtype, B), f"{plan.describe()} rank {r}")
 
 
+@pytest.mark.slow      # implied by the layouts' equality with the single process
 def test_two_runs_of_one_layout_are_bitwise_equal():
     plan = Plan(dp=2, tp=2, zero=1)
     first, second = (spawn(4, _rank_b, _cfg4("float32"), plan, B) for _ in range(2))
@@ -198,8 +223,10 @@ EP_PLANS = [Plan(dp=2, ep=2), Plan(dp=4, ep=2, zero=1), Plan(dp=4, ep=4, zero=2)
             Plan(dp=2, ep=2, tp=2), Plan(dp=2, ep=2, zero=3)]
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("plan", EP_PLANS, ids=[f"{p.describe()}-zero{p.zero}" for p in EP_PLANS])
+# default: dp=2 x ep=2 (float32), the cheapest ep layout
+@pytest.mark.parametrize("plan, dtype", _dtype_cases(
+    EP_PLANS, [f"{p.describe()}-zero{p.zero}" for p in EP_PLANS],
+    default={"dp=2 (ep=2) x tp=1-zero0-float32"}))
 def test_expert_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, plan):
     """Each expert runs each source grain's tokens in a call of their own, on an alias
     whose gradient is that grain's; the grains are added in the tree over edp."""
@@ -212,6 +239,7 @@ PP_MOE_PLANS = [Plan(pp=2, micro_batches=2), Plan(dp=2, pp=2, zero=1, schedule="
                 Plan(dp=2, ep=2, pp=2, micro_batches=2, schedule="interleaved")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan", PP_MOE_PLANS, ids=[p.describe() for p in PP_MOE_PLANS])
 def test_pipelines_of_moe_blocks_equal_the_single_process_bit_for_bit(plan):
     """Each stage's aux terms are gathered to the last stage and added as GPT.loss adds
@@ -225,6 +253,7 @@ def test_pipelines_of_moe_blocks_equal_the_single_process_bit_for_bit(plan):
         _same(run, ref, f"{plan.describe()} rank {r}")
 
 
+@pytest.mark.slow
 def test_full_recomputation_under_zero_bubble_takes_each_action_s_gradient():
     """With full recomputation a block's weight gradients arrive in B (its whole backward
     runs there), not in W: each action's part is taken after it."""
@@ -286,9 +315,10 @@ CP_PLANS = [Plan(cp=2), Plan(cp=2, cp_layout="contiguous"), Plan(cp=4, cp_algo="
             Plan(cp=2, pp=2, micro_batches=2, schedule="zb-h1")]
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("plan", CP_PLANS, ids=[f"{p.describe()}-{p.cp_layout}-zero{p.zero}"
-                                                for p in CP_PLANS])
+# default: cp=2, ring, zig-zag (float32), the cheapest cp layout
+@pytest.mark.parametrize("plan, dtype", _dtype_cases(
+    CP_PLANS, [f"{p.describe()}-{p.cp_layout}-zero{p.zero}" for p in CP_PLANS],
+    default={"dp=1 x cp=2 (ring) x tp=1-zigzag-zero0-float32"}))
 def test_context_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, plan):
     """--token-tiles 8 (one position per run here, T = 8): every sum over positions is a
     tree over the runs, exchanged over cp; attention over all-gathered K and V."""
@@ -296,6 +326,7 @@ def test_context_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, pl
         _same(run, _tiled_reference(dtype, B, 8), f"{plan.describe()} rank {r}")
 
 
+@pytest.mark.slow      # its refusal also runs by default in test_attention.py
 def test_token_tiles_change_no_layout_s_agreement_and_runs_must_be_whole():
     """token_tiles=4 (runs of 2 positions): dp, tp (+SP) and the contiguous cp=2 layout
     hold whole runs and agree; zig-zag cp=4 (one position per chunk) is refused."""

@@ -5,7 +5,10 @@ single process: losses, gradient norms and every parameter, compared with ==.
 What SP changes: the LayerNorm gains and shifts and the row-parallel biases see this rank's
 positions only; their gradients are sums over the global token index in one fixed tree,
 exchanged over tp (deterministic/matmul.Tokens), in place of Megatron's f. The helpers are
-those of test_step.py, repeated so that each file stands alone."""
+those of test_step.py, repeated so that each file stands alone.
+
+By default SP runs once, in the grain-3 test (tp=2 with SP); the layouts of SP_PLANS, in
+both dtypes, run under -m slow."""
 
 import functools
 
@@ -54,6 +57,7 @@ SP_PLANS = [Plan(tp=2, sequence_parallel=True), Plan(tp=4, sequence_parallel=Tru
             Plan(pp=2, tp=2, micro_batches=2, schedule="1f1b", sequence_parallel=True)]
 
 
+@pytest.mark.slow      # SP's default case: test_a_larger_grain_under_sequence_parallelism...
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("plan", SP_PLANS, ids=[p.describe() for p in SP_PLANS])
 def test_sequence_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, plan):

@@ -72,7 +72,8 @@ def test_combine_names_a_missing_grain_and_a_foreign_range():
     assert combine([(0, 1, 7.0)], 1) == 7.0
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+# float64 by default (7 single-process runs each); float32 under -m slow
+@pytest.mark.parametrize("dtype", ["float64", pytest.param("float32", marks=pytest.mark.slow)])
 def test_the_deterministic_baseline_does_not_depend_on_the_micro_batch_count(dtype):
     """One sample per micro-batch, gradients summed in the tree: grad_accum 1, 2, 4 and 8
     give the same bits (the plain accumulation does not), dropout and MoE on."""

@@ -1,6 +1,10 @@
 """gpu/check.py, the script a lent GPU runs, tested without one: the one-line skip, that it
 needs neither multiprocess nor dill, the verdict lines, and the training part's comparison
-run end to end with NumPy standing in for CuPy (the GPU run itself is marked gpu)."""
+run end to end with NumPy standing in for CuPy (the GPU run itself is marked gpu).
+
+Default set: the skip lines, the verdicts and the training part on NumPy. Slow: the
+subprocess import check and every part run on the stand-in (its fixture builds eight kernel
+files, and each stand-in module is one more g++ build)."""
 
 import os
 import subprocess
@@ -43,6 +47,7 @@ def test_cupy_without_its_cuda_libraries_is_its_own_exit_code(monkeypatch, capsy
     assert "cupy-cuda13x[ctk]" in out
 
 
+@pytest.mark.slow
 def test_it_needs_neither_multiprocess_nor_dill():
     """A fresh interpreter where importing either fails: the module, the modules its parts
     import, the skip path and the training part (NumPy for CuPy) all still work."""
@@ -101,6 +106,7 @@ def _looked_up_once(rig):
     assert lookups and max(lookups.values()) == 1, {k[1]: n for k, n in lookups.items() if n > 1}
 
 
+@pytest.mark.slow
 def test_kernels_part_runs_every_case_on_the_stand_in(standin_rig):
     part = check.run_part("kernels", standin_rig)
     assert part.ok, "\n".join(part.rows + [part.line()])
@@ -111,6 +117,7 @@ def test_kernels_part_runs_every_case_on_the_stand_in(standin_rig):
     _looked_up_once(standin_rig)
 
 
+@pytest.mark.slow
 def test_fusion_part_times_each_op_three_ways_with_no_host_wait(standin_rig):
     """Every op's three versions run with the arguments the GPU run gives them, timed by the
     Timer with no host wait inside a timed region (the stand-in raises on one); the
@@ -129,6 +136,7 @@ def test_fusion_part_times_each_op_three_ways_with_no_host_wait(standin_rig):
     _looked_up_once(standin_rig)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bandwidth", "ladder", "hierarchy", "training"])
 def test_bandwidth_ladder_hierarchy_and_training_parts_run_on_the_stand_in(standin_rig, name):
     """The parts no CPU test ran before (the first GPU run found bandwidth's ImportError):
@@ -144,6 +152,7 @@ def test_bandwidth_ladder_hierarchy_and_training_parts_run_on_the_stand_in(stand
         assert part.ok, part.line()
 
 
+@pytest.mark.slow
 def test_a_sticky_cuda_error_stops_the_run_naming_its_part(standin_rig, capsys):
     """A fault planted in fusion's first kernel: fusion reports the CUDA error (its closing
     synchronize surfaces it), the context is lost, and no later part runs under its name."""

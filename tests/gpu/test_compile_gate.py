@@ -1,6 +1,9 @@
 """The compile gate: every kernel of gpu/kernels/ compiles for sm_90 with nvcc, spills nothing,
 and uses the registers and shared memory gpu/kernels/resources.json records. The gate is shown
-to fail where it must: on a spill (a kernel starved of registers) and on a broken kernel."""
+to fail where it must: on a spill (a kernel starved of registers) and on a broken kernel.
+
+Default set: the ptxas parsing, the table and drift checks (no nvcc needed). Slow: every test
+that runs nvcc (compiling all kernels takes ~12 s; the spill and broken-kernel files ~1 s)."""
 
 import json
 
@@ -63,6 +66,7 @@ def compiled():
     return gate.compile_all(gate.kernel_files())
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_every_kernel_compiles_for_sm90_without_spills(compiled):
     found = gate.problems(compiled, None, gate.nvcc_version())
@@ -71,6 +75,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(compiled):
         assert set(res.kernels) == set(read_kernels(gate.KERNELS / res.file)), res.file
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_registers_and_smem_match_the_checked_in_table(compiled):
     table = json.loads(gate.TABLE.read_text())
@@ -81,6 +86,7 @@ def test_registers_and_smem_match_the_checked_in_table(compiled):
     assert not found, "\n".join(found)
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_the_gate_fails_on_a_spill():
     # 8 x 8 accumulators and 16 operands cannot live in 32 registers: ptxas must spill.
@@ -93,6 +99,7 @@ def test_the_gate_fails_on_a_spill():
                for p in found), found
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_the_gate_fails_on_a_kernel_that_does_not_compile(tmp_path):
     source = (gate.KERNELS / "sgemm_1_naive.cu").read_text()
@@ -104,6 +111,7 @@ def test_the_gate_fails_on_a_kernel_that_does_not_compile(tmp_path):
     assert found and found[0].startswith("broken.cu does not compile for sm_90"), found
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_cli_prints_the_table_and_ends_ok(compiled, capsys):
     rc = gate.main([])

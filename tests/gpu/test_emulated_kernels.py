@@ -2,7 +2,14 @@
 source nvcc compiles, against their NumPy float64 twins; fusion's launch savings counted;
 and the emulator itself: its barriers and shuffles, its deadlock report, its builds, and
 sanitizer builds that stay silent on the real kernels but catch a planted data race and a
-planted out-of-bounds access."""
+planted out-of-bounds access.
+
+Default set (each g++ build of a kernel file costs ~0.6 s): one case per kernel against its
+twin, the check that every kernel is launched by a case, the LayerNorm backward pass counts
+at the small shape, and the cheap checks of signatures, builds and the cache. Slow: the other
+cases, the launch-count table, the emulator's barrier and shuffle tests (each builds its own
+file; the deadlock report depends on a 0.3 s wall-clock timeout) and every sanitizer test
+(each builds the kernels again under TSan or ASan)."""
 
 from __future__ import annotations
 
@@ -23,10 +30,18 @@ from tests.gpu.conftest import KERNEL_FILES
 
 PARAMS = [(name, shape, block) for name, (_, shapes, blocks) in CASES.items()
           for shape in shapes for block in blocks]
+# Default set: one cheap case per kernel; the other shapes and block sizes are slow. Softmax
+# and attention take a slightly larger case than their cheapest (1x1, 1x1x8), where a row
+# of one element leaves nothing to reduce over; adamw takes two tensors, not one element.
+DEFAULT_CASES = {("layernorm", (1, 32), 64), ("bias_gelu", (1, 5), 64),
+                 ("softmax", (3, 13), 32), ("cross_entropy", (1, 10), 64),
+                 ("adamw", (100, 37), 32), ("flash_attention", (2, 45, 16), 32)}
 
 
-@pytest.mark.parametrize("name,shape,block", PARAMS,
-                         ids=[f"{n}-{'x'.join(map(str, s))}-b{b}" for n, s, b in PARAMS])
+@pytest.mark.parametrize("name,shape,block", [
+    pytest.param(n, s, b, id=f"{n}-{'x'.join(map(str, s))}-b{b}",
+                 marks=() if (n, s, b) in DEFAULT_CASES else pytest.mark.slow)
+    for n, s, b in PARAMS])
 def test_kernel_matches_its_float64_twin_and_its_unfused_sequence(emulator, name, shape, block):
     checks = run_case(name, emulator, shape, block)
     bad = [str(c) for c in checks if not c.ok]
@@ -84,6 +99,7 @@ def _launch_counts(emu: Emulator) -> dict[str, tuple[int, int]]:
     return counts
 
 
+@pytest.mark.slow
 def test_fusion_saves_the_launches_the_unfused_docstring_table_states(emulator):
     counts = _launch_counts(Emulator())
     table = {}
@@ -95,7 +111,7 @@ def test_fusion_saves_the_launches_the_unfused_docstring_table_states(emulator):
     assert all(f < u for f, u in counts.values())
 
 
-@pytest.mark.parametrize("N,C", [(1, 5), (9, 100)])
+@pytest.mark.parametrize("N,C", [(1, 5), pytest.param(9, 100, marks=pytest.mark.slow)])
 def test_unfused_layernorm_backward_makes_exactly_the_roofline_unfused_passes(emulator, N, C):
     """unfused.cu's LayerNorm backward is hardware/op_costs.py's unfused count, kernel by
     kernel: as many launches, and each launch's array arguments (each read or written whole,
@@ -173,12 +189,14 @@ def shim_test(emulator, tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_threads_that_return_early_do_not_hold_up_the_barrier(shim_test):
     out = np.arange(3 * 40, dtype=np.float32)
     Emulator().launch(shim_test, "reverse_first_n", 3, 64, (out, 40), shared_bytes=40 * 4)
     assert np.array_equal(out, np.arange(120, dtype=np.float32).reshape(3, 40)[:, ::-1].ravel())
 
 
+@pytest.mark.slow
 def test_warp_shuffles_match_numpy(shim_test):
     x = np.random.default_rng(1).standard_normal(96).astype(np.float32)
     sums, firsts = np.zeros(3, np.float32), np.zeros(96, np.float32)
@@ -187,6 +205,7 @@ def test_warp_shuffles_match_numpy(shim_test):
     assert np.array_equal(firsts, np.repeat(x[::32], 32))
 
 
+@pytest.mark.slow        # timing: under load, fewer than 16 threads may arrive within 0.3 s
 def test_a_shuffle_inside_a_branch_is_reported_not_a_hang(shim_test, capfd):
     x = np.zeros(32, np.float32)
     with pytest.raises(EmulatorError, match="deadlocked at a barrier"):
@@ -259,6 +278,7 @@ def _broken_copy(tmp_path, name: str, old: str, new: str) -> str:
     return str(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["thread", "address"])
 def test_sanitizers_find_nothing_in_the_real_kernels(sanitized, variant):
     sanitized(variant)
@@ -279,6 +299,7 @@ def test_sanitizers_find_nothing_at_every_shape_and_block(sanitized, variant):
     assert ok == total > 0, report.stdout
 
 
+@pytest.mark.slow
 def test_thread_sanitizer_reports_the_race_of_a_removed_syncthreads(sanitized, tmp_path):
     sanitized("thread")
     kernels = _broken_copy(tmp_path, "layernorm.cu",
@@ -288,6 +309,7 @@ def test_thread_sanitizer_reports_the_race_of_a_removed_syncthreads(sanitized, t
     assert "block_sum" in report.stderr and "layernorm.cu" in report.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,old,new,call", [
     ("flash_attention.cu", "const bool inside = k0 + jj < T && d < D;",
      "const bool inside = d < D;",

@@ -5,7 +5,13 @@ beta C within 1e-4 (max |error| / max |C|) of the float64 product, at 3-5 shapes
 them no multiple of any tile; the float4 rungs refuse the shapes they cannot load; under
 AddressSanitizer and ThreadSanitizer the rungs stay in bounds and race nowhere. The pointer
 chase ends where a Python walk of the same cycle ends; the bandwidth kernels read and copy
-exactly what their NumPy references do."""
+exactly what their NumPy references do.
+
+Default set: three rungs at one shape each (the naive rung 1, the 2D block tile of rung 5 at
+a shape far smaller than its tile, the warp tiles and float4 loads of rung 7 at a shape that
+overhangs every tile), the pointer chase (one more library) and the checks that build
+nothing. Slow: the other instantiations and shapes, both sanitizer runs, and the bandwidth
+and at64 tests (each builds one more library, ~0.6 s)."""
 
 import re
 
@@ -39,10 +45,16 @@ def _case(M: int, N: int, K: int, seed: int = 0):
 
 
 CASES = [(r, s) for r in h.EMULATED for s in SHAPES + ([] if r.vector else ODD)]
+# Default set: a couple of rungs, cheap shapes (rungs 1, 5 and 7); the rest are slow.
+DEFAULT_CASES = {("sgemm_naive", (16, 16), (33, 47, 29)),
+                 ("sgemm_2d_128x128x8_8x8", (256,), (1, 5, 3)),
+                 ("sgemm_warp_64x64x8_32x32_2_4x4", (128,), (37, 44, 28))}
 
 
-@pytest.mark.parametrize("rung,shape", CASES, ids=[f"{r.kernel}-{r.block}-{'x'.join(map(str, s))}"
-                                                   for r, s in CASES])
+@pytest.mark.parametrize("rung,shape", [
+    pytest.param(r, s, id=f"{r.kernel}-{r.block}-{'x'.join(map(str, s))}",
+                 marks=() if (r.kernel, r.block, s) in DEFAULT_CASES else pytest.mark.slow)
+    for r, s in CASES])
 def test_rung_matches_numpy_float64(emu, rung, shape):
     M, N, K = shape
     A, B, C, ref = _case(M, N, K)
@@ -73,6 +85,7 @@ print("checked", len(rungs))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["address", "thread"])
 def test_ladder_is_in_bounds_and_race_free_under_the_sanitizers(variant):
     from minidist.gpu.emulate.build import sanitizer_missing
@@ -135,6 +148,7 @@ def test_pointer_chase_ends_where_the_python_walk_ends(emu, hops):
     assert int(out[0]) == h.walk(nxt, 8, hops)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n4,total,grid,block", [(16, 1000, 3, 64), (64, 64, 1, 32),
                                                  (256, 77, 2, 96)])
 def test_bandwidth_read_sums_the_wrapped_working_set(emu, n4, total, grid, block):
@@ -146,6 +160,7 @@ def test_bandwidth_read_sums_the_wrapped_working_set(emu, n4, total, grid, block
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.slow
 def test_bandwidth_copy_copies_n_float4s_and_nothing_else(emu):
     n4 = 203                                            # not a multiple of the 2 x 64 threads
     src = np.arange(4 * n4 + 8, dtype=np.float32)
@@ -196,6 +211,7 @@ extern "C" __global__ void offsets(const int* args, unsigned long long* out, int
 """
 
 
+@pytest.mark.slow
 def test_at64_gives_offsets_past_2_to_the_31_exactly(emu, tmp_path):
     """The ladder's at64, run on the emulator: row * ld + col without wrapping, up to the
     largest (row, ld, col) three ints allow."""

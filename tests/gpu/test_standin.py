@@ -2,7 +2,10 @@
 get wrong (grid and block limits, argument types, float4 alignment, stale pointer tables),
 flags host waits inside a timed region, and models one stream so that Timer's numbers hold
 together; the hierarchy kernels' results are checked, and a defect planted in each (a chase
-replaying its start, a read that never ran) is caught."""
+replaying its start, a read that never ran) is caught.
+
+All slow: the fixture builds eight kernel files and each stand-in module is one more g++
+build (~0.6 s each, ~6 s for the file on a fresh kernel cache)."""
 
 
 import numpy as np
@@ -13,8 +16,9 @@ from minidist.gpu.emulate.build import build_many, compiler_missing
 from minidist.gpu.standin import StandIn, StandInError
 from minidist.gpu.timing import Timer
 
-pytestmark = pytest.mark.skipif(compiler_missing() is not None,
-                                reason=f"the CPU emulator cannot build: {compiler_missing()}")
+pytestmark = [pytest.mark.skipif(compiler_missing() is not None,
+                                 reason=f"the CPU emulator cannot build: {compiler_missing()}"),
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

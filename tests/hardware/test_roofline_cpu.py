@@ -4,7 +4,12 @@ roofline` prints its tables and writes its PNG.
 The roof check is a physical lower bound, not a performance target: each NumPy twin, at
 sizes far beyond the last-level cache, must take at least max(FLOPs / peak, bytes /
 bandwidth) with the bytes of its unfused passes, the roofs being the best rates measured
-in the same run (times SLACK for timing noise). A pass count that is too high fails it."""
+in the same run (times SLACK for timing noise). A pass count that is too high fails it.
+
+Slow: the two tests that assert on wall-clock measurements (real NumPy times against the
+roofs; a measured bandwidth above 100 MB/s), which a loaded machine can fail, and the two
+CLI runs (the CPU peak measurement, ~1 s; the PNG preset, ~2 s). The default set keeps the
+roof check's logic on made-up timings."""
 
 import pytest
 
@@ -15,6 +20,7 @@ from minidist.hardware.roofline import Op, Roof
 ELEMENTS = 1 << 24            # 64 MB per float32 array: twice the 32 MB last-level cache
 
 
+@pytest.mark.slow        # timing: wall-clock times against roofs measured in the same run
 def test_no_numpy_op_beats_the_roof():
     timed, roof = cli.time_numpy_ops("float32", ELEMENTS, repeats=1)   # after a warm-up
     names = [t.name for t in timed]
@@ -34,6 +40,7 @@ def test_beats_roof_flags_an_op_whose_count_is_too_high():
     assert cli.beats_roof([cli.Timed("slow", honest, 0.7)], roof) == []        # 0.7 >= 1/1.5
 
 
+@pytest.mark.slow        # timing: asserts a measured bandwidth above 100 MB/s
 def test_measure_bandwidth_counts_a_copy_twice():
     bw = cli.measure_bandwidth(nbytes=1 << 20, repeats=2)
     assert set(bw) == {"copy", "read", "write"} and min(bw.values()) > 1e8
@@ -45,6 +52,7 @@ def test_si_prefixes():
     assert cli.si(3e-9, "s") == "3ns"
 
 
+@pytest.mark.slow        # measures this CPU's peak first (~1 s)
 def test_cli_prints_both_tables_and_names_the_bound(capsys, tmp_path):
     assert cli.main(["--no-png", "--peak-cache", str(tmp_path / "peak.json")]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -58,6 +66,7 @@ def test_cli_prints_both_tables_and_names_the_bound(capsys, tmp_path):
     assert "[1] memory-bound: 23 of 23 ops;" in "\n".join(out)
 
 
+@pytest.mark.slow
 def test_cli_preset_png_and_errors(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "r.png"

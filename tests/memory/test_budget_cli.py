@@ -1,5 +1,6 @@
 """`python -m minidist memory` (budget_cli.main) and the --fit search (budget_fit): sizes,
-plans, the tables, the verdict and the exit codes."""
+plans, the tables, the verdict and the exit codes. The --fit search over the GPT-3 presets
+(~4 s) is `-m slow`; test_fit_keeps_what_fits_sorted_by_traffic covers fit() by default."""
 
 import pytest
 
@@ -123,6 +124,7 @@ def test_communication_closed_forms():
     assert pp["pp"] == 8 * 2 * (1 * 12 * 32 * b)            # a middle stage: both ways
 
 
+@pytest.mark.slow
 def test_fit_command_answers_the_h200_question(capsys):
     assert main(["--fit", "--model", "gpt3-175b", "--device-memory", "141GB",
                  "--gpus", "8"]) == 0

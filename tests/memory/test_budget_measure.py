@@ -3,7 +3,9 @@
 The issue asks for parameters, gradients, optimizer state and buffers exactly, activations
 within 5%. The formulas of memory/budget.py account for every array the autograd keeps, so
 every category, activations and the recomputation's rebuilt arrays included, is asserted
-to the byte here: a change in what a layer saves shows up as a failing test, not a drift."""
+to the byte here: a change in what a layer saves shows up as a failing test, not a drift.
+
+The default run takes one MATRIX case per axis and policy (DEFAULT); `-m slow` runs all."""
 
 import pytest
 
@@ -42,7 +44,16 @@ def _name(case) -> str:
     return ",".join(f"{k}={v}" for k, v in {**model, **plan}.items()) or "single"
 
 
-@pytest.mark.parametrize("model, plan", MATRIX, ids=[_name(c) for c in MATRIX])
+# one case per axis / policy: dp + ZeRO-2, ZeRO-3 with accumulation, tp + SP, pp (1F1B),
+# cp ring and Ulysses, full and selective recomputation, SGD momentum, fp32 precision
+DEFAULT = {"dp=2,zero=2", "dp=2,zero=3,micro_batches=2", "tp=2,sp=True", "pp=2,micro_batches=4",
+           "cp=2", "cp=2,cp_algo=ulysses", "recompute=full", "dropout=0.1,recompute=selective",
+           "dp=2,zero=2,optimizer=sgd_momentum", "dtype=float32,dp=2,zero=1,precision=fp32"}
+
+
+@pytest.mark.parametrize("model, plan", [c if _name(c) in DEFAULT else
+                                         pytest.param(*c, marks=pytest.mark.slow)
+                                         for c in MATRIX], ids=[_name(c) for c in MATRIX])
 def test_estimate_equals_measured_bytes(model, plan):
     cfg = model_config_for(DATA, **{**TINY, **model})
     plan = MemoryPlan(**plan)
@@ -73,7 +84,8 @@ def test_compare_reports_every_stage_and_category():
 
 
 @pytest.mark.parametrize("plan", [dict(dp=2, zero=2, micro_batches=2),
-                                  dict(pp=2, dp=2, zero=1, micro_batches=2)])
+                                  pytest.param(dict(pp=2, dp=2, zero=1, micro_batches=2),
+                                               marks=pytest.mark.slow)])
 def test_the_measured_step_holds_what_train_on_rank_holds(plan):
     """The step measured here is train.py's: its model states equal RankResult.memory."""
     from minidist.runtime.launch import spawn

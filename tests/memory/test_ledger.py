@@ -1,6 +1,9 @@
 """The device-memory ledger counts every buffer once, by category, exactly: hand-counted bytes
 of a small graph, autograd/saved.py's count, engine.memory() under DDP and ZeRO 1-3, and a
-budget that fails with a message naming the category and the largest arrays."""
+budget that fails with a message naming the category and the largest arrays.
+
+The default run compares the ledger with engine.memory() under ZeRO-3 (it has every branch);
+`-m slow` adds DDP, ZeRO-1, -2 and the `minidist train --device-memory` subprocess runs."""
 
 import gc
 import os
@@ -262,7 +265,8 @@ def _state(memory):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) for s in (0, 1, 2)]
+                         + [3])
 def test_model_state_equals_engine_memory_under_ddp_and_zero(stage):
     for rank, (seen, summary, memory) in enumerate(spawn(2, _engine_on_rank, stage)):
         for i, (mine, engine) in enumerate(seen):
@@ -288,6 +292,7 @@ def test_train_on_rank_returns_the_ledgers_step_peaks():
         assert led["peak"] == max(led["step_peaks"]) > sum(_state(run.memory).values())
 
 
+@pytest.mark.slow       # two CLI subprocesses; the budget error itself: test_budget_fails_*
 @pytest.mark.multiproc
 def test_train_cli_fails_cleanly_past_the_device_memory():
     res = subprocess.run([sys.executable, "-m", "minidist", "train", "--device-memory", "1MB",

@@ -2,7 +2,13 @@
 runs (host and disk tiers, single process, DDP and ZeRO 1-3) equal the plain runs bitwise,
 the ledger's device peak drops by exactly the offloaded bytes, the disk tier's reads really
 run ahead of the updates, and its files go away: on close, and after a SIGKILL, at the
-next run's start."""
+next run's start.
+
+The default run takes the single-process tiers, dp=2 under ZeRO-1, the ZeRO-3 resume and the
+prefetch; `-m slow` adds the disk tier without prefetch in one process (test_disk_tier_* runs
+it too), dp=2 under DDP, ZeRO-2, -3, the SIGKILLed run's sweep (a
+subprocess; the sweep itself is test_sweep_removes_only_runs_whose_pid_is_dead_and_lock_free)
+and the CLI run."""
 
 import fcntl
 import os
@@ -51,7 +57,8 @@ class _Param:
         self.data, self.grad = rng.standard_normal(n), rng.standard_normal(n)
 
 
-@pytest.mark.parametrize("tier,prefetch", [("host", True), ("disk", True), ("disk", False)])
+@pytest.mark.parametrize("tier,prefetch", [("host", True), ("disk", True),
+                                           pytest.param("disk", False, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("optimizer,kw", [("adamw", dict(weight_decay=0.1)),
                                           ("sgd", dict(momentum=0.9, weight_decay=0.1))])
 def test_single_process_offloaded_equals_plain_bitwise(monkeypatch, tmp_path, tier, prefetch,
@@ -77,7 +84,8 @@ def test_single_process_offloaded_equals_plain_bitwise(monkeypatch, tmp_path, ti
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1]
+                         + [pytest.param(s, marks=pytest.mark.slow) for s in (2, 3)])
 def test_dp2_offloaded_equals_plain_and_the_device_peak_drops_by_its_bytes(tmp_path, stage):
     runs = {}
     for tier in offload.TIERS:
@@ -199,6 +207,7 @@ opt.step()
 """
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_step_is_swept_by_the_next(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, str(tmp_path)], cwd=ROOT,
                              stdout=subprocess.PIPE, text=True)
@@ -264,6 +273,7 @@ def test_errors_name_the_fix(tmp_path):
         Plan(offload="disk", precision="bf16")
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_cli_offload_disk_under_zero3_checks_ok_and_leaves_no_files(tmp_path, capsys):
     code = main(["--dp", "2", "--zero", "3", "--offload", "disk", "--offload-dir",

@@ -1,7 +1,11 @@
 """Mixed-precision training end to end: fp32 changes nothing, bf16 / fp16 / fp8 train as
 well as fp32 on the synthetic task, dp=2 and ZeRO 1-3 compute what one process computes
 (bitwise where the design allows it, within the format's rounding where it does not),
-hold ZeRO's 2Ψ + 2Ψ + 12Ψ bytes, and an inf on one rank skips the step on every rank."""
+hold ZeRO's 2Ψ + 2Ψ + 12Ψ bytes, and an inf on one rank skips the step on every rank.
+
+The default run trains bf16 (grads low) against fp32 for N steps, and takes one case of
+each dp=2 / ZeRO / overflow sweep; `-m slow` adds fp16, fp8, bf16 with fp32 grads and the
+other cases."""
 
 import functools
 
@@ -40,8 +44,10 @@ def test_fp32_policy_is_bitwise_the_plain_single_process_run():
     assert run.losses == ref.losses and _same_params(run, ref)
 
 
-@pytest.mark.parametrize("precision,reduce,tol", [
-    ("bf16", "low", 0.05), ("bf16", "fp32", 0.05), ("fp16", "low", 0.05), ("fp8", "low", 0.08)])
+@pytest.mark.parametrize("precision,reduce,tol", [       # ~3 s each: bf16 by default
+    ("bf16", "low", 0.05), pytest.param("bf16", "fp32", 0.05, marks=pytest.mark.slow),
+    pytest.param("fp16", "low", 0.05, marks=pytest.mark.slow),
+    pytest.param("fp8", "low", 0.08, marks=pytest.mark.slow)])
 def test_low_precision_training_reaches_the_fp32_loss(precision, reduce, tol):
     """After N = 100 steps (loss 2.38 -> 0.65 in fp32), the mean loss of the last 10 steps
     lies within `tol` of fp32's loss DROP of it. Measured on 8 data seeds (0-7): the worst
@@ -58,8 +64,9 @@ def test_low_precision_training_reaches_the_fp32_loss(precision, reduce, tol):
     assert abs(run.losses[0] - ref.losses[0]) < 2e-3 * ref.losses[0]   # one rounding apart
 
 
-@pytest.mark.parametrize("precision,reduce", [("bf16", "low"), ("fp16", "low"),
-                                              ("bf16", "fp32")])
+@pytest.mark.parametrize("precision,reduce", [("bf16", "low"),
+                                              pytest.param("fp16", "low", marks=pytest.mark.slow),
+                                              pytest.param("bf16", "fp32", marks=pytest.mark.slow)])
 def test_dp2_equals_single_process_within_the_formats_rounding(precision, reduce):
     """Not bitwise: one process rounds each gradient GEMM's output over the whole batch
     once; under dp=2 each rank rounds its half, then the halves are summed (in the format
@@ -76,7 +83,8 @@ def test_dp2_equals_single_process_within_the_formats_rounding(precision, reduce
     assert _same_params(two[0], two[1]) and two[0].losses == two[1].losses
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1]   # 1: bitwise
+                         + [pytest.param(s, marks=pytest.mark.slow) for s in (2, 3)])
 def test_zero_holds_2psi_2psi_12psi_and_computes_what_ddp_does(stage):
     """grad_reduce "low", AdamW: model copy and gradients in 2 bytes, master + m + v in
     4 + 4 + 4 (K = 12), exactly minidist's layout (exact_bytes with 2-byte elements and 6
@@ -157,7 +165,8 @@ def _overflow_on_rank_1(ctx, zero: int):
     return result, seen
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+# default: ZeRO-1, where only the all-reduced flag tells rank 1 to skip
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_an_inf_on_one_rank_skips_the_step_and_halves_the_scale_on_every_rank(zero):
     (r0, seen0), (r1, seen1) = spawn(2, _overflow_on_rank_1, zero)
     for rank, seen in enumerate((seen0, seen1)):

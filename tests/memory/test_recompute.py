@@ -3,7 +3,10 @@ recomputation give bitwise the loss, gradients and trained parameters of no reco
 (dropout and MoE on), in one process and under dp, ZeRO 1-3, tp (+SP), pp, ep and (full
 only) cp; what a layer keeps for its backward equals recompute.kept_terms' formula;
 checkpoint() is exact for any function, counts MoE routing once and nests without a third
-forward."""
+forward.
+
+The default run takes two parallel layouts (tp + SP, and cp with full recomputation) and
+the tp + SP kept bytes; `-m slow` adds the other layouts and tp without SP."""
 
 import dataclasses
 
@@ -156,7 +159,7 @@ def _layer_bytes_on_rank(ctx, sp):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_kept_bytes_under_tensor_parallelism_equal_the_formula(sp):
     for rank, got in enumerate(spawn(2, _layer_bytes_on_rank, sp)):
         for (mode, p), measured in got.items():
@@ -274,11 +277,13 @@ LAYOUTS = [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3
            dict(tp=2), dict(tp=2, sequence_parallel=True), dict(pp=2),
            dict(pp=2, schedule="zb-h1"), dict(dp=2, ep=2), dict(cp=2),
            dict(cp=2, cp_algo="ulysses")]
+DEFAULT_LAYOUTS = (dict(tp=2, sequence_parallel=True), dict(cp=2))    # the rest: slow
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in
-                                                                    d.items()))
+@pytest.mark.parametrize("layout", [d if d in DEFAULT_LAYOUTS else
+                                    pytest.param(d, marks=pytest.mark.slow) for d in LAYOUTS],
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_every_layout_trains_bitwise_equal_with_recomputation(layout):
     plan = Plan(micro_batches=M, **layout)
     cfg = _cfg(moe_every=0 if plan.sequence_parallel or plan.cp > 1 else 2)   # MoE where

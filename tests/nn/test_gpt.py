@@ -1,4 +1,8 @@
-"""nn/gpt.py: the whole model against finite differences, and config validation."""
+"""nn/gpt.py: the whole model against finite differences, and config validation.
+
+The default run gradchecks the cheapest whole model (untied head, no bias); the tied dense
+model and the MoE model are in the slow set (test_moe.py gradchecks the MoE layer by
+default)."""
 
 import numpy as np
 import pytest
@@ -29,9 +33,10 @@ def _batch(cfg, B=2, T=3, seed=0):
 
 
 @pytest.mark.parametrize("extra", [
-    dict(),                                                      # dense, tied head
-    dict(tie_weights=False, bias=False),
-    dict(moe_every=2, n_experts=3, top_k=2, capacity_factor=0.6, aux_loss_coef=0.5),
+    pytest.param(dict(), marks=pytest.mark.slow),                # dense, tied head
+    dict(tie_weights=False, bias=False),                         # the cheapest: default
+    pytest.param(dict(moe_every=2, n_experts=3, top_k=2, capacity_factor=0.6,
+                      aux_loss_coef=0.5), marks=pytest.mark.slow),
 ])
 def test_gradcheck_whole_model(extra):
     cfg = GPTConfig(**SMALL, **extra)

@@ -1,6 +1,9 @@
 """`python -m minidist report RUN_DIR` (observe/report.py) on a real run directory: the summary
 it prints is the run's own numbers, it writes three PNGs with matplotlib and says in one line
-that it cannot without it, and a folder that is not a run directory is a usage error."""
+that it cannot without it, and a folder that is not a run directory is a usage error.
+
+Writing the PNGs (~1.5 s with matplotlib's import) is in the slow set; the default run keeps
+the summary, the no-matplotlib line, an unfinished run and the usage error."""
 
 import json
 import shutil
@@ -55,6 +58,7 @@ def test_the_report_prints_the_runs_own_numbers(run, capsys):
         "events on 4 ranks, steps 1, 2 (open it in https://ui.perfetto.dev)"), out[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_plots_are_written_with_matplotlib(run, capsys):
     pytest.importorskip("matplotlib")

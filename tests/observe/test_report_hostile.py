@@ -10,6 +10,13 @@ Most cases call report.main in this process. Those that the old reader could not
 (/dev/zero, a FIFO that blocks the open, a sparse 4 GiB file read whole) run as
 `python -m minidist report` under a 2 GiB address-space limit and a 30 s hang guard, so a
 regression is a failing test, not a hung or swapped-out test run.
+
+Each isolated case starts a Python (~0.7 s), so the default run keeps one of each kind of
+refusal: a FIFO as the metrics file (not a regular file: the open would block forever) and a
+sparse 4 GiB metrics file (over its size limit); /dev/zero (a link, refused like the
+in-process links), the other FIFO and the other sparse files are in the slow set. The two
+plots/ links need matplotlib (~0.7 s to import, ~0.8 s to plot) and are in the slow set
+too. Every in-process case is cheap and stays in the default run.
 """
 
 from __future__ import annotations
@@ -218,6 +225,7 @@ IN_PROCESS = [
     ("trace-is-a-directory", _directory("trace.json"), ["trace.json", "directory"]),
 ]
 
+ISOLATED_DEFAULT = ("metrics-file-is-a-fifo", "metrics-sparse-4-gib")
 ISOLATED = [
     ("metrics-linked-to-dev-zero", _unfinished(_dev_zero("metrics/rank0.jsonl")),
      ["rank0.jsonl", "symbolic link"]),
@@ -259,8 +267,10 @@ def test_a_hostile_file_is_one_error_line(run, tmp_path, capsys, plant, words):
     _one_error_line(code, out, err, words)
 
 
-@pytest.mark.parametrize("plant, words", [c[1:] for c in ISOLATED],
-                         ids=[c[0] for c in ISOLATED])
+@pytest.mark.parametrize("plant, words", [
+    pytest.param(*c[1:], id=c[0],
+                 marks=() if c[0] in ISOLATED_DEFAULT else pytest.mark.slow)
+    for c in ISOLATED])
 def test_a_device_fifo_or_huge_file_is_refused_unread(run, tmp_path, plant, words):
     """Refused by what it is (fstat), before a byte is read: the child could not even hold
     the 4 GiB, and a FIFO without a writer would block an ordinary open forever."""
@@ -280,6 +290,7 @@ def test_a_file_in_metrics_that_is_not_a_ranks_is_left_alone(run, capsys):
     assert capsys.readouterr().out.splitlines()[4].startswith("steps 0-2 (3)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("planted", ["plots", "plots/loss.png"])
 def test_plots_are_never_written_through_a_link(run, tmp_path, capsys, planted):
     """plots/ linked to a folder outside is refused by name; a link at plots/loss.png is

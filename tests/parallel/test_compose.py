@@ -1,7 +1,11 @@
 """Every layout on the mesh must be invisible in the numbers: pp x dp x cp x tp ranks, with
 or without sequence parallelism, ring attention or Ulysses over cp, ZeRO 0-3 over dp x cp
 (0-2 with pipeline stages), every pipeline schedule, train exactly like one process
-(float64, 3 AdamW steps with gradient accumulation, clipping and dropout)."""
+(float64, 3 AdamW steps with gradient accumulation, clipping and dropout).
+
+By default a few cheap representatives run (one per axis and a few compositions, see
+DEFAULT_KEPT and PIPELINE_DEFAULT_KEPT); every other case of DEFAULT and PIPELINE_DEFAULT,
+and the full sweeps, are marked slow (run them with -m slow)."""
 
 import functools
 
@@ -72,17 +76,37 @@ def _default_case(i, dp, cp, tp):
 
 DEFAULT = [_default_case(i, *f) for i, f in enumerate(FACTORISATIONS)]
 
+# run by default: one cheap case per axis: dp (DDP), ZeRO 1-3 (over dp or over dp x cp),
+# cp ring (zig-zag and contiguous) and Ulysses, tp + SP in a dp x tp composition (tp alone:
+# test_vocabulary_not_divisible_by_tp_is_exact[False-2]); the rest of DEFAULT is slow
+DEFAULT_KEPT = [
+    (4, 1, 1, 0, False, "ulysses", "zigzag"),        # dp=4, plain DDP
+    (2, 1, 1, 3, False, "ulysses", "zigzag"),        # dp=2, ZeRO-3
+    (1, 2, 1, 2, False, "ring", "zigzag"),           # cp=2 ring, ZeRO-2 over cp
+    (1, 4, 1, 1, False, "ulysses", "zigzag"),        # cp=4 Ulysses, ZeRO-1 over cp
+    (1, 3, 1, 1, False, "ring", "contiguous"),       # cp=3 ring, contiguous layout
+    (2, 1, 2, 2, True, "ring", "contiguous"),        # dp=2 x tp=2 SP, ZeRO-2
+]
+assert all(c in DEFAULT for c in DEFAULT_KEPT)
+
+
+def _slow_unless_kept(cases, kept):
+    """cases, those not in kept marked slow (the ids stay those of the plain tuples)."""
+    return [c if c in kept else pytest.param(*c, marks=pytest.mark.slow) for c in cases]
+
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("dp, cp, tp, zero, sp, algo, layout", DEFAULT)
+@pytest.mark.parametrize("dp, cp, tp, zero, sp, algo, layout",
+                         _slow_unless_kept(DEFAULT, DEFAULT_KEPT))
 def test_every_factorisation_of_up_to_8_ranks_matches_single_process(dp, cp, tp, zero, sp,
                                                                       algo, layout):
     _run(dp, tp, zero, sp, cp, algo, layout)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("tp", [2, 3, 4])
-@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow),
+                                pytest.param(4, marks=pytest.mark.slow)])   # default: tp=2
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_vocabulary_not_divisible_by_tp_is_exact(tp, sp):
     # Megatron-LM #1754: V = 11 padded to a multiple of tp; the padding is masked.
     assert DATA.vocab_size % tp
@@ -118,10 +142,15 @@ def _pipeline_case(i, pp, dp, cp, tp):
 
 
 PIPELINE_DEFAULT = [_pipeline_case(i, *f) for i, f in enumerate(PIPELINED)]
+# run by default: the cheap pp=2 x dp=2 composition with ZeRO-1 (every schedule meets every
+# pp size in tests/parallel/pipeline/test_stage.py); the rest of PIPELINE_DEFAULT is slow
+PIPELINE_DEFAULT_KEPT = [(2, 2, 1, 1, 1, False, "gpipe")]
+assert all(c in PIPELINE_DEFAULT for c in PIPELINE_DEFAULT_KEPT)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("pp, dp, cp, tp, zero, sp, schedule", PIPELINE_DEFAULT)
+@pytest.mark.parametrize("pp, dp, cp, tp, zero, sp, schedule",
+                         _slow_unless_kept(PIPELINE_DEFAULT, PIPELINE_DEFAULT_KEPT))
 def test_every_factorisation_with_pipeline_stages_matches_single_process(pp, dp, cp, tp, zero,
                                                                          sp, schedule):
     micro = pp + 1                                   # never a multiple of pp
@@ -218,7 +247,8 @@ def _local_numels(cfg, tp):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow),    # default: 3
+                                  pytest.param(2, marks=pytest.mark.slow), 3])
 def test_zero_memory_over_dp_of_tp_shards_equals_the_formula(zero):
     from minidist.parallel.zero.memory import exact_bytes
     dp, tp, cfg = 2, 2, _cfg(2)

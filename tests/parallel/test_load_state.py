@@ -1,7 +1,11 @@
 """Every layout loads the global training state, the inverse of full_params /
 full_optimizer_state: the single-process run's state after k steps, or another layout's,
 loaded under any Plan, reads back bitwise and trains on exactly like one process
-(float64, AdamW with clipping, weight decay and dropout; SGD with momentum)."""
+(float64, AdamW with clipping, weight decay and dropout; SGD with momentum).
+
+By default one layout of LAYOUTS loads and continues (DEFAULT_LAYOUT), one reshard, one
+resume, one untied head and every cheap test run; the other cases are marked slow (run them
+with -m slow)."""
 
 import functools
 import re
@@ -165,6 +169,15 @@ SLOW_LAYOUTS = {
     for opt in ("adamw", "sgd")}
 SLOW_LAYOUTS = {k: v for k, v in SLOW_LAYOUTS.items() if v not in LAYOUTS.values()}
 
+# run by default: ZeRO-3's sharded params and AdamW state (the other LAYOUTS are slow; a
+# cross-plan load runs by default below)
+DEFAULT_LAYOUT = "dp2 zero3"
+
+
+def _names(kept: str):
+    """LAYOUTS' names, all but `kept` marked slow."""
+    return [n if n == kept else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS]
+
 
 @functools.lru_cache(maxsize=None)
 def _loaded_and_continued(name: str):
@@ -190,13 +203,13 @@ def _continuation(name: str) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", _names(DEFAULT_LAYOUT))
 def test_loaded_state_reads_back_bitwise(name):
     _round_trip(name)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", _names(DEFAULT_LAYOUT))
 def test_training_continues_from_a_loaded_state_like_one_process(name):
     _continuation(name)
 
@@ -226,7 +239,9 @@ def test_lr_schedule_continues_at_the_global_step():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("plan", [_plan(tp=2), _plan(pp=2, tp=2, zero=1), _plan(dp=2, zero=3)],
+@pytest.mark.parametrize("plan", [_plan(tp=2),                                 # default: tp2
+                                  pytest.param(_plan(pp=2, tp=2, zero=1), marks=pytest.mark.slow),
+                                  pytest.param(_plan(dp=2, zero=3), marks=pytest.mark.slow)],
                          ids=["tp2", "pp2 x tp2 zero1", "dp2 zero3"])
 def test_an_untied_head_loads_too(plan):
     # lm_head (C, V) is Shard(1) under tp: V = 11 columns padded to 12; under pp it lives on
@@ -258,6 +273,16 @@ def _describe(plan: Plan) -> str:
     return f"{plan.describe()}{f' zero={plan.zero}' if plan.zero else ''}"
 
 
+# run by default: pp=2 -> dp=2 zero=2 (reshard, cheapest) and resuming pp=2 (it reuses that
+# run's K steps); the other cases are slow
+RESHARD_KEPT = 1
+
+
+def _slow_but(kept: int, cases):
+    return [c if i == kept else pytest.param(*c, marks=pytest.mark.slow)
+            for i, c in enumerate(cases)]
+
+
 @functools.lru_cache(maxsize=None)
 def _trained(plan: Plan, moe: bool, steps: int):
     """train_on_rank's results on every rank, `steps` steps from the start."""
@@ -270,7 +295,7 @@ def _trained(plan: Plan, moe: bool, steps: int):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("a, b, moe", RESHARD,
+@pytest.mark.parametrize("a, b, moe", _slow_but(RESHARD_KEPT, RESHARD),
                          ids=[f"{_describe(a)} -> {_describe(b)}" for a, b, _ in RESHARD])
 def test_state_saved_under_one_plan_loads_under_another(a, b, moe):
     saved = _trained(a, moe, K)[0]
@@ -286,7 +311,8 @@ def test_state_saved_under_one_plan_loads_under_another(a, b, moe):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("plan, moe", [(a, moe) for a, _, moe in RESHARD[:4]],
+@pytest.mark.parametrize("plan, moe",
+                         _slow_but(RESHARD_KEPT, [(a, moe) for a, _, moe in RESHARD[:4]]),
                          ids=[_describe(a) for a, *_ in RESHARD[:4]])
 def test_resuming_under_the_same_plan_is_bitwise_the_uninterrupted_run(plan, moe):
     # what a step leaves in the engine (shards, flat copies, padding, m, v, t) is exactly

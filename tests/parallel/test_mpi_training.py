@@ -5,6 +5,7 @@ Over MPI (runtime/mpi.py) a group has no shared memory, so DataParallel is the p
 algorithm, where the spawn runtime runs the bucketed fast path and algo "direct". DDP,
 ZeRO-1, tensor + sequence parallelism and a 2-stage pipeline (its send/recv through MPI) on
 2 ranks must still give the single-process numbers, within float64 rounding.
+By default ZeRO-1 runs; DDP, tp + SP and the pipeline are marked slow.
 """
 
 import json
@@ -51,9 +52,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("fields", [dict(dp=2), dict(dp=2, zero=1),
-                                    dict(tp=2, sequence_parallel=True),
-                                    dict(pp=2, micro_batches=4, schedule="zb-h1")],
+@pytest.mark.parametrize("fields", [pytest.param(dict(dp=2), marks=pytest.mark.slow),
+                                    dict(dp=2, zero=1),            # default: ZeRO-1
+                                    pytest.param(dict(tp=2, sequence_parallel=True),
+                                                 marks=pytest.mark.slow),
+                                    pytest.param(dict(pp=2, micro_batches=4, schedule="zb-h1"),
+                                                 marks=pytest.mark.slow)],
                          ids=["ddp", "zero1", "tp2-sp", "pp2-zb-h1"])
 def test_training_under_mpiexec_matches_the_shared_memory_run(tmp_path, fields):
     script, out = tmp_path / "mpi_train.py", tmp_path / "rank0.npz"

@@ -3,6 +3,9 @@ point of a save, and refuse whatever is corrupt, truncated, unexpected or a pick
 
 W writers run as W threads with a threading.Barrier (one process), as W forked ranks with
 the runtime's barrier (once), and as a child process that dies (os._exit) mid-save.
+
+The crash-at-every-phase sweep runs three phases by default (one per outcome: before the
+commit, finished but uncommitted, the commit itself); every phase runs in the slow set.
 """
 
 import hashlib
@@ -174,7 +177,14 @@ def _crash_at(phase, root, keep):
     os._exit(0)                                        # the save finished: hook never fired
 
 
-@pytest.mark.parametrize("phase", PHASES)
+# One phase per outcome by default (a rank file half written -> the previous checkpoint; the
+# step directory complete but `latest` not replaced -> the previous, the new one skipped as
+# "newer than"; `latest` replaced -> the new one); the other phases in the slow set.
+CRASH_DEFAULT = ("rank_file_partial", "dir_renamed", "latest_replaced")
+
+
+@pytest.mark.parametrize("phase", [p if p in CRASH_DEFAULT else
+                                   pytest.param(p, marks=pytest.mark.slow) for p in PHASES])
 def test_a_crash_at_any_point_of_a_save_leaves_the_previous_or_the_new_checkpoint(
         tmp_path, phase):
     """Steps 1 and 2 are committed (keep=2); the process saving step 3 with 2 writers dies

@@ -1,6 +1,10 @@
 """The checkpoint interval (reliability/interval.py): Young's and Daly's optima from their
 closed forms and Daly's own numbers, the expected-time model against its limits and its
-optimum, the simulation against the model, the Llama 3 MTBF, and the CLI."""
+optimum, the simulation against the model, the Llama 3 MTBF, and the CLI.
+
+In the slow set: the simulation's slowest case (M = 15 min, ~0.4 s), the wall-clock bound on
+the simulation (timing-dependent), `python -m minidist interval` in a subprocess and the
+matplotlib plot; the CLI is run in-process by default."""
 
 from __future__ import annotations
 
@@ -81,7 +85,8 @@ def test_efficiency_peaks_at_daly(c, r, m):
 @pytest.mark.parametrize("work, c, r, m, intervals", [
     (500 * HOUR, 30, 120, 3 * HOUR, [5 * MIN, 13.09 * MIN, 40 * MIN]),
     (500 * HOUR, 5 * MIN, 10 * MIN, 6 * HOUR, [20 * MIN, 57 * MIN, 3 * HOUR]),
-    (100 * HOUR, 5 * MIN, 10 * MIN, 15 * MIN, [5 * MIN, 9.1 * MIN, 20 * MIN]),
+    pytest.param(100 * HOUR, 5 * MIN, 10 * MIN, 15 * MIN, [5 * MIN, 9.1 * MIN, 20 * MIN],
+                 marks=pytest.mark.slow),                   # ~0.4 s: the others cover it
     (1 * HOUR, 60, 600, 2 * HOUR, [7 * MIN, 2 * HOUR]),     # partial last; one segment > W
 ])
 def test_simulation_agrees_with_the_model(work, c, r, m, intervals):
@@ -128,6 +133,7 @@ def test_weibull_simulation_of_one_segment_matches_the_renewal_closed_form(shape
     assert abs(want - exponential) > 4 * se            # the shape matters here: not k = 1
 
 
+@pytest.mark.slow                      # asserts a wall-clock bound: not on a loaded machine
 def test_simulation_is_seeded_and_fast():
     grid = np.geomspace(3 * MIN, 50 * MIN, 30)
     t0 = time.perf_counter()
@@ -226,6 +232,7 @@ def test_cli_weibull_shape_says_what_the_columns_assume(capsys):
     assert code == 0 and "failures Weibull of shape 0.7" in out and "best simulated" in out
 
 
+@pytest.mark.slow                      # a subprocess; the CLI itself runs in-process above
 def test_cli_as_a_module():
     run = subprocess.run([sys.executable, "-m", "minidist", "interval",
                           "--checkpoint-cost", "30s", "--mtbf", "3x"],
@@ -233,6 +240,7 @@ def test_cli_as_a_module():
     assert run.returncode == 2 and run.stderr.startswith("error: cannot read '3x'")
 
 
+@pytest.mark.slow                      # ~0.5 s of matplotlib
 def test_plot_is_written(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "interval.png"

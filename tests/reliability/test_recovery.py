@@ -1,5 +1,10 @@
 """Recovery (reliability/recovery.py) through the train CLI: a run killed anywhere, then
-restarted from its latest checkpoint, ends bitwise equal to the uninterrupted run."""
+restarted from its latest checkpoint, ends bitwise equal to the uninterrupted run.
+
+The default run keeps one kill-and-restart (dp=2 ZeRO-1, SIGKILL), one elastic run, the
+refusals that cost little, and every one-line error; the other layouts and faults, the
+resharding resume, the NaN runs, elastic's other cases and the spike-state restart (each
+0.3-2.6 s of training) are in the slow set. The slow set also draws 100 random kills."""
 
 from __future__ import annotations
 
@@ -53,9 +58,10 @@ def _recovered(layout: str, spec: str, tmp_path, capsys, every: int = 2) -> str:
 
 
 @pytest.mark.parametrize("layout, spec", [
-    ("dp2-zero1", "sigkill:rank=1:step=5"),
-    ("tp2", "sigkill:rank=0:step=3:point=save:phase=rank_file_partial"),
-    ("pp2", "raise:rank=1:step=6:point=end"),
+    ("dp2-zero1", "sigkill:rank=1:step=5"),         # the cheapest: the default run's share
+    pytest.param("tp2", "sigkill:rank=0:step=3:point=save:phase=rank_file_partial",
+                 marks=pytest.mark.slow),
+    pytest.param("pp2", "raise:rank=1:step=6:point=end", marks=pytest.mark.slow),
 ])
 def test_a_run_killed_and_restarted_ends_bitwise_equal_to_the_uninterrupted_run(
         layout, spec, tmp_path, capsys):
@@ -68,6 +74,7 @@ def test_a_run_killed_and_restarted_ends_bitwise_equal_to_the_uninterrupted_run(
     assert f"resuming from {tmp_path / 'ck'}/step{resumed:08d} (step {resumed})" in out
 
 
+@pytest.mark.slow
 def test_a_checkpoint_loads_under_another_layout_and_continues(tmp_path, capsys):
     ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"]
     code, out = _run(LAYOUTS["dp2-zero3"] + TINY + ck + ["--inject", "raise:rank=0:step=7"],
@@ -105,6 +112,7 @@ def test_a_bad_checkpoint_dir_is_refused_before_any_rank_starts(where, why, tmp_
     assert len(res.err.strip().splitlines()) == 1, res.err
 
 
+@pytest.mark.slow
 def test_a_directory_of_corrupt_checkpoints_is_one_line(tmp_path, capsys):
     """Finding 8: when every checkpoint is corrupt, the cause came in a 30-line traceback."""
     ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"]
@@ -142,6 +150,7 @@ def test_a_fault_inside_an_async_save_is_refused_as_it_could_not_fire(tmp_path, 
     assert len(err) == 1 and "--async-checkpoint writes in a background thread" in err[0], err
 
 
+@pytest.mark.slow
 def test_loss_spike_skipping_survives_a_restart_bitwise(tmp_path, capfd):
     """Finding 4: the spike detector's statistics were not in the checkpoint, so after a
     resume it was back in its warm-up and let through the spikes of steps 27-29 that the
@@ -197,6 +206,7 @@ def test_a_bad_injection_is_one_line_with_exit_2(spec, why, tmp_path, capsys):
     assert why in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow                  # the spike tests (test_spike.py) inject a NaN by default
 @pytest.mark.parametrize("layout, rank", [("dp2", 0), ("pp2", 1)])
 def test_an_injected_nan_makes_the_step_loss_and_the_parameters_nan(layout, rank, capfd):
     argv = LAYOUTS[layout] + TINY + ["--every", "1", "--inject", f"nan:rank={rank}:step=4"]
@@ -268,9 +278,10 @@ def _elastic_run(argv: list[str]):
 
 
 @pytest.mark.parametrize("extra, lines", [
-    (["--rejoin-after", "3"], ["continuing on dp=3 (3 ranks, was 4) from step 4, until "
-                               "step 7", "capacity is back at step 7: growing from dp=3"]),
-    ([], ["continuing on dp=3 (3 ranks, was 4) from step 4; global batch 12 kept"]),
+    pytest.param(["--rejoin-after", "3"], ["continuing on dp=3 (3 ranks, was 4) from step 4, "
+                                           "until step 7", "capacity is back at step 7: "
+                                           "growing from dp=3"], marks=pytest.mark.slow),
+    ([], ["continuing on dp=3 (3 ranks, was 4) from step 4; global batch 12 kept"]),  # default
 ])
 def test_elastic_shrinks_and_grows_and_equals_the_reference(extra, lines, tmp_path, capfd):
     import numpy as np
@@ -295,6 +306,7 @@ def test_elastic_needs_checkpoints_and_restarts(capsys):
         capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_elastic_keeps_the_size_when_the_smaller_layout_cannot_take_the_batch(tmp_path, capfd):
     argv = ["--dp", "4", "--batch", "8", "--steps", "6", "--n-layer", "1", "--n-embd", "16",
             "--n-head", "2", "--dtype", "float64", "--checkpoint-dir", str(tmp_path / "ck"),

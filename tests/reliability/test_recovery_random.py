@@ -8,6 +8,9 @@ and point (start, end, or a random phase inside a save), then checks that the re
 run ends with the uninterrupted run's `params sha256`. Two more tests kill from outside
 the run: a rank SIGKILLed by another process, and the launcher itself SIGKILLed and the
 same command run again.
+
+Every test here trains several runs (2.5-4.5 s each): all are in the slow set; the default
+run's kill-and-recover is in test_recovery.py.
 """
 
 from __future__ import annotations
@@ -102,9 +105,10 @@ def _check_trial(seed: int, tmp_path, capfd, monkeypatch) -> None:
     assert _digest(out) == _reference(base, capfd), what
 
 
+@pytest.mark.slow
 def test_one_random_trial_of_every_option_recovers_bitwise(tmp_path, capfd):
-    """The default run's share of the sweep below: pp's interleaved schedule with every
-    stateful option on and a SIGKILL in the middle of a save."""
+    """A fixed trial beside the sweep below: pp's interleaved schedule with every stateful
+    option on and a SIGKILL in the middle of a save."""
     base = LAYOUTS["pp2-interleaved"] + TINY + ["--spike", "skip", "--straggler", "detect",
                                                 "--keep", "1"]
     argv = base + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2",
@@ -161,6 +165,7 @@ def _uninterrupted(tmp_path) -> str:
     return _digest(out.stdout)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_from_outside_is_recovered_bitwise(tmp_path):
     ck = tmp_path / "ck"
     proc = subprocess.Popen(CMD + ["--checkpoint-dir", str(ck), "--max-restarts", "2"],
@@ -173,6 +178,7 @@ def test_a_rank_killed_from_outside_is_recovered_bitwise(tmp_path):
     assert _digest(out) == _uninterrupted(tmp_path)
 
 
+@pytest.mark.slow
 def test_the_launcher_killed_and_the_command_run_again_ends_bitwise(tmp_path):
     ck = tmp_path / "ck"
     proc = subprocess.Popen(CMD + ["--checkpoint-dir", str(ck)], stdout=subprocess.PIPE,

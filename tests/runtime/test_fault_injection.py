@@ -37,12 +37,14 @@ time.monotonic(), a system-wide clock, to a file just before):
 Runs other than the hang kinds use T_FAIL = 10 s, so that a fault noticed only through a
 timeout shows up as late, not as a quick pass.
 
-The default run has a fixed selection (every kind at least once); `-m slow` runs the
-sweep, every kind x point once, with W rotating over 2..4 and the seed over 0..2 (96
-trials); MINIDIST_FULL_SWEEP=1 runs every kind x point x W in 2..4 (288 trials).
-Reproduce one trial (its id is kind-point-W<W>-s<seed>), from the default set or the sweep:
-    python -m pytest -q "tests/runtime/test_fault_injection.py::test_fault_is_named_fast[\
-sigstop-async3-W4-s1]"
+Every trial asserts its latency (the wall clock, which a loaded machine stretches), so
+all trials run under -m slow only: a fixed selection (every kind at least once,
+test_fault_is_named_fast) and the sweep, every kind x point once, with W rotating over 2..4
+and the seed over 0..2 (96 trials); MINIDIST_FULL_SWEEP=1 runs every kind x point x W in
+2..4 (288 trials). The default run keeps the control: the program with no fault, at W=2.
+Reproduce one trial (its id is kind-point-W<W>-s<seed>), from the selection or the sweep:
+    python -m pytest -q -m slow "tests/runtime/test_fault_injection.py::\
+test_fault_is_named_fast[sigstop-async3-W4-s1]"
     python -m pytest -q -m slow "tests/runtime/test_fault_injection.py::\
 test_fault_is_named_fast_sweep[sleep-final-W2-s2]"
 """
@@ -371,6 +373,7 @@ def _target_group(t: Trial) -> str:
 
 # --- the trials ---------------------------------------------------------------------------
 
+# The fixed selection, every kind at least once (slow like the sweep: see the docstring).
 DEFAULT = [Trial("raise", "between", 3, 0), Trial("exit", "inflight", 4, 0),
            Trial("sigkill", "async2", 3, 1), Trial("sigstop", "async3", 4, 1),
            Trial("sleep", "subgroup", 2, 0), Trial("mismatch-op", "async1", 4, 2),
@@ -384,6 +387,7 @@ SWEEP = [Trial(k, p, W, (i + W) % 3) for i, (k, p) in enumerate(itertools.produc
          for W in ((2, 3, 4) if _FULL else (2 + i % 3,))]
 
 
+@pytest.mark.slow                  # wall-clock: every trial bounds its latency
 @pytest.mark.parametrize("t", DEFAULT, ids=str)
 def test_fault_is_named_fast(t, tmp_path):
     _run_trial(t, tmp_path)
@@ -395,7 +399,8 @@ def test_fault_is_named_fast_sweep(t, tmp_path):
     _run_trial(t, tmp_path)
 
 
-@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("W", [2, pytest.param(3, marks=pytest.mark.slow),
+                               pytest.param(4, marks=pytest.mark.slow)])
 def test_the_program_runs_clean_without_a_fault(W):
     """The control: with no fault (kind "none") every rank finishes and the sums agree."""
     t = Trial("none", f"async{W - 1}", W, 0)

@@ -24,7 +24,8 @@ def _barrier_order(ctx):
     return seen
 
 
-@pytest.mark.parametrize("W", [1, 2, 4])
+@pytest.mark.parametrize("W", [pytest.param(1, marks=pytest.mark.slow), 2,
+                               pytest.param(4, marks=pytest.mark.slow)])
 def test_barrier_lets_nobody_through_early(W):
     assert spawn(W, _barrier_order) == [W] * W
 

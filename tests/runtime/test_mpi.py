@@ -1,4 +1,7 @@
-"""The MPI transport runs the same messages (and catches the same mismatches) under mpiexec."""
+"""The MPI transport runs the same messages (and catches the same mismatches) under mpiexec.
+
+Each test starts an mpiexec job (~0.5 s); the default run keeps the messages and subgroups
+at n=2, the rest runs under -m slow."""
 
 import subprocess
 import sys
@@ -43,13 +46,14 @@ def _mpirun(tmp_path, n, *args):
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_messages_and_subgroups_over_mpi(tmp_path, n):
     res = _mpirun(tmp_path, n)
     assert res.returncode == 0, res.stdout + res.stderr
     assert sorted(res.stdout.split("\n")[:-1]) == [f"rank {r} ok" for r in range(n)]
 
 
+@pytest.mark.slow
 def test_mismatched_calls_over_mpi_raise(tmp_path):
     res = _mpirun(tmp_path, 2, "--mismatch")
     assert res.returncode != 0
@@ -71,6 +75,7 @@ DEFAULT_GROUP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_same_script_runs_under_mpiexec_on_the_default_group(tmp_path, n):
     script = tmp_path / "default_group.py"

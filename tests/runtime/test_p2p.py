@@ -20,7 +20,8 @@ def _ring_shift(ctx, sizes, dtypes):
     return out
 
 
-@pytest.mark.parametrize("W", [2, 3, 5])
+@pytest.mark.parametrize("W", [pytest.param(2, marks=pytest.mark.slow), 3,   # 3: a real ring
+                               pytest.param(5, marks=pytest.mark.slow)])
 def test_sendrecv_ring_shift_is_exact(W):
     dtypes = [np.float32, np.float64, np.int64, np.uint8]
     results = spawn(W, _ring_shift, SIZES, dtypes)

@@ -59,6 +59,7 @@ def _both_isend_first(ctx):
     w1.wait(), w2.wait()
 
 
+@pytest.mark.slow                  # wall-clock: reported in < 10 s
 @pytest.mark.multiproc
 def test_both_ranks_sending_first_is_a_mismatch_not_a_hang():
     start = time.monotonic()
@@ -182,7 +183,7 @@ def _check_torch_style(stdout: str, W: int, backend: str, tag: bool) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_torch_style_script_runs_under_minidist_run(tmp_path, W):
     script = tmp_path / "torch_style.py"
     script.write_text(textwrap.dedent(TORCH_STYLE))
@@ -192,6 +193,7 @@ def test_a_torch_style_script_runs_under_minidist_run(tmp_path, W):
     _check_torch_style(res.stdout, W, "shm", tag=True)
 
 
+@pytest.mark.slow                  # mpiexec (~0.5 s): the default run has test_mpi.py's
 @pytest.mark.mpi
 @pytest.mark.parametrize("W", [2, 3])
 def test_the_same_script_runs_under_mpiexec(tmp_path, W):
@@ -204,6 +206,7 @@ def test_the_same_script_runs_under_mpiexec(tmp_path, W):
     _check_torch_style(res.stdout, W, "mpi", tag=False)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_under_mpiexec_the_shm_backend_is_refused(tmp_path):
     mpiexec = mpiexec_or_skip()

@@ -1,7 +1,12 @@
 """`python -m minidist run` behaves like torchrun where a script can tell: torchrun's
 variables in every rank, each rank's lines tagged "[rank<r>]:" (or logged per rank, or
 filtered), nothing a rank wrote lost when it fails or is killed, the launcher's report
-unprefixed and last, -n 1 by default, and one-line usage errors."""
+unprefixed and last, -n 1 by default, and one-line usage errors.
+
+Most tests start a `run` job (~0.4 s); the default run keeps the variables, the
+tags, a killed rank's output, a closed stdout, and run_script in-process (which also covers
+--log-dir and a filter); the rest runs under -m slow (the convention of one-line usage
+errors is in test_cli.py's default set, --help's in its top-level --help test)."""
 
 import os
 import signal
@@ -56,6 +61,7 @@ def test_each_rank_gets_torchruns_variables(tmp_path):
         assert f"[rank{r}]:child sees RANK={r}" in lines, res.stdout
 
 
+@pytest.mark.slow
 def test_n_defaults_to_one_rank(tmp_path):
     res = run(tmp_path, ENV_SCRIPT)
     assert res.returncode == 0, res.stderr
@@ -98,6 +104,7 @@ def test_every_line_is_tagged_with_its_rank_and_keeps_its_order(tmp_path):
     assert _by_rank(res.stderr.splitlines(), 2) == [["r0 warning"], ["r1 warning"]]
 
 
+@pytest.mark.slow
 def test_no_prefix_passes_lines_through_untagged(tmp_path):
     res = run(tmp_path, TALKER, "-n", "2", "--no-prefix")
     assert res.returncode == 0, res.stderr
@@ -109,6 +116,7 @@ def test_no_prefix_passes_lines_through_untagged(tmp_path):
     assert sorted(res.stderr.splitlines()) == ["r0 warning", "r1 warning"]
 
 
+@pytest.mark.slow
 def test_log_dir_holds_each_ranks_lines_untagged(tmp_path):
     logs = tmp_path / "logs" / "run1"                    # created, parents too
     res = run(tmp_path, TALKER, "-n", "2", "--log-dir", str(logs))
@@ -121,6 +129,7 @@ def test_log_dir_holds_each_ranks_lines_untagged(tmp_path):
         assert lines[-1] == f"r{r} no newline at the end" and "[rank" not in "".join(lines)
 
 
+@pytest.mark.slow
 def test_the_filter_shows_some_ranks_and_the_log_files_still_get_all(tmp_path):
     res = run(tmp_path, TALKER, "-n", "3", "--local-ranks-filter", "0,2", "--log-dir",
               str(tmp_path / "logs"))
@@ -146,7 +155,7 @@ FAILS = """
 """
 
 
-@pytest.mark.parametrize("how", ["raise", "kill"])
+@pytest.mark.parametrize("how", [pytest.param("raise", marks=pytest.mark.slow), "kill"])
 def test_a_failing_ranks_output_is_kept_and_the_report_comes_last_unprefixed(tmp_path, how):
     res = run(tmp_path, FAILS, "-n", "2", *(["--", "--kill"] if how == "kill" else []))
     assert res.returncode == 1
@@ -174,6 +183,7 @@ def test_run_script_returns_with_no_rank_and_no_reader_thread_left(tmp_path, cap
         "rank 1 warns first\nlast words, no newline\n"
 
 
+@pytest.mark.slow                  # wall-clock: took < 10 s
 def test_a_child_left_running_does_not_keep_the_launcher_waiting(tmp_path):
     body = """
         import subprocess, sys
@@ -209,6 +219,7 @@ def test_a_closed_stdout_ends_the_run_quietly_with_141(tmp_path):
     assert proc.returncode == 128 + signal.SIGPIPE and err == "", err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["--local-ranks-filter", "2", "-n", "2"], ["--local-ranks-filter", "rank 2", "0..1"]),
     (["--local-ranks-filter", "0,x"], ["--local-ranks-filter", "'0,x'"]),
@@ -226,6 +237,7 @@ def test_a_usage_error_is_one_line_with_exit_code_2(tmp_path, args, words):
     assert res.stdout == ""
 
 
+@pytest.mark.slow
 def test_help_lists_the_torchrun_options_on_stdout():
     res = subprocess.run([sys.executable, "-m", "minidist", "run", "--help"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=ENV)

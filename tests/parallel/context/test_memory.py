@@ -1,7 +1,10 @@
 """Context parallelism's formulas against what the ranks really do: bytes each cp rank sends
 per step (RankResult.bytes_by_axis["cp"], every rank, every step), the attention work per
 rank (contiguous vs zig-zag vs Ulysses), and the activations one block keeps for the
-backward (autograd/saved.py), exactly, for ring attention and Ulysses."""
+backward (autograd/saved.py), exactly, for ring attention and Ulysses.
+
+The default run measures cp = 2 (bytes: ring and Ulysses once each); `-m slow` adds cp = 3,
+4, the dp x cp and tp x cp layouts and the other activation sizes."""
 
 import numpy as np
 import pytest
@@ -31,6 +34,9 @@ CASES = [  # dp, tp, cp, algo, layout, heads, global batch, micro-batches
     (1, 2, 2, "ring", "zigzag", 2, 4, 1),       # tp x cp: h = H / tp heads on each rank
     (1, 2, 2, "ulysses", "zigzag", 4, 4, 1),
 ]
+DEFAULT = (0, 3)        # by index: cp = 2, ring and Ulysses; the rest are slow
+CASES = [c if i in DEFAULT else pytest.param(*c, marks=pytest.mark.slow)
+         for i, c in enumerate(CASES)]
 
 
 @pytest.mark.multiproc
@@ -135,7 +141,8 @@ def _activations_on_rank(ctx, rows):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+@pytest.mark.parametrize("cp", [pytest.param(1, marks=pytest.mark.slow), 2]
+                         + [pytest.param(cp, marks=pytest.mark.slow) for cp in (3, 4)])
 def test_activation_formula_equals_what_the_graph_keeps(cp):
     rows, T, C_ = 3, DATA.block_size, 24
     H = 6 if cp == 3 else 4

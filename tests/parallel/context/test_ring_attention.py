@@ -1,6 +1,8 @@
 """Ring attention must be invisible in the numbers: W ranks, each holding T/W positions of
 q, k, v, get exactly the attention output and dQ, dK, dV that one process gets over all T,
-with the causal mask, with dropout, in both layouts; and a rank killed mid-ring is named."""
+with the causal mask, with dropout, in both layouts; and a rank killed mid-ring is named.
+The default run takes rings of 2 and 3 (more than one hop) and one gradient check; `-m slow`
+adds W = 1, 4 and the other gradient checks."""
 
 import os
 import signal
@@ -64,7 +66,8 @@ def _ring_on_rank(ctx, cases):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("W", [1, 2, 3, 4])
+@pytest.mark.parametrize("W", [pytest.param(1, marks=pytest.mark.slow), 2, 3,
+                               pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_attention_output_and_dq_dk_dv_equal_single_process(W):
     # Megatron-LM #1465: context-parallel dQ/dK/dV off by up to 1.2 (relative) in a framework
     runs = spawn(W, _ring_on_rank, CASES)
@@ -103,8 +106,10 @@ def _gradcheck_on_rank(ctx, layout, causal, p):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("W,layout,causal,p", [(2, "zigzag", True, 0.3),
-                                                (3, "contiguous", True, 0.0),
-                                                (3, "zigzag", False, 0.3)])
+                                                pytest.param(3, "contiguous", True, 0.0,
+                                                             marks=pytest.mark.slow),
+                                                pytest.param(3, "zigzag", False, 0.3,
+                                                             marks=pytest.mark.slow)])
 def test_gradients_match_finite_differences(W, layout, causal, p):
     assert spawn(W, _gradcheck_on_rank, layout, causal, p) == [True] * W
 
@@ -137,7 +142,8 @@ def _module_on_rank(ctx, layout):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("W,layout", [(2, "zigzag"), (3, "contiguous")])
+@pytest.mark.parametrize("W,layout", [(2, "zigzag"),
+                                      pytest.param(3, "contiguous", marks=pytest.mark.slow)])
 def test_causal_self_attention_with_a_ring_context_matches_single_process(W, layout):
     y, dx, grads = _module_run(_attention_module(0.1), X, GY)
     runs = spawn(W, _module_on_rank, layout)

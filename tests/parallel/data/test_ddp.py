@@ -1,7 +1,10 @@
 """Data parallelism must be invisible in the numbers: W ranks, each taking 1/W of every
 global batch, train exactly like one process taking all of it, and stay bitwise identical.
 The plain engine (one all-reduce per parameter, parallel/data/ddp.py) and the bucketed fast path
-(parallel/data/buckets.py) must give the same bits."""
+(parallel/data/buckets.py) must give the same bits.
+
+The default run takes one representative per sweep (W = 2 or 3, one algorithm, the buckets'
+overlap); `-m slow` runs the other cases and the 8-rank run with clipping and a schedule."""
 
 import numpy as np
 import pytest
@@ -35,6 +38,10 @@ CASES = [  # (W, micro_batches, extra Plan fields)
     (3, 1, {"algo": "ring"}), (3, 2, {"replica_check_every": 1}),
     (4, 1, {"bucket_bytes": 1 << 20}), (4, 2, {}),
 ]
+# default (by index): W=2 M=2 without overlap, W=3 M=2 with the replica check; rest slow
+DEFAULT = (3, 5)
+CASES = [c if i in DEFAULT else pytest.param(*c, marks=pytest.mark.slow)
+         for i, c in enumerate(CASES)]
 
 
 @pytest.mark.multiproc
@@ -49,6 +56,7 @@ def test_dp_training_matches_single_process(W, M, extra):
     assert_runs_match(runs, ref, f"W={W} M={M} {extra}")
 
 
+@pytest.mark.slow       # clipping under dp: test_gradient_clipping_uses_the_global_norm (ZeRO)
 @pytest.mark.multiproc
 def test_dp_on_8_ranks_with_clipping_and_a_schedule():
     kw = dict(steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, clip_grad=0.5, warmup_steps=1,
@@ -65,7 +73,7 @@ def _shares(n, W):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("algo", ["direct", "ring"])
+@pytest.mark.parametrize("algo", ["direct", pytest.param("ring", marks=pytest.mark.slow)])
 def test_bytes_per_step_equal_the_formula(algo):
     W = 3                                                 # Ψ and buckets not divisible by 3
     runs = spawn(W, train_on_rank, TINY, DATA,
@@ -109,7 +117,8 @@ def _overlap_probe(ctx, overlap, fast):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("fast", [True, False], ids=["buckets", "plain"])
+@pytest.mark.parametrize("fast", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["buckets", "plain"])           # the fast path by default
 def test_all_reduces_start_during_backward_and_no_sync_stays_silent(fast):
     for overlap, expect_all in ((True, True), (False, False)):
         for quiet, launched, n in spawn(2, _overlap_probe, overlap, fast):
@@ -197,7 +206,7 @@ def _train_both_paths(ctx, M, algo="direct", paths=(False, True)):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_plain_and_bucketed_paths_give_the_same_bits(W):
     M = 2
     runs = spawn(W, _train_both_paths, M)
@@ -228,7 +237,8 @@ def test_plain_and_bucketed_paths_give_the_same_bits(W):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("algo", ["ring", "tree", "halving"])
+@pytest.mark.parametrize("algo", ["ring", pytest.param("tree", marks=pytest.mark.slow),
+                                  pytest.param("halving", marks=pytest.mark.slow)])
 def test_plain_path_with_message_algorithms_matches_single_process(algo):
     W, M = 3, 2                   # the algorithms the plain path runs over MPI, here on 3 ranks
     runs = [run[False] for run in spawn(W, _train_both_paths, M, algo, paths=(False,))]

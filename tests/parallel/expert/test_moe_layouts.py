@@ -1,6 +1,10 @@
 """A mixture-of-experts GPT is exact under every layout: routing groups of G tokens decide
 capacity and drops the same way whatever dp, tp, cp, pp, ZeRO stage or micro-batch count
-(float64, 3 AdamW steps, top-1 and top-2 with drops, load-balancing and z-losses)."""
+(float64, 3 AdamW steps, top-1 and top-2 with drops, load-balancing and z-losses).
+
+By default a few cheap representatives of DEFAULT and EXPERT_DEFAULT run (DEFAULT_KEPT,
+EXPERT_DEFAULT_KEPT: dp, tp, a pp x cp composition and an ep x cp composition); the other
+cases and the ZeRO sweeps are marked slow (run them with -m slow)."""
 
 import functools
 
@@ -17,7 +21,7 @@ from minidist.parallel.pipeline import schedules
 from minidist.runtime.launch import spawn
 from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from tests.helpers import assert_runs_match
-from tests.parallel.test_compose import FACTORISATIONS, PIPELINED, _data
+from tests.parallel.test_compose import FACTORISATIONS, PIPELINED, _data, _slow_unless_kept
 
 DATA = DataConfig(task="sort", length=6, seed=2)            # T = 12 (T = 2 cp if 12 cannot)
 STEPS, LR, CLIP = 3, 1e-2, 0.05
@@ -127,10 +131,19 @@ def _case(i, pp, dp, cp, tp):
 
 
 DEFAULT = [_case(i, *f) for i, f in enumerate(LAYOUTS)]
+# run by default: cheap MoE cases for dp (ZeRO-3), tp and a pp x cp composition; the rest of
+# DEFAULT is slow
+DEFAULT_KEPT = [
+    (1, 2, 1, 1, 3, 2, 2, "zb-h1"),          # dp=2 ZeRO-3, top-2, M=2
+    (1, 1, 1, 2, 1, 2, 1, "1f1b"),           # tp=2 ZeRO-1, top-2
+    (2, 1, 2, 1, 2, 2, 1, "1f1b"),           # pp=2 x cp=2 ZeRO-2, top-2
+]
+assert all(c in DEFAULT for c in DEFAULT_KEPT)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("pp, dp, cp, tp, zero, top_k, M, schedule", DEFAULT)
+@pytest.mark.parametrize("pp, dp, cp, tp, zero, top_k, M, schedule",
+                         _slow_unless_kept(DEFAULT, DEFAULT_KEPT))
 def test_every_layout_of_up_to_8_ranks_matches_single_process(pp, dp, cp, tp, zero, top_k, M,
                                                               schedule):
     _run(pp, dp, cp, tp, zero, top_k, M, schedule)
@@ -163,10 +176,14 @@ def _ep_case(i, pp, dp, ep, cp, tp):
 
 
 EXPERT_DEFAULT = [_ep_case(i, *f) for i, f in enumerate(EXPERT_LAYOUTS)]
+# run by default: one cheap ep composition (dp=2 ep=2 x cp=2, ZeRO-2); the rest is slow
+EXPERT_DEFAULT_KEPT = [(1, 2, 2, 2, 1, 2, 2, 1, "zb-h1")]
+assert all(c in EXPERT_DEFAULT for c in EXPERT_DEFAULT_KEPT)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("pp, dp, ep, cp, tp, zero, top_k, M, schedule", EXPERT_DEFAULT)
+@pytest.mark.parametrize("pp, dp, ep, cp, tp, zero, top_k, M, schedule",
+                         _slow_unless_kept(EXPERT_DEFAULT, EXPERT_DEFAULT_KEPT))
 def test_expert_parallel_layouts_match_single_process(pp, dp, ep, cp, tp, zero, top_k, M,
                                                       schedule):
     _run(pp, dp, cp, tp, zero, top_k, M, schedule, ep=ep)
@@ -195,7 +212,7 @@ def test_expert_parallel_plans_that_cannot_split_are_refused():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, pytest.param(3, marks=pytest.mark.slow)])  # default: 0
 def test_aux_loss_gradient_is_not_divided_by_dp(zero):
     # Megatron-LM PR #3769: the load-balancing loss's gradient came out 1/dp too small.
     # With a big coefficient the router's update is dominated by it: equal to one process.

@@ -1,7 +1,10 @@
 """Pipeline schedules as data: every generator is proved complete and deadlock-free by the
 validator, has the structure its paper describes, reaches its closed-form bubble under unit
 costs (clocked by a small step simulation written here, and by schedule_sim), and survives
-a CSV round trip; the validator names what is wrong in schedules broken on purpose."""
+a CSV round trip; the validator names what is wrong in schedules broken on purpose.
+
+`-m slow` adds P = 4 (validity, closed forms) and the cross-check against schedule_sim, which
+test_schedule_sim.py's closed-form tests cover by default."""
 
 from dataclasses import replace
 from fractions import Fraction
@@ -54,7 +57,7 @@ def _replace_stage(schedule, stage, actions):
 # --- every generator is valid -------------------------------------------------------------
 
 @pytest.mark.parametrize("name", SCHEDULES)
-@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("P", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_generator_is_valid(name, P):
     for M in _ms(P):
         for V in (2, 3):
@@ -155,7 +158,7 @@ def test_zb_h1_splits_the_backward_at_1f1b_memory():
 
 # --- closed forms under unit costs --------------------------------------------------------
 
-@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("P", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_bubbles_match_the_closed_forms(P):
     for M in _ms(P):
         assert _clock(gpipe(P, M), dict(F=1, B=1)) == 2 * (M + P - 1)
@@ -169,6 +172,7 @@ def test_bubbles_match_the_closed_forms(P):
                 assert t == 3 * M + Fraction(3 * (P - 1), V), (P, M, V)
 
 
+@pytest.mark.slow
 def test_bubbles_match_schedule_sim():
     sim = pytest.importorskip("minidist.parallel.pipeline.schedule_sim")
     one = dict(F=Fraction(1), B=Fraction(1), W=Fraction(1))

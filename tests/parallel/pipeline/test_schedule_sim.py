@@ -1,6 +1,10 @@
 """The pipeline simulator clocks a schedule by its order and inputs only: start times of small
 hand-built schedules, the papers' bubble closed forms (exactly), peak activations, and the
-renderers (ASCII, Chrome trace, PNG) of simulated and recorded timelines."""
+renderers (ASCII, Chrome trace, PNG) of simulated and recorded timelines.
+
+`-m slow` adds the sweeps that take ~0.1-1 s each: the simulator-vs-validator deadlock sweep
+(test_megatrons_literal_rule_deadlocks_where_ours_does_not covers it by default), the
+interleaved closed form for P = 4, 5, and the PNG plot (a matplotlib import)."""
 
 from __future__ import annotations
 
@@ -102,6 +106,7 @@ def _megatron_interleaved(P: int, M: int, V: int) -> PipelineSchedule:
     return PipelineSchedule("megatron-interleaved", P, M, tuple(rows), chunks=V)
 
 
+@pytest.mark.slow
 def test_simulator_and_validator_agree_on_which_schedules_deadlock():
     from minidist.parallel.pipeline.schedule_validate import validate
     stuck = []
@@ -180,7 +185,8 @@ def test_gpipe_and_1f1b_bubble_is_the_closed_form(name, make, P, M):
 
 
 @pytest.mark.parametrize("V", [2, 3])
-@pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("P", [1, 2, 3] + [pytest.param(P, marks=pytest.mark.slow)
+                                             for P in (4, 5)])        # 4, 5: ~0.15 s each
 def test_interleaved_bubble_is_the_closed_form_for_m_at_least_p(P, V):
     # Megatron's claim is for M a multiple of P; schedules.interleaved_1f1b, whose last
     # group takes the M mod P left over, meets it for every M >= P (measured, P <= 5, M < 16)
@@ -321,6 +327,7 @@ def test_chrome_trace_one_event_per_action(tmp_path):
     assert max(e.end_us for e in measured.events()) == pytest.approx(1.6e6)
 
 
+@pytest.mark.slow       # ~1 s, the matplotlib import; the error path below stays
 def test_plot_png_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     sim = simulate(S.one_f_one_b(3, 4))

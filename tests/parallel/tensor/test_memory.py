@@ -1,7 +1,10 @@
 """Tensor parallelism's formulas against what the ranks really do: bytes each tp rank sends
 per step (RankResult.bytes_by_axis["tp"], every rank, every step) and the activations one
 block keeps for the backward (autograd/saved.py), exactly; and both side by side with the
-papers (Megatron's 4 all-reduces per layer; Korthikanti et al. 2022, Table 2)."""
+papers (Megatron's 4 all-reduces per layer; Korthikanti et al. 2022, Table 2).
+
+The default run measures tp = 2 (with and without sequence parallelism) and W = 3 for the
+per-call counts; `-m slow` adds tp = 4, dp x tp x ZeRO and tp = 1, 4 activations."""
 
 import numpy as np
 import pytest
@@ -29,7 +32,7 @@ def _sent_per_call(ctx, calls):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("W", [3, 4])
+@pytest.mark.parametrize("W", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_sent_bytes_match_each_algorithm_on_every_rank(W):
     big = direct.window(8, W) + 13                    # two rounds, shares uneven
     calls = [("all_reduce", "direct", 100), ("all_reduce", "direct", 1001),
@@ -61,6 +64,8 @@ CASES = [  # dp, tp, sp, prompt length (T = 2x), C, heads, global batch, micro-b
     (1, 4, True, 6, 32, 4, 4, 2, 0),
     (2, 2, True, 6, 32, 2, 8, 2, 1),        # tp traffic does not depend on dp or ZeRO
 ]
+# default: the two tp = 2 cases (with and without sp); the rest are slow
+CASES = CASES[:2] + [pytest.param(*c, marks=pytest.mark.slow) for c in CASES[2:]]
 
 
 @pytest.mark.multiproc
@@ -143,7 +148,8 @@ def _activations_on_rank(ctx, rows):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2,     # tp = 2: with
+                                pytest.param(4, marks=pytest.mark.slow)])     # and without sp
 def test_activation_formula_equals_what_the_graph_keeps(tp):
     rows, T, C_, H = 3, DATA.block_size, 16, 4
     runs = spawn(tp, _activations_on_rank, rows)

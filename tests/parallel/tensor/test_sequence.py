@@ -1,5 +1,5 @@
 """Sequence parallelism: the all-gather / reduce-scatter pair along T is each other's adjoint,
-and a LayerNorm whose gradient is not summed over tp is caught by name."""
+and a LayerNorm whose gradient is not summed over tp is caught by name. (W = 3: `-m slow`.)"""
 
 import numpy as np
 import pytest
@@ -39,7 +39,7 @@ def _region_ops(ctx):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sequence_region_collectives_match_finite_differences(W):
     assert spawn(W, _region_ops) == [True] * W
 

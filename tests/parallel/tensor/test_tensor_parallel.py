@@ -1,6 +1,7 @@
 """Tensor parallelism: f and g, the two parallel linears and the attention split by heads
 compute what the unsharded layers compute, and the bugs the big frameworks shipped are
-caught by name."""
+caught by name. The default run checks each layer on W = 2 (the linears also W = 3 with
+sequence parallelism); `-m slow` adds the other world sizes."""
 
 import numpy as np
 import pytest
@@ -43,7 +44,7 @@ def _gradcheck_f_and_g(ctx):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_f_and_g_gradients_match_finite_differences(W):
     assert spawn(W, _gradcheck_f_and_g) == [True] * W
 
@@ -78,7 +79,8 @@ def _linears_against_full(ctx, sp):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("W, sp", [(2, False), (3, False), (3, True)])
+@pytest.mark.parametrize("W, sp", [(2, False), pytest.param(3, False, marks=pytest.mark.slow),
+                                   (3, True)])
 def test_parallel_linears_equal_the_full_layers(W, sp):
     assert spawn(W, _linears_against_full, sp) == [True] * W
 
@@ -99,7 +101,7 @@ def _gradcheck_linears(ctx):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_parallel_linears_match_finite_differences(W):
     assert spawn(W, _gradcheck_linears) == [True] * W
 

@@ -1,6 +1,9 @@
 """ZeRO must be invisible in the numbers: sharding the optimizer state, the gradients and the
 parameters over W ranks trains exactly like one process, and holds exactly the predicted
-bytes."""
+bytes.
+
+The default run takes each stage once per property (W = 2 or 3, one case with M = 2); the
+W x stage x M sweeps, the eight-rank runs and the other ZeRO-3 variants are `-m slow`."""
 
 import functools
 from types import SimpleNamespace
@@ -36,14 +39,22 @@ def _run(W, stage, M=1, cfg=TINY, B=GLOBAL_BATCH, algo="auto", **kw):
                  *configs(steps=STEPS, global_batch=B, lr=LR, seed=0, **kw))
 
 
+def _sweep(grid, default):
+    """The cases of grid; those not in default are marked slow (ids unchanged)."""
+    return [c if c in default else pytest.param(*c, marks=pytest.mark.slow) for c in grid]
+
+
+# (W, stage, M): the cases, and ids W-stage-M, of the stacked parametrize this replaced
+GRID = [(W, stage, M) for M in (1, 2) for stage in (1, 2, 3) for W in (1, 2, 3, 4)]
+
+
 def _numels(cfg, W):
     return [u.numel for u in split_units(GPT(cfg, seed=None), W)]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("M", [1, 2])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("W", [1, 2, 3, 4])
+# default: every stage once; W = 3 shards unevenly, stage 3 with accumulation (M = 2)
+@pytest.mark.parametrize("W, stage, M", _sweep(GRID, {(2, 1, 1), (3, 2, 1), (3, 3, 2)}))
 def test_zero_matches_single_process_and_memory_formula(W, stage, M):
     runs = _run(W, stage, M)
     assert_runs_match(runs, _reference(M=M), f"W={W} stage={stage} M={M}")
@@ -52,6 +63,7 @@ def test_zero_matches_single_process_and_memory_formula(W, stage, M):
         assert run.memory == expected, f"rank {rank}: memory {run.memory} != {expected}"
 
 
+@pytest.mark.slow       # W = 8 adds no code path; the W sweeps above cover 1-4
 @pytest.mark.multiproc
 @pytest.mark.parametrize("stage", [2, 3])
 def test_eight_ranks(stage):
@@ -61,8 +73,9 @@ def test_eight_ranks(stage):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("M", [1, 2])
-@pytest.mark.parametrize("W", [2, 3, 4])
+# default: one case (it trains all four stages); the other W x M are slow
+@pytest.mark.parametrize("W, M", _sweep([(W, M) for M in (1, 2) for W in (2, 3, 4)],
+                                        {(2, 1)}))
 def test_stages_0_to_3_bitwise_identical_with_direct(W, M):
     """Canonical-order sums and elementwise updates: sharding changes no bit."""
     runs = {s: _run(W, s, M, algo="direct")[0] for s in range(4)}
@@ -73,9 +86,9 @@ def test_stages_0_to_3_bitwise_identical_with_direct(W, M):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("M", [1, 2])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("W", [2, 3, 4])
+# default: ZeRO-2 (stage 1 moves the same bytes) and stage 3 with M = 2 (its gathers)
+@pytest.mark.parametrize("W, stage, M", _sweep([c for c in GRID if c[0] > 1],
+                                               {(2, 2, 1), (2, 3, 2)}))
 def test_bytes_sent_equal_formula(W, stage, M):
     runs = _run(W, stage, M, algo="ring")
     expected = 8 * comm_elements(stage, _numels(TINY, W), W, micro_batches=M)
@@ -86,7 +99,8 @@ def test_bytes_sent_equal_formula(W, stage, M):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2,   # 2: shards
+                                   pytest.param(3, marks=pytest.mark.slow)])     # the grads
 def test_gradient_clipping_uses_the_global_norm(stage):
     kw = dict(clip_grad=0.05, weight_decay=0.1)           # 0.05 is below every step's norm
     ref = _reference(M=2, **kw)
@@ -95,7 +109,8 @@ def test_gradient_clipping_uses_the_global_norm(stage):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                   pytest.param(3, marks=pytest.mark.slow)])
 def test_sgd_with_momentum(stage):
     kw = dict(optimizer="sgd", momentum=0.9, weight_decay=0.01)
     runs = _run(3, stage, 1, **kw)
@@ -105,8 +120,10 @@ def test_sgd_with_momentum(stage):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("extra", [dict(tie_weights=False), dict(dropout=0.1),
-                                   dict(dtype="float32")])
+# default: dropout (the recomputed forward's masks); untied head and float32 are slow
+@pytest.mark.parametrize("extra", [pytest.param(dict(tie_weights=False), marks=pytest.mark.slow),
+                                   dict(dropout=0.1),
+                                   pytest.param(dict(dtype="float32"), marks=pytest.mark.slow)])
 def test_stage3_variants(extra):
     """Untied head, dropout (the recomputed forward must draw the same masks), float32."""
     cfg = model_config_for(DATA, n_layer=3, n_head=2, n_embd=16, **extra)

@@ -157,7 +157,8 @@ def test_hook_points_need_embed_blocks_head():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("sp", [False, True])
+# default: with sequence parallelism (ZeRO-3 x tp x sp, the larger composition)
+@pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_zero3_with_tensor_parallelism_matches_single_process(sp):
     """dp=2 x tp=2: every block's tp collectives run again in the recomputation."""
     ref = train_single_process(TINY, DATA, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,

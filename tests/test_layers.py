@@ -17,6 +17,7 @@ code fails the test too, so a fixed violation is struck from the list in the sam
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from pathlib import Path
@@ -61,9 +62,16 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports() -> dict[str, set[str]]:
+@functools.lru_cache(maxsize=None)
+def syntax_trees() -> dict[Path, ast.Module]:
+    """Every module of minidist/, parsed once per test session."""
+    return {path: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+@functools.lru_cache(maxsize=None)
+def imports() -> dict[str, frozenset[str]]:
     """{module: the minidist modules it imports}, from the source, top level or not."""
-    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    paths = {module_name(p): p for p in syntax_trees()}
 
     def resolve(name: str) -> str | None:
         while name and name not in paths:
@@ -74,7 +82,7 @@ def imports() -> dict[str, set[str]]:
     for name, path in paths.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(syntax_trees()[path]):
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):
@@ -85,8 +93,8 @@ def imports() -> dict[str, set[str]]:
                 for a in node.names:       # `from pkg import mod` imports mod; `from
                     sub = f"{base}.{a.name}"   # pkg import name` takes pkg's attribute
                     found.add(sub if sub in paths else base)
-        graph[name] = {r for n in found if n.startswith("minidist")
-                       and (r := resolve(n)) is not None and r != name}
+        graph[name] = frozenset(r for n in found if n.startswith("minidist")
+                                and (r := resolve(n)) is not None and r != name)
     return graph
 
 
@@ -181,9 +189,9 @@ IMPORTS_IN_FUNCTIONS: dict[str, str] = {
 def imports_in_functions() -> dict[str, list[str]]:
     """{module: ['line: imported module', ...]} for every minidist import inside a function."""
     out: dict[str, list[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path, tree in syntax_trees().items():
         found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for sub in ast.walk(node):
                     if isinstance(sub, ast.Import):
@@ -213,17 +221,6 @@ def test_the_checker_finds_a_planted_cycle_and_a_planted_inversion():
     assert cycles(graph) == [frozenset({"minidist.nn.a", "minidist.nn.b"})]
     assert layer("minidist.optim.d") > layer("minidist.autograd.c")
     assert layer("minidist.memory.budget_fit") > layer("minidist.memory.precision")
-
-
-if __name__ == "__main__":            # print today's violations (to seed or prune the lists)
-    g = imports()
-    for a, b in sorted((a, b) for a, t in g.items() for b in t if layer(b) > layer(a)):
-        print(f"against: {a} -> {b}")
-    for c in cycles(g):
-        print("cycle:", sorted(c))
-    for m, lines in sorted(imports_in_functions().items()):
-        print(f"imports in functions: {m}: {', '.join(lines)}")
-    sys.exit(pytest.main([__file__, "-q"]))
 
 
 # The core a reader follows carries no mode that is not its own: the deterministic mode
@@ -256,3 +253,14 @@ def test_readme_s_reading_table_gives_each_algorithm_s_files_and_their_lines():
             assert path.exists(), f"{name}: {path} is missing"
             total += len(path.read_text().splitlines())
         assert total == int(lines), f"README says {name} is {lines} lines; it is {total}"
+
+
+if __name__ == "__main__":            # print today's violations (to seed or prune the lists)
+    g = imports()
+    for a, b in sorted((a, b) for a, t in g.items() for b in t if layer(b) > layer(a)):
+        print(f"against: {a} -> {b}")
+    for c in cycles(g):
+        print("cycle:", sorted(c))
+    for m, lines in sorted(imports_in_functions().items()):
+        print(f"imports in functions: {m}: {', '.join(lines)}")
+    sys.exit(pytest.main([__file__, "-q"]))

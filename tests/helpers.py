@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 import numpy as np
+import pytest
 
 
 def assert_close(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, what: str = ""):
@@ -151,3 +152,9 @@ def configs(**kw):
     run_fields = {f.name for f in dataclasses.fields(RunConfig)}
     opt = {("name" if k == "optimizer" else k): v for k, v in kw.items() if k not in run_fields}
     return RunConfig(**{k: v for k, v in kw.items() if k in run_fields}), OptimizerConfig(**opt)
+
+
+def slow_unless_kept(cases: list, kept: list) -> list:
+    """Parametrize cases with those not in `kept` marked slow: the default run keeps the
+    representatives, `-m slow` runs the rest (the ids stay those of the plain tuples)."""
+    return [c if c in kept else pytest.param(*c, marks=pytest.mark.slow) for c in cases]

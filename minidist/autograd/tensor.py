@@ -323,7 +323,7 @@ def _run_backward(root: Tensor, grad: Any) -> None:
             continue
         node = t._node
         if node is None:                   # a leaf: accumulate into .grad
-            accumulate_leaf(t, g, given, watching)
+            accumulate_leaf(t, g, given)
             if watching:
                 for o in watching:
                     o.backward(t, (t.grad,))
@@ -347,8 +347,9 @@ def _run_backward(root: Tensor, grad: Any) -> None:
                 o.backward(t, [grads.get(id(p)) for p in parents if p is not None])
 
 
-def accumulate_leaf(t: Tensor, g: Any, given: set, watching: tuple = ()) -> None:
-    """t.grad += g, copying g first if it may alias another array (a view, or given away)."""
+def accumulate_leaf(t: Tensor, g: Any, given: set) -> None:
+    """t.grad += g, copying g first if it may alias another array (a view, or given away);
+    observers see the sum (the split backward of autograd/split.py calls this too)."""
     if g.shape != t.data.shape:
         raise RuntimeError(
             f"backward: a gradient of shape {g.shape} reached a leaf of shape {t.data.shape}; "
@@ -363,7 +364,7 @@ def accumulate_leaf(t: Tensor, g: Any, given: set, watching: tuple = ()) -> None
         given.add(id(g))
     else:
         t.grad += g
-        for o in watching:
+        for o in observers:
             o.grad_add(g)
 
 

@@ -18,7 +18,7 @@ from minidist.parallel.pipeline import schedules
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
-from tests.helpers import assert_runs_match
+from tests.helpers import assert_runs_match, slow_unless_kept
 
 DATA = DataConfig(task="sort", length=6, seed=2)   # V = 11 (divisible by no tp > 1), T = 12
 STEPS, M, LR, CLIP = 3, 2, 1e-2, 0.05
@@ -90,14 +90,9 @@ DEFAULT_KEPT = [
 assert all(c in DEFAULT for c in DEFAULT_KEPT)
 
 
-def _slow_unless_kept(cases, kept):
-    """cases, those not in kept marked slow (the ids stay those of the plain tuples)."""
-    return [c if c in kept else pytest.param(*c, marks=pytest.mark.slow) for c in cases]
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("dp, cp, tp, zero, sp, algo, layout",
-                         _slow_unless_kept(DEFAULT, DEFAULT_KEPT))
+                         slow_unless_kept(DEFAULT, DEFAULT_KEPT))
 def test_every_factorisation_of_up_to_8_ranks_matches_single_process(dp, cp, tp, zero, sp,
                                                                       algo, layout):
     _run(dp, tp, zero, sp, cp, algo, layout)
@@ -150,7 +145,7 @@ assert all(c in PIPELINE_DEFAULT for c in PIPELINE_DEFAULT_KEPT)
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("pp, dp, cp, tp, zero, sp, schedule",
-                         _slow_unless_kept(PIPELINE_DEFAULT, PIPELINE_DEFAULT_KEPT))
+                         slow_unless_kept(PIPELINE_DEFAULT, PIPELINE_DEFAULT_KEPT))
 def test_every_factorisation_with_pipeline_stages_matches_single_process(pp, dp, cp, tp, zero,
                                                                          sp, schedule):
     micro = pp + 1                                   # never a multiple of pp

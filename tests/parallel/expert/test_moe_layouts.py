@@ -21,7 +21,8 @@ from minidist.parallel.pipeline import schedules
 from minidist.runtime.launch import spawn
 from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from tests.helpers import assert_runs_match
-from tests.parallel.test_compose import FACTORISATIONS, PIPELINED, _data, _slow_unless_kept
+from tests.helpers import slow_unless_kept
+from tests.parallel.test_compose import FACTORISATIONS, PIPELINED, _data
 
 DATA = DataConfig(task="sort", length=6, seed=2)            # T = 12 (T = 2 cp if 12 cannot)
 STEPS, LR, CLIP = 3, 1e-2, 0.05
@@ -143,7 +144,7 @@ assert all(c in DEFAULT for c in DEFAULT_KEPT)
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("pp, dp, cp, tp, zero, top_k, M, schedule",
-                         _slow_unless_kept(DEFAULT, DEFAULT_KEPT))
+                         slow_unless_kept(DEFAULT, DEFAULT_KEPT))
 def test_every_layout_of_up_to_8_ranks_matches_single_process(pp, dp, cp, tp, zero, top_k, M,
                                                               schedule):
     _run(pp, dp, cp, tp, zero, top_k, M, schedule)
@@ -183,7 +184,7 @@ assert all(c in EXPERT_DEFAULT for c in EXPERT_DEFAULT_KEPT)
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("pp, dp, ep, cp, tp, zero, top_k, M, schedule",
-                         _slow_unless_kept(EXPERT_DEFAULT, EXPERT_DEFAULT_KEPT))
+                         slow_unless_kept(EXPERT_DEFAULT, EXPERT_DEFAULT_KEPT))
 def test_expert_parallel_layouts_match_single_process(pp, dp, ep, cp, tp, zero, top_k, M,
                                                       schedule):
     _run(pp, dp, cp, tp, zero, top_k, M, schedule, ep=ep)

@@ -10,6 +10,7 @@ Read next: __main__.py (the commands).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Callable
 
@@ -28,14 +29,14 @@ def cli_error(message: object) -> int:
 
 
 def at_least(low: float, kind: type = int) -> Callable[[str], float]:
-    """An argparse type: `kind(text)`, refused unless it is >= low."""
+    """An argparse type: `kind(text)`, refused unless it is finite and >= low."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not value >= low:
-            raise argparse.ArgumentTypeError(f"must be {'an int' if kind is int else 'a number'}"
+        if value is None or not low <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be {'an int' if kind is int else 'a finite number'}"
                                              f" >= {low}, got {text!r}")
         return value
     return parse

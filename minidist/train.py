@@ -254,7 +254,9 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan,
     plan.validate(model_cfg, B, data_cfg.block_size)
     grain = run.grain if run.deterministic else 1
     if run.deterministic:              # a grain per micro-batch: the grain decides, not M
-        determinism.check(plan, model_cfg, guard, straggler, grain, B, run.token_tiles)
+        determinism.check(plan, model_cfg, guard is not None,
+                          straggler is not None and straggler.mode == "rebalance", grain, B,
+                          run.token_tiles, data_cfg.block_size)
         plan = replace(plan, micro_batches=B // (plan.dp * grain))
     placement.set_checking(plan.checks)
     lay = build(ctx, plan, model_cfg, run.seed, **opt.engine_arguments())

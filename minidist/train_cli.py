@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from minidist import backend, baseline, collectives as C
+from minidist import backend, baseline, collectives as C, train_options
 from minidist.cli import CliParser, at_least, cli_error
-from minidist.data import DataConfig, SyntheticData, answer_accuracy, model_config_for
+from minidist.data import DataConfig, SyntheticData, answer_accuracy
 from minidist.deterministic.digest import params_digest
 from minidist.memory.ledger import parse_bytes
 from minidist.nn import GPT, GPTConfig
@@ -34,9 +34,7 @@ from minidist.observe import run_dir
 from minidist.observe.peak import peak_flops
 from minidist.observe.progress import Progress
 from minidist.parallel.compose import Plan
-from minidist.parallel.pipeline.schedule_csv import from_csv
-from minidist.parallel.pipeline.schedules import SCHEDULES
-from minidist.reliability import confined, recovery, straggler as stragglers
+from minidist.reliability import recovery, straggler as stragglers
 from minidist.reliability.checkpoint import CheckpointError, CheckpointStorageError
 from minidist.runtime import RankFailure
 from minidist.train import (OnStep, OnStepEnd, OptimizerConfig, RankResult, RunConfig,
@@ -54,22 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     no samples. A closed stdout (`| head`) raises BrokenPipeError and Ctrl-C
     KeyboardInterrupt, however the ranks saw it: __main__.py ends both quietly."""
     a = _arguments().parse_args(argv)
-    if a.ep > 1 and a.dp == 1:
-        a.dp = a.ep                              # the ep ranks are data-parallel ranks
-    if a.pp > 1 and a.grad_accum == 1:
-        a.grad_accum = 2 * a.pp                  # micro-batches to fill the pipeline
-    try:                                         # a bad plan fails here, before spawning
-        resilience = recovery.options(a, a.dp * a.tp * a.cp * a.pp, a.pp)
-        if a.dp == a.tp == a.cp == a.pp == 1 and a.zero == 0 and not a.check \
-                and not resilience.active and a.run_dir is None \
-                and a.device_memory is None and a.precision == "fp32" \
-                and a.offload == "none":
-            return _single_process(a)
-        if a.device == "gpu":                    # backend.py: not staged for ranks yet
-            raise ValueError(backend.MULTI_RANK_GPU)
-        cfg, data_cfg, plan = _job(a)
+    if train_options.mpi_rank() not in (None, 0) and not a.verbose:
+        _stdout_to_devnull()                     # under mpiexec rank 0 prints the job's lines
+    try:                                         # every rule, before any rank starts
+        job = train_options.resolve(a)
     except ValueError as e:
         return cli_error(e)
+    for note in job.notes:
+        print(note)
+    cfg, data_cfg, plan = job.cfg, job.data_cfg, job.plan
+    if plan.world_size == 1 and a.zero == 0 and not a.check and not job.resilience.active \
+            and a.run_dir is None and a.device_memory is None and a.precision == "fp32" \
+            and a.offload == "none":
+        return _single_process(a, cfg, data_cfg)
     layout = f"{plan.describe()}, ZeRO-{a.zero}" + (
         f", {plan.micro_batches} micro-batches" if plan.pp > 1 else "")
     print(f"task {a.task} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, {cfg.dtype} · batch "
@@ -84,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                                      *(sys.argv[1:] if argv is None else argv)],
                                  cfg, data_cfg, plan)          # observe/run_dir.py
     try:
-        run = recovery.run(a, cfg, data_cfg, plan, resilience, _rank_main)
+        run = recovery.run(a, cfg, data_cfg, plan, job.resilience, _rank_main)
     except RankFailure as e:
         return _rank_failed(e)
     except (ValueError, CheckpointError) as e:   # another run's, or no intact checkpoint
@@ -100,47 +95,61 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train_arguments(prog: str) -> argparse.ArgumentParser:
-    """The model's, the task's and the run's options (_arguments adds the layout's)."""
-    ap = CliParser(prog=prog, description="Train the tiny GPT and show it solving held-out "
-                                          "prompts.")
-    ap.add_argument("--task", default="sort", choices=["copy", "reverse", "sort", "add"])
-    ap.add_argument("--length", type=int, default=6, help="prompt length (copy/reverse/sort)")
+    """The model's, the task's and the run's options (_arguments adds the layout's). A
+    default of None is filled in by train_options.resolve from the other options."""
+    ap = CliParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                   description="Train the tiny GPT and show it solving held-out prompts.")
+    ap.add_argument("--task", default="sort", choices=["copy", "reverse", "sort", "add"],
+                    help="the synthetic task (minidist/data.py)")
+    ap.add_argument("--length", type=at_least(1), default=6,
+                    help="prompt length (copy/reverse/sort; add has 2 numbers)")
     ap.add_argument("--steps", type=at_least(0), default=300,
                     help="optimizer steps (0 trains nothing and shows no samples)")
     ap.add_argument("--batch", type=at_least(1), default=32, help="global batch (sequences)")
-    ap.add_argument("--grad-accum", type=at_least(1), default=1)
-    ap.add_argument("--lr", type=at_least(0.0, float), default=3e-3)
-    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
-    ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--n-embd", type=int, default=32)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--moe-every", type=int, default=0, help="every k-th block a MoE (0: none)")
-    ap.add_argument("--n-experts", type=int, default=4)
-    ap.add_argument("--top-k", type=int, default=1, help="experts per token (MoE)")
-    ap.add_argument("--capacity-factor", type=float, default=1.25)
-    ap.add_argument("--moe-group-size", type=int, default=0,
-                    help="tokens per MoE routing group (0: one sequence)")
-    ap.add_argument("--z-loss", type=float, default=0.0, help="router z-loss coefficient")
+    ap.add_argument("--grad-accum", type=at_least(1), default=None,
+                    help="micro-batches per step (None: 1; under --pp a divisor of the rows "
+                         "per dp rank near 2 x pp)")
+    ap.add_argument("--lr", type=at_least(0.0, float), default=3e-3, help="learning rate")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="optimizer")
+    ap.add_argument("--n-layer", type=at_least(1), default=None,
+                    help="transformer blocks (None: 2, or one per pipeline piece)")
+    ap.add_argument("--n-embd", type=at_least(1), default=32, help="embedding width C")
+    ap.add_argument("--n-head", type=at_least(1), default=4, help="attention heads")
+    ap.add_argument("--moe-every", type=at_least(0), default=0,
+                    help="every k-th block a MoE (0: none)")
+    ap.add_argument("--n-experts", type=at_least(1), default=4, help="experts per MoE block")
+    ap.add_argument("--top-k", type=at_least(1), default=1, help="experts per token (MoE)")
+    ap.add_argument("--capacity-factor", type=at_least(0.0, float), default=1.25,
+                    help="an expert's slots per routing group: factor x k x tokens / experts")
+    ap.add_argument("--moe-group-size", type=at_least(0), default=None,
+                    help="tokens per MoE routing group (None or 0: one sequence; under --cp "
+                         "one cp chunk)")
+    ap.add_argument("--z-loss", type=at_least(0.0, float), default=0.0,
+                    help="router z-loss coefficient")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                     help="activation recomputation: selective = the attention core, full = "
                          "every block (memory/recompute.py; the same numbers, less memory)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--dtype", default=None, choices=["float32", "float64"],
+                    help="the model's dtype (None: float32, float64 under --check)")
     ap.add_argument("--deterministic", action="store_true",
-                    help="bitwise the same parameters and losses under every dp x ZeRO layout "
-                         "and micro-batch count: one sample per micro-batch, summed in a "
-                         "fixed tree (minidist/deterministic/tree_sum.py)")
-    ap.add_argument("--grain", type=int, default=1,
-                    help="--deterministic: samples per leaf of the tree (default 1); larger "
-                         "is faster, and runs compare bitwise only at the same grain")
-    ap.add_argument("--token-tiles", type=int, default=None,
+                    help="bitwise the same parameters and losses under every layout and "
+                         "micro-batch count: one sample per micro-batch, summed in a fixed "
+                         "tree (minidist/deterministic/tree_sum.py)")
+    ap.add_argument("--grain", type=at_least(1), default=1,
+                    help="--deterministic: samples per leaf of the tree; larger is faster, "
+                         "and runs compare bitwise only at the same grain")
+    ap.add_argument("--token-tiles", type=at_least(1), default=None,
                     help="--deterministic: every sum over positions in a tree over this "
-                         "many runs per sequence (context parallelism needs it; runs "
-                         "compare bitwise only at the same value)")
+                         "many runs per sequence (None: one token per leaf; under --cp the "
+                         "fewest runs each rank holds whole); runs compare bitwise only at "
+                         "the same value")
     ap.add_argument("--device", type=_device, default=os.environ.get(backend.DEVICE_ENV, ""),
                     help="cpu (NumPy) or gpu (CuPy; needs the 'gpu' extra and a CUDA "
                          f"device); default ${backend.DEVICE_ENV}, else cpu")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the model's and the data's seed")
     ap.add_argument("--every", type=at_least(1), default=25, help="print every N steps")
+    ap.add_argument("--verbose", action="store_true",
+                    help="under mpiexec, every rank prints the job's lines (default: rank 0)")
     return ap
 
 
@@ -150,17 +159,6 @@ def _device(text: str) -> str:
         return backend.parse_device(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def configs_from(a: argparse.Namespace) -> tuple[GPTConfig, DataConfig]:
-    """(model config, data config) from parsed train_arguments (ValueError if they make
-    no model or no task)."""
-    data_cfg = DataConfig(task=a.task, length=a.length, seed=a.seed)
-    cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
-                           moe_every=a.moe_every, n_experts=a.n_experts, top_k=a.top_k,
-                           capacity_factor=a.capacity_factor, moe_group_size=a.moe_group_size,
-                           z_loss_coef=a.z_loss, dtype=a.dtype, recompute=a.recompute)
-    return cfg, data_cfg
 
 
 def show_samples(cfg: GPTConfig, data_cfg: DataConfig, params: dict[str, np.ndarray]) -> float:
@@ -175,23 +173,16 @@ def show_samples(cfg: GPTConfig, data_cfg: DataConfig, params: dict[str, np.ndar
     return acc
 
 
-def _single_process(a: argparse.Namespace) -> int:
+def _single_process(a: argparse.Namespace, cfg: GPTConfig, data_cfg: DataConfig) -> int:
     """The main job on one process: baseline.train_single_process, the ground truth, with
     the progress line and the held-out samples. Returns the exit code: 2 (one `error:`
-    line on stderr) if the options make no job.
+    line on stderr) if there is no GPU for --device gpu.
     --steps 0 trains nothing: it says so and shows no samples (an untrained model's answers
     are noise, not a result)."""
     try:
-        cfg, data_cfg = configs_from(a)
         backend.use_device(getattr(a, "device", "cpu"))     # one line if there is no GPU
     except ValueError as e:
         return cli_error(e)
-    if a.batch % a.grad_accum:
-        k = a.grad_accum
-        fits = sorted({m for m in (a.batch - a.batch % k, a.batch - a.batch % k + k) if m})
-        return cli_error(f"--batch {a.batch} does not split into --grad-accum {k} equal "
-                         f"micro-batches; use a multiple of {k}, e.g. "
-                         f"{' or '.join(map(str, fits))}, or change --grad-accum.")
     bar = Progress.for_model(cfg, a.batch, 1, a.steps, peak_flops=peak_flops(cfg.dtype).flops)
     t0 = last = time.perf_counter()
 
@@ -224,22 +215,22 @@ NOTHING_TRAINED = "--steps 0: nothing to train, so no held-out samples to show."
 def _arguments() -> argparse.ArgumentParser:
     """train_arguments and the layout's options."""
     ap = train_arguments("python -m minidist train")
-    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
-    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (one rank each)")
-    ap.add_argument("--ep", type=int, default=1,
-                    help="expert-parallel ranks: data-parallel ranks sharing the experts "
-                         "(--dp defaults to --ep)")
+    ap.add_argument("--dp", type=at_least(1), default=None,
+                    help="data-parallel ranks (None: 1, or --ep)")
+    ap.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (one rank each)")
+    ap.add_argument("--ep", type=at_least(1), default=1,
+                    help="expert-parallel ranks: data-parallel ranks sharing the experts")
     ap.add_argument("--schedule", default="1f1b",
                     help="pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, or a CSV file "
                          "(one line per stage, cells like 0F0,0F1,0B0)")
-    ap.add_argument("--virtual-stages", type=int, default=None,
+    ap.add_argument("--virtual-stages", type=at_least(1), default=None,
                     help="model chunks per pp rank for --schedule interleaved (default 2)")
     ap.add_argument("--layers-per-stage", type=_int_list, default=None,
                     help="layers of each (virtual) stage, comma-separated, e.g. 3,2")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Megatron)")
+    ap.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel ranks (Megatron)")
     ap.add_argument("--sp", action="store_true",
                     help="sequence parallelism over the tp ranks (needs --tp > 1)")
-    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks (sequence)")
+    ap.add_argument("--cp", type=at_least(1), default=1, help="context-parallel ranks (sequence)")
     ap.add_argument("--cp-algo", default="ring", choices=["ring", "ulysses"],
                     help="attention across the cp ranks")
     ap.add_argument("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"],
@@ -290,37 +281,6 @@ def _int_list(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
                                          "layer counts, e.g. 3,2") from None
-
-
-def _job(a) -> tuple[GPTConfig, DataConfig, Plan]:
-    """The model, the task and the validated Plan of the options (notes on stdout where an
-    option is changed); ValueError if they make no job."""
-    if a.check and a.precision != "fp32":
-        raise ValueError(f"--check compares with the float64 baseline; --precision "
-                         f"{a.precision} rounds on purpose. Drop one of the two.")
-    if a.check and a.dtype != "float64":
-        print("--check trains in float64: in float32 the layouts' different rounding grows "
-              "over hundreds of Adam steps, so only float64 can show they compute the same.")
-        a.dtype = "float64"
-    chunks = a.virtual_stages or (2 if a.schedule == "interleaved" else 1)
-    if a.pp > 1 and a.layers_per_stage is None and a.n_layer < a.pp * chunks:
-        print(f"note: n_layer {a.n_layer} -> {a.pp * chunks}, so that each of the pp x "
-              f"virtual stages = {a.pp * chunks} pieces of the model holds a layer")
-        a.n_layer = a.pp * chunks
-    cfg, data_cfg = configs_from(a)
-    if cfg.recompute == "selective" and a.cp > 1:
-        raise ValueError("--recompute selective recomputes the attention core of one rank; "
-                         f"with --cp {a.cp} ring attention already rebuilds its probabilities "
-                         "block by block and Ulysses is not wrapped: use --recompute full.")
-    plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, zero=a.zero,
-                micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
-                cp_layout=a.cp_layout, check_placements=a.check_placements or None,
-                schedule=_schedule_argument(a.schedule), virtual_stages=a.virtual_stages,
-                layers_per_stage=a.layers_per_stage, precision=a.precision,
-                grad_reduce=a.grad_reduce, offload=a.offload, offload_dir=a.offload_dir)
-    plan = plan.textbook() if a.plain else plan
-    plan.validate(cfg, a.batch, data_cfg.block_size)
-    return cfg, data_cfg, plan
 
 
 def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: float,
@@ -430,20 +390,3 @@ def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str
           f"at step 0 = {d_first:.1e}, max over {a.steps} steps = {d_loss:.1e}, final params "
           f"max |Δ| = {d_param:.1e})")
     return 0 if ok else 1
-
-
-def _schedule_argument(value: str):
-    """--schedule: a schedule name, or the path of a CSV schedule (schedule_csv.py)."""
-    if value in SCHEDULES:
-        return value
-    try:
-        text = confined.read_named(value, 16 << 20).decode()
-    except confined.Refused as e:
-        raise ValueError(f"--schedule: {e}") from None
-    except OSError:
-        raise ValueError(f"--schedule {value!r} is neither one of {SCHEDULES} nor a readable "
-                         "CSV file.") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--schedule {value}: not UTF-8 text ({e.reason} at byte "
-                         f"{e.start})") from None
-    return from_csv(text, name=value)

@@ -45,7 +45,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                "minidist.cluster", "minidist.hardware", "minidist.gpu",
                "minidist.memory.budget", "minidist.memory.budget_models",
                "minidist.memory.budget_measure", "minidist.memory.budget_fit")),
-    ("command line", ("minidist.__main__", "minidist.train_cli", "minidist.memory.budget_cli",
+    ("command line", ("minidist.__main__", "minidist.train_cli", "minidist.train_options",
+                      "minidist.memory.budget_cli",
                       "minidist.reliability.interval_cli", "minidist.cluster.cli",
                       "minidist.hardware.roofline_cli")),
 ]

@@ -51,23 +51,30 @@ import math
 import numpy as np
 
 from minidist import collectives as C
+from minidist.deterministic.matmul import Tokens
 from minidist.deterministic.tensor import square_sums
 from minidist.deterministic.tree_sum import TreeSum, combine, gather_nodes
 from minidist.nn import GPT
 from minidist.optim.clip import clip_to
+from minidist.parallel.context.ring_attention import sequence_layout
 
 
-def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
-          global_batch: int | None = None, token_tiles: int | None = None) -> None:
+def check(plan, cfg, spike: bool = False, rebalance: bool = False, grain: int = 1,
+          global_batch: int | None = None, token_tiles: int | None = None,
+          seq_len: int | None = None) -> None:
     """ValueError unless the deterministic mode covers this layout (module docstring) with
-    micro-batches of `grain` rows on every dp rank."""
+    micro-batches of `grain` rows on every dp rank, and (with seq_len = T) runs of T /
+    token_tiles positions that every rank holds whole. spike: the spike guard is on;
+    rebalance: the straggler handler moves rows between ranks."""
     if not isinstance(grain, int) or isinstance(grain, bool) or grain < 1:
         raise ValueError(f"--grain {grain!r}: the deterministic grain must be an int >= 1 "
                          f"(rows per leaf of the sum's tree).")
     if global_batch is not None and (global_batch // plan.dp) % grain:
+        rows = global_batch // plan.dp
+        fits = [g for g in range(grain, 0, -1) if rows % g == 0][0]
         raise ValueError(f"--grain {grain}: each of the dp={plan.dp} ranks holds "
-                         f"{global_batch // plan.dp} rows, not a whole number of grains; "
-                         f"use a grain that divides {global_batch // plan.dp}.")
+                         f"{rows} rows, not a whole number of grains; use --grain {fits} "
+                         f"(a divisor of {rows}).")
     if token_tiles is not None and (isinstance(token_tiles, bool) or not
                                     isinstance(token_tiles, int) or token_tiles < 1):
         raise ValueError(f"--token-tiles {token_tiles!r}: an int >= 1 (runs per sequence).")
@@ -77,29 +84,76 @@ def check(plan, cfg, guard=None, straggler=None, grain: int = 1,
                          f"sum over positions then runs over N runs of T / N positions, "
                          f"and each cp rank must hold whole runs (N a multiple of {chunks} "
                          f"for the {plan.cp_layout} layout that divides T).")
-    others = {}
+    if plan.cp > 1 and seq_len is not None:
+        problem = whole_token_runs(plan, seq_len, token_tiles)
+        if problem is not None:
+            raise ValueError(f"--token-tiles {token_tiles}: {problem}.")
     if plan.cp > 1 and cfg.moe_every:
-        others["cp with MoE"] = plan.cp
-    if others:
         raise ValueError(f"--deterministic covers dp, ZeRO 0-3, pp (every schedule), tp "
-                         f"(+SP), ep, cp and any micro-batch count; not yet "
-                         f"{', '.join(f'{k}={v}' for k, v in others.items())}, whose "
-                         f"sums across ranks run over other grains. Drop those axes, or "
+                         f"(+SP), ep, cp and any micro-batch count; not yet cp={plan.cp} "
+                         f"with MoE blocks (moe_every={cfg.moe_every}), whose token sums "
+                         f"across ranks run over other grains. Drop one of the two, or "
                          f"run without --deterministic (equal within ~1e-12 in float64).")
     if plan.precision != "fp32" or plan.grad_reduce != "fp32":
         raise ValueError("--deterministic with mixed precision: not supported; the tiled "
                          "matmuls and tree sums run in the model's dtype. Drop --precision "
                          "(and --grad-reduce), or --deterministic.")
-    if guard is not None:
+    if spike:
         raise ValueError("--deterministic with --spike: not supported together yet; the "
                          "spike guard steps the engine itself.")
-    if straggler is not None and straggler.mode == "rebalance":
+    if rebalance:
         raise ValueError("--deterministic with --straggler rebalance: not supported yet "
                          "(uneven rows are, through train_on_rank's rows; use detect).")
     if cfg.moe_every and cfg.routing_group > grain * cfg.block_size:
         raise ValueError(f"--deterministic: a MoE routing group of {cfg.routing_group} "
                          f"tokens spans several grains of {grain} sample(s); use "
                          f"--moe-group-size <= {grain * cfg.block_size} or a larger --grain.")
+
+
+def whole_token_runs(plan, T: int, token_tiles: int) -> str | None:
+    """None if every rank's positions of a sequence of T (its cp rank's, and under sequence
+    parallelism its tp slice of those) are whole runs of T / token_tiles, the leaves of the
+    sums over positions (matmul.Tokens.leaves, which the backward asks); else what is cut."""
+    if T % token_tiles:
+        return f"T={T} positions do not cut into {token_tiles} equal runs"
+    for who, pos in _position_pieces(plan, T):
+        if not _whole_runs(pos, T, token_tiles):
+            fewest = fewest_token_tiles(plan, T)
+            return (f"{who} holds positions {pos[0]}..{pos[-1]} of T={T}, not whole runs "
+                    f"of T / {token_tiles} = {T // token_tiles}"
+                    + (f"; use --token-tiles {fewest} (the fewest runs every rank holds "
+                       "whole)" if fewest is not None else ""))
+    return None
+
+
+def fewest_token_tiles(plan, T: int) -> int | None:
+    """The smallest token_tiles whose runs every rank holds whole (whole_token_runs), None
+    if the layout cannot cut T at all."""
+    cut = 2 * plan.cp if plan.cp_layout == "zigzag" else plan.cp
+    if T % cut or (plan.sequence_parallel and (T // plan.cp) % plan.tp):
+        return None
+    pieces = [pos for _, pos in _position_pieces(plan, T)]
+    return next(n for n in range(1, T + 1)
+                if T % n == 0 and all(_whole_runs(pos, T, n) for pos in pieces))
+
+
+def _position_pieces(plan, T: int):
+    """(who, global positions) of each rank's share of a sequence: its cp rank's positions,
+    cut over tp under sequence parallelism."""
+    pieces = plan.tp if plan.sequence_parallel else 1
+    for c, mine in enumerate(sequence_layout(T, plan.cp, plan.cp_layout)):
+        for t, pos in enumerate(np.split(mine, pieces)):
+            yield f"cp rank {c}" + (f", tp rank {t}" if pieces > 1 else ""), pos
+
+
+def _whole_runs(pos: np.ndarray, T: int, token_tiles: int) -> bool:
+    """Are positions `pos` of T whole runs of T / token_tiles? (Tokens.leaves decides.)"""
+    tokens = Tokens(positions=lambda rows: (pos, T), per_sequence=token_tiles)
+    try:
+        tokens.leaves((1, len(pos)))
+    except ValueError:
+        return False
+    return True
 
 
 def _over(group):

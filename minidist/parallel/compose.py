@@ -124,7 +124,8 @@ class Plan:
         if self.dp % self.ep:
             raise ValueError(f"Plan: ep={self.ep} must divide dp={self.dp}: the expert-"
                              "parallel ranks are data-parallel ranks that share the experts "
-                             f"(Megatron's layout); use dp a multiple of {self.ep}.")
+                             f"(Megatron's layout); use dp={-(-self.dp // self.ep) * self.ep} "
+                             f"or another multiple of {self.ep}.")
         if not isinstance(self.schedule, PipelineSchedule) and self.schedule not in SCHEDULES:
             raise ValueError(f"Plan: schedule={self.schedule!r} must be one of {SCHEDULES} or a "
                              "schedules.PipelineSchedule (e.g. schedule_csv.from_csv(text)).")
@@ -151,7 +152,8 @@ class Plan:
                              "False or None (None: the MINIDIST_CHECK_PLACEMENTS variable).")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Plan: sequence_parallel=True needs tp > 1 (it splits the "
-                             "sequence over the tensor-parallel ranks); set tp or drop SP.")
+                             "sequence over the tensor-parallel ranks); use tp=2 or more, or "
+                             "sequence_parallel=False.")
         self.policy()                            # validates precision and grad_reduce
         if self.offload != "none" or self.offload_dir is not None:
             check_plan(self)                     # memory/offload.py owns its options
@@ -253,10 +255,11 @@ class Plan:
                              "hidden features, which do not divide; change n_embd or tp.")
         cp, chunks = self.cp, 2 * self.cp if self.cp_layout == "zigzag" else self.cp
         if cp > 1 and seq_len % chunks:
+            contiguous = chunks > cp and seq_len % cp == 0   # suggested only where it divides
             raise ValueError(f"Plan: context parallelism ({self.cp_layout}) cuts the T="
                              f"{seq_len} positions into {chunks} equal chunks, which does not "
                              f"divide; use a sequence length that is a multiple of {chunks}"
-                             + (", or cp_layout='contiguous'" if chunks > cp else "") + ".")
+                             + (", or cp_layout='contiguous'" if contiguous else "") + ".")
         if self.sequence_parallel and (seq_len // cp) % tp:
             raise ValueError(f"Plan: sequence parallelism splits the T={seq_len // cp} "
                              f"positions{' of each cp rank' if cp > 1 else ''} over tp={tp} "
@@ -269,10 +272,14 @@ class Plan:
                              f"{tp * cp}.")
         if cfg.moe_every:
             self._validate_routing_groups(cfg, global_batch, seq_len)
-        if self.ep > 1 and (not cfg.moe_every or cfg.n_experts % self.ep):
+        if self.ep > 1 and not cfg.moe_every:
             raise ValueError(f"Plan: ep={self.ep} splits the experts of MoE layers, but the "
-                             f"model has moe_every={cfg.moe_every}, n_experts={cfg.n_experts}; "
-                             f"use a MoE model with n_experts a multiple of {self.ep}.")
+                             f"model has none (moe_every=0); use moe_every=1 (every block a "
+                             f"MoE) or 2 (every second).")
+        if self.ep > 1 and cfg.n_experts % self.ep:
+            raise ValueError(f"Plan: ep={self.ep} gives each rank n_experts / ep experts, but "
+                             f"n_experts={cfg.n_experts} does not divide; use n_experts="
+                             f"{-(-cfg.n_experts // self.ep) * self.ep}.")
         if self.pp > 1:
             self._validate_pipeline(cfg)
         if self.policy() is not None:

@@ -48,6 +48,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minidist import collectives as C
+from minidist.cli import at_least
 from minidist.reliability import checkpoint as ckpt, confined, faults
 from minidist.reliability.async_checkpoint import AsyncCheckpointer
 from minidist.reliability.elastic import Elastic
@@ -214,24 +215,24 @@ def add_arguments(ap) -> None:
     """The reliability options of `python -m minidist train`."""
     ap.add_argument("--checkpoint-dir", default=None, metavar="D",
                     help="checkpoint into D and resume from its latest complete checkpoint")
-    ap.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+    ap.add_argument("--checkpoint-every", type=at_least(1), default=10, metavar="N",
                     help="steps between checkpoints (and one after the last step)")
-    ap.add_argument("--keep", type=int, default=3, help="checkpoints kept (newest)")
+    ap.add_argument("--keep", type=at_least(1), default=3, help="checkpoints kept (newest)")
     ap.add_argument("--resume", default="auto", choices=["auto", "never"],
                     help="auto: continue from D's latest checkpoint; never: D must be empty")
     ap.add_argument("--async-checkpoint", action="store_true",
                     help="persist checkpoints in a background thread (CheckFreq)")
-    ap.add_argument("--max-restarts", type=int, default=0,
+    ap.add_argument("--max-restarts", type=at_least(0), default=0,
                     help="restart all ranks from the latest checkpoint after a failure")
     ap.add_argument("--elastic", action="store_true",
                     help="after a failure, go on with one data-parallel replica less "
                          "(reliability/elastic.py)")
-    ap.add_argument("--rejoin-after", type=int, default=None, metavar="N",
+    ap.add_argument("--rejoin-after", type=at_least(1), default=None, metavar="N",
                     help="--elastic: the lost replica comes back after N steps")
     ap.add_argument("--spike", default="off", choices=["off", "detect", "skip", "rollback",
                                                        "rerun"],
                     help="loss-spike handling (reliability/spike.py)")
-    ap.add_argument("--spike-skip-batches", type=int, default=5, metavar="N",
+    ap.add_argument("--spike-skip-batches", type=at_least(0), default=5, metavar="N",
                     help="--spike rollback: batches skipped after rolling back")
     straggler_arguments(ap)                       # --straggler off|detect|rebalance
     ap.add_argument("--inject", action="append", default=[], metavar="SPEC",

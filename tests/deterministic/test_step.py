@@ -80,7 +80,7 @@ def test_the_layouts_it_does_not_cover_are_refused_by_name():
         check(Plan(dp=2, precision="bf16"), cfg)
     with pytest.raises(Exception, match="cp=2 needs --token-tiles N"):
         spawn(2, _rank, cfg, Plan(cp=2))
-    with pytest.raises(Exception, match="not yet cp with MoE=2"):
+    with pytest.raises(Exception, match="not yet cp=2 with MoE blocks"):
         moe = cfg.__class__(**{**cfg.__dict__, "moe_every": 1, "n_experts": 2,
                                 "moe_group_size": 2})
         spawn(2, _rank_tt, moe, Plan(cp=2), 8)

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from minidist import train_cli as train
+from minidist import train_cli as train, train_options
 from minidist.autograd import Tensor, no_grad
 from minidist.autograd.saved import saved_bytes
 from minidist.baseline import train_single_process
@@ -64,11 +64,11 @@ def test_config_accepts_the_three_policies_and_refuses_others():
 
 def test_cli_passes_recompute_and_refuses_selective_with_context_parallelism():
     args = ["--task", "sort", "--length", "4", "--n-embd", "16", "--n-head", "2"]
-    cfg, _, _ = train._job(train._arguments().parse_args(args + ["--recompute", "full"]))
-    assert cfg.recompute == "full"
+    job = train_options.resolve(train._arguments().parse_args(args + ["--recompute", "full"]))
+    assert job.cfg.recompute == "full"
     with pytest.raises(ValueError, match="--recompute selective .* use --recompute full"):
-        train._job(train._arguments().parse_args(args + ["--recompute", "selective",
-                                                         "--cp", "2"]))
+        train_options.resolve(train._arguments().parse_args(args + ["--recompute", "selective",
+                                                                    "--cp", "2"]))
 
 
 def test_selective_attention_under_context_parallelism_is_refused():

@@ -270,11 +270,12 @@ def test_random_kills_recover_bitwise(seed, tmp_path, capsys):
 
 def _elastic_run(argv: list[str]):
     """recovery.run as `train` runs it, returning the RankResult of the whole run."""
+    from minidist import train_options
     from minidist.reliability import recovery
     a = train_cli._arguments().parse_args(argv)
-    cfg, data_cfg, plan = train_cli._job(a)
-    r = recovery.options(a, plan.world_size, plan.pp)
-    return a, cfg, data_cfg, recovery.run(a, cfg, data_cfg, plan, r, train_cli._rank_main)
+    job = train_options.resolve(a)
+    return a, job.cfg, job.data_cfg, recovery.run(a, job.cfg, job.data_cfg, job.plan,
+                                                  job.resilience, train_cli._rank_main)
 
 
 @pytest.mark.parametrize("extra, lines", [

@@ -176,14 +176,38 @@ def test_no_import_cycle():
     assert not gone, f"fixed (or changed), so update CYCLES: {gone}"
 
 
+def core_dependencies() -> set[str]:
+    """The import names of setup.cfg's install_requires (ml_dtypes>=0.3 -> ml_dtypes)."""
+    text = (PACKAGE.parent / "setup.cfg").read_text()
+    block = re.search(r"install_requires =\n((?:[ \t]+\S.*\n)+)", text).group(1)
+    return {re.split(r"[<>=!~ ]", line.strip())[0].replace("-", "_") for line in
+            block.splitlines()}
+
+
+def test_every_package_imported_at_a_module_top_is_a_core_dependency():
+    """README's first install (`pip install -e .`) runs every demo and every option of the
+    main job: what a module imports at its top is in install_requires; the optional
+    extras' packages are imported inside the function that needs them."""
+    core, found = core_dependencies(), {}
+    stdlib = set(sys.stdlib_module_names)
+    for path, tree in syntax_trees().items():
+        for node in tree.body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
+            for name in names:
+                top = name.split(".")[0]
+                if top not in stdlib and top != "minidist" and top not in core:
+                    found.setdefault(top, []).append(str(path.relative_to(PACKAGE.parent)))
+    assert core >= {"numpy", "multiprocess", "ml_dtypes"}
+    assert not found, f"imported at a module's top but not in install_requires: {found}"
+
+
 # Modules whose functions import minidist modules, and why the import cannot be at the top.
 # Anything else imports at the top, so that a reader sees a module's dependencies first.
 IMPORTS_IN_FUNCTIONS: dict[str, str] = {
     "minidist.__main__": "each command imports only its own tool: `python -m minidist gpu "
                          "check` must start on a GPU machine that lacks multiprocess, and "
                          "`--help` must not wait for every tool",
-    "minidist.parallel.compose": "mixed precision (memory/precision.py, master_weights.py) "
-                                 "needs ml_dtypes, the optional 'precision' extra",
 }
 
 

@@ -50,7 +50,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from minidist.memory.master_weights import MixedPrecision
 from minidist.memory.offload import check_plan, offload_engine
+from minidist.memory.precision import cast_parameters, plan_policy
+from minidist.memory.precision import check_plan as check_precision
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.context.context_parallel import ALGOS as CP_ALGOS
 from minidist.parallel.context.context_parallel import ContextParallel, apply_context
@@ -162,7 +165,6 @@ class Plan:
         """memory/precision.Policy of a mixed-precision Plan; None for fp32 (nothing changes)."""
         if self.precision == "fp32" and self.grad_reduce == "fp32":
             return None
-        from minidist.memory.precision import plan_policy    # needs ml_dtypes ("precision")
         return plan_policy(self)
 
     @property
@@ -283,8 +285,7 @@ class Plan:
         if self.pp > 1:
             self._validate_pipeline(cfg)
         if self.policy() is not None:
-            from minidist.memory.precision import check_plan
-            check_plan(self, cfg)                # memory/precision.py owns its limits
+            check_precision(self, cfg)           # memory/precision.py owns its limits
 
     def _validate_routing_groups(self, cfg: GPTConfig, global_batch: int, seq_len: int) -> None:
         """ValueError unless every rank holds whole MoE routing groups (nn/moe.py): groups
@@ -357,7 +358,6 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
     sharding = parallelize(cfg, seed, plan, groups, context)           # 3. the model
     policy = plan.policy()
     if policy is not None:                        # 4. the model holds the low-precision copy
-        from minidist.memory.precision import cast_parameters
         cast_parameters(sharding.model, policy)
     opt = dict(optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
                momentum=momentum)
@@ -365,7 +365,6 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
     if plan.offload != "none":                    # memory/offload.py: state off the device
         offload_engine(engine, plan.offload, plan.offload_dir)
     if policy is not None:                        # fp32 master weights, loss scaling
-        from minidist.memory.master_weights import MixedPrecision
         engine = MixedPrecision(engine, policy, groups["grad"], **opt)
     stage = None
     if plan.pp > 1:                                                     # 6. the schedule

@@ -246,12 +246,11 @@ class Plan:
         tp = self.tp
         if tp > 1 and cfg.n_head % tp:
             heads = [h for h in range(tp, cfg.n_embd + 1, tp) if cfg.n_embd % h == 0]
-            fix = f"n_head={heads[0]}" if heads else \
-                f"an n_head that is a multiple of {tp} and divides n_embd (none divides " \
-                f"n_embd={cfg.n_embd}: make n_embd a multiple of {tp} too)"
+            fixes = [f"tp={max(d for d in range(1, tp) if cfg.n_head % d == 0)}"]
+            fixes += [f"n_head={heads[0]}"] if heads else []
             raise ValueError(f"Plan: tp={tp} splits attention by heads, but n_head="
-                             f"{cfg.n_head} is not a multiple of {tp}; use {fix}, or a tp "
-                             f"dividing {cfg.n_head}.")
+                             f"{cfg.n_head} is not a multiple of {tp}; use "
+                             f"{' or '.join(fixes)}.")
         if tp > 1 and (cfg.mlp_ratio * cfg.n_embd) % tp:
             raise ValueError(f"Plan: tp={tp} splits the MLP's {cfg.mlp_ratio * cfg.n_embd} "
                              "hidden features, which do not divide; change n_embd or tp.")

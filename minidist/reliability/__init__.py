@@ -72,7 +72,7 @@ Megatron's re-run machine does. Every rank sees the same global loss and norm, s
 alike with no extra message.
 
 How often to checkpoint: `python -m minidist interval --checkpoint-cost 30s --restart 2m
---mtbf 3h [--llama3 --gpus 1024] [--plot out.png]` prints Young's optimum sqrt(2CM), Daly's
+--mtbf 3h [--plot out.png]` (or `--llama3 --gpus 1024` in place of `--mtbf`) prints Young's optimum sqrt(2CM), Daly's
 higher-order one, the exact optimum of the expected-efficiency model (exponential failures:
 E[segment] = M e^(R/M) (e^((T+C)/M) - 1)) and a table of interval -> analytic and simulated
 efficiency (Monte Carlo, 95 % CI); `--llama3` scales Llama 3's 466 interruptions in 54 days

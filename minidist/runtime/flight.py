@@ -128,11 +128,19 @@ def _current(recs: list[np.ndarray]) -> np.ndarray | None:
     return (running or recs or [None])[-1]
 
 
+def _never_finished(rec: np.ndarray) -> bool:
+    """Still running, or ended by an error (a timeout, an abort): the rank never left the
+    call having done it, so the sentence puts it in the call, not after it."""
+    return int(rec[call.STATE]) in (call.STARTED, call.FAILED)
+
+
 def hang_sentence(current: dict[int, np.ndarray | None], names: dict[int, str],
                   hung: Sequence[int] = ()) -> str:
     """Where every rank is, in one sentence, the hung ranks first:
         "rank 2 is stuck in all_reduce #17 on 'tp1'; ranks 0, 1, 3 are in #18."
-    current: global rank -> the record of the call it is in or made last (None: none);
+    current: global rank -> the record of the call it is in or made last (None: none); a
+    call that ended in an error (a rank that timed out too while the report was written)
+    still counts as the rank being in it;
     hung: the ranks a timeout blames (runtime/watch.py). Ranks in the same place share a
     clause; a clause on the same op and group as the one before names only the number."""
     clauses, prev = [], None
@@ -140,7 +148,7 @@ def hang_sentence(current: dict[int, np.ndarray | None], names: dict[int, str],
     for r in sorted(current, key=lambda r: (r not in hung, r)):
         rec = current[r]
         key = (r in hung, None) if rec is None else \
-            (r in hung, int(rec[call.STATE]) == call.STARTED, int(rec[call.OP]),
+            (r in hung, _never_finished(rec), int(rec[call.OP]),
              int(rec[call.GID]), int(rec[call.SEQ]))
         places.setdefault(key, []).append(r)
     for key, ranks in places.items():

@@ -5,8 +5,8 @@ report, right under the launcher's headline.
 The real timeouts run under -m slow only: their exact sentence depends on timing. All the
 waiting ranks share the 1 s deadline, so one of them may time out and end its call while
 the first one writes the report, and a waiting rank starved of CPU for 0.5 s (the
-heartbeat's STALE) reads as hung; on a loaded machine the sentence then differs (seen:
-"rank 2 finished ... #2 and has made no call since")."""
+heartbeat's STALE) reads as hung. A rank whose wait ended in its own timeout is still "in"
+its call (its record says FAILED, not DONE), so only the starved rank's case differs."""
 
 import os
 import re
@@ -23,9 +23,9 @@ from minidist.runtime.flight import _current, hang_sentence
 NAMES = {0: "world", 3: "tp1"}
 
 
-def rec(op: str, gid: int, seq: int, running: bool = True) -> np.ndarray:
+def rec(op: str, gid: int, seq: int, running: bool = True, state: int | None = None):
     r = call.pack(gid, seq, op, np.zeros(4))
-    r[call.STATE] = call.STARTED if running else call.DONE
+    r[call.STATE] = state if state is not None else call.STARTED if running else call.DONE
     return r
 
 
@@ -48,6 +48,10 @@ def test_the_issue_example():
     ({0: rec("send", 3, 1), 1: rec("recv", 3, 1)}, (),
      "rank 0 is in send #1 on 'tp1'; rank 1 is in recv #1 on 'tp1'."),
     ({0: None, 1: None}, (), "ranks 0, 1 have made no collective call."),
+    # rank 2 timed out too while rank 0 wrote the report: its call FAILED, it never left it
+    ({0: rec("barrier", 0, 2), 1: rec("barrier", 0, 1, running=False),
+      2: rec("barrier", 0, 2, state=call.FAILED)}, (1,),
+     "rank 1 finished barrier #1 on 'world' and has made no call since; ranks 0, 2 are in #2."),
 ])
 def test_sentences_from_hand_made_records(now, hung, sentence):
     assert hang_sentence(now, NAMES, hung) == sentence

@@ -193,3 +193,16 @@ def test_200_random_layouts_end_ok_or_are_refused_in_one_line_before_any_rank():
                 (argv, run.stderr)
         else:
             assert run.returncode == 0, (argv, run.stdout[-2000:], run.stderr[-4000:])
+
+
+def test_a_csv_schedule_brings_its_own_micro_batch_count(tmp_path):
+    """An explicit --grad-accum is never replaced; without one, a CSV schedule's count."""
+    from minidist.parallel.pipeline.schedule_csv import to_csv
+    from minidist.parallel.pipeline.schedules import make_schedule
+    path = tmp_path / "two.csv"
+    path.write_text(to_csv(make_schedule("1f1b", 2, 2)))
+    a, job = _resolve(["--pp", "2", "--schedule", str(path)])
+    assert job.plan.micro_batches == 2 and any("schedule in" in n for n in job.notes)
+    with pytest.raises(train_options.OptionError, match="M=2 micro-batches, the Plan has "
+                                                        "--pp 2 and --grad-accum 4"):
+        _resolve(["--pp", "2", "--schedule", str(path), "--grad-accum", "4"])

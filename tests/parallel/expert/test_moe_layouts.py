@@ -205,10 +205,10 @@ def test_expert_parallel_plans_that_cannot_split_are_refused():
     cfg = _cfg(2, 1)
     with pytest.raises(ValueError, match="ep=4 must divide dp=2"):
         Plan(dp=2, ep=4)
-    with pytest.raises(ValueError, match="n_experts a multiple of 3"):
+    with pytest.raises(ValueError, match="n_experts=4 does not divide; use n_experts=6"):
         Plan(dp=3, ep=3).validate(cfg, 12, DATA.block_size)
     dense = model_config_for(DATA, n_layer=2, n_head=2, n_embd=16)
-    with pytest.raises(ValueError, match="moe_every=0"):
+    with pytest.raises(ValueError, match="none \\(moe_every=0\\); use moe_every=1"):
         Plan(dp=2, ep=2).validate(dense, 8, DATA.block_size)
 
 

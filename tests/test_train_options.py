@@ -206,3 +206,12 @@ def test_a_csv_schedule_brings_its_own_micro_batch_count(tmp_path):
     with pytest.raises(train_options.OptionError, match="M=2 micro-batches, the Plan has "
                                                         "--pp 2 and --grad-accum 4"):
         _resolve(["--pp", "2", "--schedule", str(path), "--grad-accum", "4"])
+
+
+def test_a_schedule_file_that_is_not_text_names_the_flag_and_the_file(tmp_path, capsys,
+                                                                      no_ranks):
+    path = tmp_path / "bad.csv"
+    path.write_bytes(b"0F0,\xff\xfe\n")
+    assert train_cli.main(["--pp", "2", "--schedule", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --schedule {path}: not UTF-8 text") and err.count("\n") == 1

@@ -21,8 +21,11 @@ beside estimated: equal to the byte for all 30 plans of the test matrix, every c
 `--fit --device-memory 141GB --gpus 8` lists the plans under which a model fits, least
 traffic per step first (GPT-3 13B, batch 8 x 2048: 103 of 107 plans fit; 175B: none, 16 Psi
 / 8 = 349 GB). It reproduces ZeRO's Fig. 1 (Psi = 7.5B, N = 64, K = 12: 120, 31.4, 16.6, 1.9
-GB) and Korthikanti et al.'s per-layer activation formula with its tp, tp+sp and selective
-variants (Table 2). Sizes: GB = 10^9, GiB = 2^30 (an H200's 141 GB is decimal).
+GB); its helper `budget.korthikanti_layer_bytes` reproduces Korthikanti et al.'s
+per-layer activation formula with its tp, tp+sp and selective variants (Table 2). The
+estimate itself counts the tensors minidist saves, which are not the paper's (float32
+or float64 activations, masks of its own; budget.py lists each term), so its activation
+bytes differ from Table 2's. Sizes: GB = 10^9, GiB = 2^30 (an H200's 141 GB is decimal).
 
 The device-memory ledger (`memory/ledger.py`, `--device-memory 64MB`): every array a rank
 would hold on a device, counted once by its base buffer from registration until CPython

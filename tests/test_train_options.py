@@ -169,30 +169,34 @@ def _random_layout(rng: random.Random) -> list[str]:
     return argv + rng.sample(FLAG_CHOICES, rng.randint(0, 2))
 
 
-@pytest.mark.slow
-def test_200_random_layouts_end_ok_or_are_refused_in_one_line_before_any_rank():
-    """Each random layout either trains (exit 0) or is refused with exit 2 in at most 3
-    lines before any rank starts (resolve alone refuses it); at most 8 ranks."""
-    rng, tried = random.Random(31), 0
-    while tried < 200:
+def _layout_number(k: int) -> tuple[list[str], train_options.Job | None]:
+    """Random layout k (its own seed) of at most 8 ranks, and its job (None: refused)."""
+    rng = random.Random(f"layout {k}")
+    while True:
         argv = _random_layout(rng)
-        a = train_cli._arguments().parse_args(argv)
         try:
-            job = train_options.resolve(a)
+            job = train_options.resolve(train_cli._arguments().parse_args(argv))
         except ValueError:
-            job = None
-        if job is not None and job.plan.world_size > 8:
-            continue
-        tried += 1
-        run = subprocess.run([sys.executable, "-m", "minidist", "train", *argv, "--steps", "1",
-                              "--n-embd", "8", "--run-dir", "none"], capture_output=True,
-                             text=True, timeout=300)
-        if job is None:
-            assert run.returncode == 2 and run.stdout == "", (argv, run.stdout, run.stderr)
-            assert run.stderr.startswith("error: ") and run.stderr.count("\n") <= 3, \
-                (argv, run.stderr)
-        else:
-            assert run.returncode == 0, (argv, run.stdout[-2000:], run.stderr[-4000:])
+            return argv, None
+        if job.plan.world_size <= 8:
+            return argv, job
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", range(200))
+def test_random_layouts_end_ok_or_are_refused_in_one_line_before_any_rank(k):
+    """200 random layouts and options: each trains (exit 0), or is refused with exit 2 in
+    at most 3 lines before any rank starts (resolve alone refuses it)."""
+    argv, job = _layout_number(k)
+    run = subprocess.run([sys.executable, "-m", "minidist", "train", *argv, "--steps", "1",
+                          "--n-embd", "8", "--run-dir", "none"], capture_output=True,
+                         text=True, timeout=110)
+    if job is None:
+        assert run.returncode == 2 and run.stdout == "", (argv, run.stdout, run.stderr)
+        assert run.stderr.startswith("error: ") and run.stderr.count("\n") <= 3, \
+            (argv, run.stderr)
+    else:
+        assert run.returncode == 0, (argv, run.stdout[-2000:], run.stderr[-4000:])
 
 
 def test_a_csv_schedule_brings_its_own_micro_batch_count(tmp_path):

@@ -173,7 +173,7 @@ def _layout_number(k: int) -> tuple[list[str], train_options.Job | None]:
     """Random layout k (its own seed) of at most 8 ranks, and its job (None: refused)."""
     rng = random.Random(f"layout {k}")
     while True:
-        argv = _random_layout(rng)
+        argv = _random_layout(rng) + ["--steps", "1", "--n-embd", "8", "--run-dir", "none"]
         try:
             job = train_options.resolve(train_cli._arguments().parse_args(argv))
         except ValueError:
@@ -188,9 +188,8 @@ def test_random_layouts_end_ok_or_are_refused_in_one_line_before_any_rank(k):
     """200 random layouts and options: each trains (exit 0), or is refused with exit 2 in
     at most 3 lines before any rank starts (resolve alone refuses it)."""
     argv, job = _layout_number(k)
-    run = subprocess.run([sys.executable, "-m", "minidist", "train", *argv, "--steps", "1",
-                          "--n-embd", "8", "--run-dir", "none"], capture_output=True,
-                         text=True, timeout=110)
+    run = subprocess.run([sys.executable, "-m", "minidist", "train", *argv],
+                         capture_output=True, text=True, timeout=110)
     if job is None:
         assert run.returncode == 2 and run.stdout == "", (argv, run.stdout, run.stderr)
         assert run.stderr.startswith("error: ") and run.stderr.count("\n") <= 3, \

@@ -105,7 +105,15 @@ class ContextParallelLayout(GPTLayout):
 def apply_context(model, context: ContextParallel):
     """Make every attention of `model` run over the cp group, and (tp = 1) give the model a
     layout that puts its tokens at their global positions. Under tensor parallelism the
-    TensorParallel must carry the same context (compose.build does both)."""
+    TensorParallel must carry the same context (compose.build does both): ValueError if
+    it does not, as its position embeddings would use local positions and attention
+    global ones."""
+    tp = getattr(model.layout, "tp", None)
+    if tp is not None and tp.context is not context:
+        raise ValueError("context parallelism of a tensor-parallel model: its TensorParallel "
+                         "was built without this context, so its position embeddings would "
+                         "use local positions and attention global ones; build it as "
+                         "TensorParallel(group, ..., context=context) before apply_tensor.")
     for block in model.blocks:
         if getattr(block.attn.core, "selective", False):
             raise ValueError("context parallelism: selective recomputation wraps the "

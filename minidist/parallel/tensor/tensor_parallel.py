@@ -277,6 +277,12 @@ def apply_tensor(model, tp: TensorParallel):
     model.parameters(); each sharded parameter holds the exact slice of the full one.
     """
     cfg = model.cfg
+    context = getattr(model.layout, "context", None)     # apply_context ran first
+    if context is not None and tp.context is not context:
+        raise ValueError(f"{tp.prefix} tensor parallelism of a context-parallel model: build "
+                         "the TensorParallel with the model's context (TensorParallel(group, "
+                         "..., context=context)), or its position embeddings would use "
+                         "local positions and attention global ones.")
     if cfg.moe_every and tp.sequence_parallel:
         raise ValueError(f"{tp.prefix} sequence parallelism of MoE blocks is not built (their "
                          "routing groups would be cut over tp); use tp without SP.")

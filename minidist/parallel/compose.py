@@ -432,6 +432,33 @@ def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
         sharding=sharding, group_of=group_of, **opt)
 
 
+def group_count(plan: Plan, cfg: GPTConfig) -> int:
+    """How many process groups `build` makes on a job of plan.world_size ranks, the world
+    and `alone` included: `_groups` run against a stand-in job that only counts (no rank,
+    no memory). The launcher sizes the job's group table with it (runtime/world.py)."""
+    return 2 + _CountingJob(plan.world_size).count(lambda job: _groups(job, plan, cfg))
+
+
+class _CountingJob:
+    """A job of W ranks, seen from rank 0, whose new_group only counts the calls."""
+
+    class Group:
+        def __init__(self, ranks: tuple[int, ...]) -> None:
+            self.ranks, self.size, self.rank = ranks, len(ranks), ranks.index(0)
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size, self.rank, self.calls = world_size, 0, 0
+        self.alone = self.world = self.Group((0,))
+
+    def new_group(self, ranks, name: str | None = None):
+        self.calls += 1
+        return self.Group(tuple(int(r) for r in ranks)) if 0 in ranks else None
+
+    def count(self, make) -> int:
+        make(self)
+        return self.calls
+
+
 def _groups(ctx, plan: Plan, cfg: GPTConfig) -> dict:
     """COLLECTIVE over the world: {"mesh", "dp", "cp", "tp", "grad" (dp x cp)}, with ep > 1
     "ep" and "edp" (x cp), with pp > 1 those of _pipeline_groups."""

@@ -49,6 +49,7 @@ import numpy as np
 
 from minidist import collectives as C
 from minidist.cli import at_least
+from minidist.parallel.compose import group_count
 from minidist.reliability import checkpoint as ckpt, confined, faults
 from minidist.reliability.async_checkpoint import AsyncCheckpointer
 from minidist.reliability.elastic import Elastic
@@ -380,7 +381,8 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
         offset = max(floor[0], 0 if state is None else state.data_cursor.get("offset", 0))
         token = confined.token()             # this attempt's saves' temporary names
         result = spawn(layout.world_size, rank_main, a, cfg, data_cfg, layout, t0,
-                       (state, k, r, config, stop, offset, token))[0]
+                       (state, k, r, config, stop, offset, token),
+                       groups=group_count(layout, cfg))[0]
         prior = [] if state is None else list(state.losses)[:state.step]
         return replace(result, losses=tuple(prior) + result.losses)
 

@@ -88,19 +88,23 @@ class RankContext:
 
 def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
           collective_timeout: float | None = None, join_timeout: float | None = None,
-          **kwargs: Any) -> list[Any]:
+          groups: int | None = None, **kwargs: Any) -> list[Any]:
     """Run fn(ctx, *args, **kwargs) on `world_size` forked ranks; return results in rank order.
 
     collective_timeout: seconds any single wait may take (default MINIDIST_TIMEOUT or 60).
     join_timeout: seconds the whole run may take (default: no limit).
+    groups: the process groups fn will make, when the caller knows (parallel/compose.py's
+    group_count): the job's group table holds max(groups, 64) unless MINIDIST_GROUPS says.
     Raises RankFailure if any rank fails (see the module docstring).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"spawn: world_size must be a positive int, got {world_size!r}")
     if not callable(fn):
         raise ValueError(f"spawn: fn must be callable, got {type(fn).__name__}")
-    cfg = (RuntimeConfig(world_size) if collective_timeout is None
-           else RuntimeConfig(world_size, timeout=collective_timeout))
+    knobs = {} if collective_timeout is None else {"timeout": collective_timeout}
+    if groups is not None and "MINIDIST_GROUPS" not in os.environ:
+        knobs["max_groups"] = max(groups, RuntimeConfig(world_size).max_groups)
+    cfg = RuntimeConfig(world_size, **knobs)
     ctx = mp.get_context("fork")            # ranks inherit the arena mapping
     lock = None if strong_ordering() else ctx.Lock()
     arena = Arena(cfg.arena_bytes())

@@ -10,13 +10,15 @@ Along each axis, the ranks that differ only in that coordinate form one
 group: here the tp groups are {0,1,2} and {3,4,5} (named tp0, tp1), the dp
 groups {0,3}, {1,4}, {2,5} (dp0, dp1, dp2). A rank belongs to exactly one
 group per axis; `mesh.group("tp")` is this rank's. Parallel layers receive
-these groups and never the mesh itself.
+these groups and never the mesh itself. An axis of size one makes no groups:
+its group is the job's `alone` (this rank by itself, runtime/world.py), so a
+mesh of W ranks with k axes longer than one makes only those axes' groups.
 
 The fastest axis holds neighbouring ranks: put the axis that talks most (tp)
 last, as Megatron does, so that on a real cluster it stays inside a node.
 
 Cost: creating the mesh is a sequence of `new_group` calls (all ranks, same
-order), one per group of every axis; no data moves.
+order), one per group of every axis longer than one; no data moves.
 
 Read next: collectives/
 """
@@ -48,6 +50,9 @@ class DeviceMesh:
         self.coords = dict(zip(axes, (int(c) for c in np.argwhere(self.grid == job.rank)[0])))
         self._groups: dict[str, ProcessGroup] = {}
         for a, axis in enumerate(axes):
+            if shape[a] == 1 and hasattr(job, "alone"):     # this rank alone: no new group
+                self._groups[axis] = job.alone
+                continue
             lines = np.moveaxis(self.grid, a, -1).reshape(-1, shape[a])   # one row per group
             for i, ranks in enumerate(lines):
                 g = job.new_group(tuple(int(r) for r in ranks), name=f"{axis}{i}")
@@ -64,6 +69,8 @@ class DeviceMesh:
         picked = [self.axes.index(a) for a in axes]
         rest = [i for i in range(len(self.axes)) if i not in picked]
         size = int(np.prod([self.shape[i] for i in picked]))
+        if size == 1 and hasattr(self._job, "alone"):
+            return self._job.alone
         mine = None
         for i, ranks in enumerate(np.transpose(self.grid, rest + picked).reshape(-1, size)):
             g = self._job.new_group(tuple(int(r) for r in ranks), name=f"{name}{i}")

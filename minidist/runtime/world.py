@@ -20,9 +20,13 @@ mailboxes, W(W-1) channels of nslots = 4 slots (runtime/p2p.py), plus room
 for shared() buffers (1 GiB, or 64 MiB per rank when W > 16). The slot size
 is 512 KiB while the mailboxes fit in 512 MiB (W <= 16), then halves:
 128 KiB for W = 24 and 32, 32 KiB for W = 64. The arena is the board plus
-MINIDIST_GROUPS (64) such regions: 64 GiB of address space for W = 2,
-160 GiB for W = 32, 290 GiB for W = 64, reserved but never touched unless
-used (runtime/shm.py). MINIDIST_GROUP_BYTES and MINIDIST_SLOT_BYTES, when set,
+one such region per group of the job's table: MINIDIST_GROUPS, else 64 or what
+the caller of spawn says it makes (the main job: parallel/compose.group_count,
+up to 246 groups for W = 64): 64 GiB of address space for W = 2, 160 GiB for
+W = 32, 290 GiB (64 groups) to 1.1 TiB (246) for W = 64, reserved but never
+touched unless used (runtime/shm.py). Every group takes a region on every rank,
+member or not, so that all ranks carve the same offsets; a group of one rank
+(every one-rank mesh axis) is the job's `alone` and takes none. MINIDIST_GROUP_BYTES and MINIDIST_SLOT_BYTES, when set,
 replace the computed sizes; a region too small for its mailboxes is an error
 at group creation that names the bytes needed.
 
@@ -40,6 +44,7 @@ Read next: runtime/mesh.py, runtime/launch.py
 
 from __future__ import annotations
 
+import mmap
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -49,7 +54,7 @@ import numpy as np
 from minidist.runtime.errors import CollectiveMismatch, rank_prefix
 from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import JobBoard, RankHealth
-from minidist.runtime.shm import Arena, Ordering
+from minidist.runtime.shm import MAP_NORESERVE, Arena, Ordering
 
 
 SLOT_BYTES = 1 << 19             # default slot size, 512 KiB, while a group's...
@@ -109,9 +114,9 @@ class RuntimeConfig:
             raise ValueError(f"collective timeout must be > 0 s, got {self.timeout}")
         if self.nslots < 1:
             raise ValueError(f"MINIDIST_SLOTS={self.nslots} must be >= 1")
-        if self.max_groups < 1:
-            raise ValueError(f"MINIDIST_GROUPS={self.max_groups} must be >= 1 (the world "
-                             "is a group)")
+        if self.max_groups < 2:
+            raise ValueError(f"MINIDIST_GROUPS={self.max_groups} must be >= 2 (the world "
+                             "and each rank alone are groups)")
         if self.slot_bytes is None:
             object.__setattr__(self, "slot_bytes", default_slot_bytes(W, self.nslots))
         if self.slot_bytes < 64 or self.slot_bytes % 64:
@@ -148,6 +153,26 @@ class Job:
         self.groups: list[ProcessGroup | None] = []
         self.group_names: dict[int, str] = {}
         self.world = self._create(tuple(range(cfg.world_size)), "world")
+        self.alone = self._alone()
+
+    def _alone(self) -> ProcessGroup:
+        """This rank by itself, the group of every mesh axis of size one (gid 1 on every
+        rank, each rank its own). Nothing is ever sent in it, so it takes no region of
+        the shared arena: its mailboxes and shared() buffers live in a private mapping of
+        this process (reserved, touched only if used), and making it is no collective.
+        A mesh with one-rank axes therefore makes no group per rank for them: dp = 64
+        needs the world, this and one dp group, not three groups of 64 one-rank groups."""
+        gid = len(self.groups)
+        self.group_names[gid] = "alone"
+        private = mmap.mmap(-1, self.cfg.group_bytes, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
+        group = ProcessGroup(gid=gid, name="alone", ranks=(self.rank,), global_rank=self.rank,
+                             world_size=self.cfg.world_size, board=self.board,
+                             arena=Arena(self.cfg.group_bytes, private), ordering=self.ordering,
+                             group_names=self.group_names, timeout=self.cfg.timeout,
+                             spin=self.cfg.spin, nslots=self.cfg.nslots,
+                             slot_bytes=self.cfg.slot_bytes, health=self.health)
+        self.groups.append(group)
+        return group
 
     def _create(self, ranks: tuple[int, ...], name: str) -> ProcessGroup | None:
         gid = len(self.groups)

@@ -253,3 +253,44 @@ def test_zero_memory_over_dp_of_tp_shards_equals_the_formula(zero):
     expected = exact_bytes(zero, _local_numels(cfg, tp), dp, itemsize=8, micro_batches=M)
     for rank, run in enumerate(runs):                 # every rank holds the same bytes
         assert run.memory == expected, f"rank {rank}: {run.memory} != {expected}"
+
+
+def _groups_made(ctx, plan, cfg):
+    from minidist.parallel.compose import build
+    build(ctx, plan, cfg, 0, **OptimizerConfig(lr=1e-3).engine_arguments())
+    return len(ctx.job.groups)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("plan", [Plan(dp=2, cp=2, tp=2), Plan(pp=2, dp=2, tp=2,
+                                                                 micro_batches=2),
+                                  Plan(dp=4, ep=2), Plan(dp=8)], ids=Plan.describe)
+def test_group_count_is_the_number_of_groups_build_makes(plan):
+    """The launcher sizes the job's group table with group_count: it must be exact."""
+    from minidist.parallel.compose import group_count
+    cfg = model_config_for(DATA, n_layer=2, n_head=2, n_embd=16,
+                           moe_every=1 if plan.ep > 1 else 0)
+    assert spawn(plan.world_size, _groups_made, plan, cfg) == \
+        [group_count(plan, cfg)] * plan.world_size
+
+
+def test_one_rank_axes_make_no_groups_so_64_data_parallel_ranks_need_three():
+    from minidist.parallel.compose import group_count
+    cfg = model_config_for(DATA, n_layer=2, n_head=2, n_embd=16)
+    assert group_count(Plan(dp=64), cfg) == 3                  # world, alone, dp
+    assert group_count(Plan(dp=32, tp=2), cfg) == 2 + 2 + 32     # world, alone; dp; tp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["--dp", "64", "--batch", "64"],
+                                  ["--pp", "8", "--dp", "2", "--cp", "2", "--tp", "2",
+                                   "--batch", "16"]], ids=" ".join)
+def test_64_ranks_run_with_the_default_settings(argv, tmp_path):
+    """dp = 64, and the layout of 64 ranks that makes the most groups (246)."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "minidist", "train", *argv, "--steps", "1",
+                          "--run-dir", "none"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in __import__("os").environ.items()
+                                           if not k.startswith("MINIDIST_GROUP")})
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -176,16 +176,16 @@ def test_a_setup_error_reaches_the_report_once(monkeypatch, capfd):
 
 
 def test_too_many_groups_names_the_variable(monkeypatch):
-    monkeypatch.setenv("MINIDIST_GROUPS", "1")
+    monkeypatch.setenv("MINIDIST_GROUPS", "2")                  # the world and alone
     with pytest.raises(RankFailure, match=r"failed, and every other rank the same way:\n"
-                       r".*cannot create group 'pair': the job allows 1 groups\. "
+                       r".*cannot create group 'pair': the job allows 2 groups\. "
                        r"Set MINIDIST_GROUPS higher"):
         spawn(2, _hello)
 
 
 def test_zero_groups_is_refused_before_launching(monkeypatch):
     monkeypatch.setenv("MINIDIST_GROUPS", "0")
-    with pytest.raises(ValueError, match="MINIDIST_GROUPS=0 must be >= 1"):
+    with pytest.raises(ValueError, match="MINIDIST_GROUPS=0 must be >= 2"):
         spawn(2, _hello)
 
 

@@ -53,10 +53,10 @@ def test_the_board_fits_its_bytes_exactly(W, G):
 def test_a_region_of_exactly_the_computed_bytes_holds_the_world_group(W, default_env):
     slots = RuntimeConfig(W)
     need = ProcessGroup.region_bytes(W, slots.nslots, slots.slot_bytes)
-    cfg = RuntimeConfig(W, group_bytes=need, max_groups=1)
+    cfg = RuntimeConfig(W, group_bytes=need, max_groups=2)
     job = Job(cfg, Arena(cfg.arena_bytes()), 0, os.getpid())   # raises if it overflows
     assert job.world.size == W
-    small = RuntimeConfig(W, group_bytes=need - 64, max_groups=1)
+    small = RuntimeConfig(W, group_bytes=need - 64, max_groups=2)
     with pytest.raises(MemoryError, match=f"Raise MINIDIST_GROUP_BYTES to at least {need} "):
         Job(small, Arena(small.arena_bytes()), 0, os.getpid())
 

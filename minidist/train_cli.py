@@ -75,9 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         print(NOTHING_TRAINED)
         return 0
     a.peak_flops = peak_flops(cfg.dtype).flops   # one rank's, for MFU (measured once, cached)
-    a.run_path = run_dir.for_cli(a, ["python", "-m", "minidist", "train",
-                                     *(sys.argv[1:] if argv is None else argv)],
-                                 cfg, data_cfg, plan)          # observe/run_dir.py
+    try:
+        a.run_path = run_dir.for_cli(a, ["python", "-m", "minidist", "train",
+                                         *(sys.argv[1:] if argv is None else argv)],
+                                     cfg, data_cfg, plan)      # observe/run_dir.py
+    except ValueError as e:
+        return cli_error(e)
     try:
         run = recovery.run(a, cfg, data_cfg, plan, job.resilience, _rank_main)
     except RankFailure as e:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from minidist import backend
 from minidist.data import DataConfig, model_config_for
 from minidist.deterministic import step as determinism
+from minidist.memory.budget_models import parameter_count
 from minidist.nn import GPTConfig
 from minidist.parallel.compose import Plan
 from minidist.parallel.pipeline.schedule_csv import from_csv
@@ -183,7 +184,7 @@ def _pipeline_micro_batches(a: argparse.Namespace) -> tuple[int, str]:
         m = a.schedule_value.micro_batches
         return m, f"the micro-batches of the schedule in {a.schedule}"
     rows = a.batch // a.dp if a.batch % a.dp == 0 else a.batch
-    divisors = [m for m in range(1, rows + 1) if rows % m == 0]
+    divisors = _divisors(rows)
     enough = [m for m in divisors if m >= a.pp] or divisors
     m = min(enough, key=lambda m: (abs(m - 2 * a.pp), -m))
     if m == 2 * a.pp:
@@ -244,6 +245,10 @@ def _validated(a: argparse.Namespace) -> Job:
         raise OptionError(f"--n-layer {a.n_layer} is fewer than the --pp {a.pp} x "
                           f"{_chunks(a)} virtual stage(s) = {a.pp * _chunks(a)} pieces of the "
                           f"model; use --n-layer {a.pp * _chunks(a)} or more, or a smaller --pp")
+    if a.run_dir is not None and a.run_dir.lower() != "none" and os.path.exists(a.run_dir) \
+            and not os.path.isdir(a.run_dir):
+        raise OptionError(f"--run-dir {a.run_dir}: is a file, not a directory; give a "
+                          "directory (it is made if missing), or --run-dir none")
     if a.device == "gpu" and _world_size(a) > 1:
         raise OptionError(backend.MULTI_RANK_GPU)
     data_cfg = DataConfig(task=a.task, length=a.length, seed=a.seed)
@@ -258,6 +263,7 @@ def _validated(a: argparse.Namespace) -> Job:
                 layers_per_stage=a.layers_per_stage, precision=a.precision,
                 grad_reduce=a.grad_reduce, offload=a.offload, offload_dir=a.offload_dir)
     plan = plan.textbook() if a.plain else plan
+    _fits_in_memory(a, cfg, data_cfg.block_size)
     _batch_splits(a)
     _positions_split(a, data_cfg.block_size)
     plan.validate(cfg, a.batch, data_cfg.block_size)
@@ -268,6 +274,26 @@ def _validated(a: argparse.Namespace) -> Job:
                           seq_len=data_cfg.block_size)
     resilience = recovery.options(a, plan.world_size, plan.pp)
     return Job(cfg, data_cfg, plan, resilience)
+
+
+def _fits_in_memory(a: argparse.Namespace, cfg: GPTConfig, T: int) -> None:
+    """Sizes typed on the command line stay bounded: refuse, before anything is allocated,
+    a job whose ranks together need more than this machine's memory. Counted is only what
+    no layout avoids: the parameters with their gradients and Adam's two moments (4 N
+    values, N of the dense model: MoE experts only add), and one micro-batch's activations
+    at two values per token, width and layer (the input of every block) plus one layer's
+    attention scores (rows x heads x T x T)."""
+    item = 8 if cfg.dtype == "float64" else 4
+    n = parameter_count(replace(cfg, moe_every=0))
+    rows = max(1, a.batch // a.grad_accum)
+    need = item * (4 * n + 2 * rows * T * cfg.n_embd * cfg.n_layer + rows * cfg.n_head * T * T)
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise OptionError(f"this model and batch need at least {need / 2**30:.1f} GiB "
+                          f"(N = {n:,} parameters with gradients and Adam state, and one "
+                          f"micro-batch of {rows} x T={T} tokens' activations), more than this "
+                          f"machine's {have / 2**30:.1f} GiB; use a smaller --length, --batch, "
+                          "--n-embd or --n-layer")
 
 
 def _chunks(a: argparse.Namespace) -> int:
@@ -328,7 +354,9 @@ def _positions_split(a: argparse.Namespace, T: int) -> None:
 
 
 def _divisors(n: int) -> list[int]:
-    return [m for m in range(1, n + 1) if n % m == 0]
+    """The divisors of n in increasing order (sqrt(n) steps: n is a typed --batch)."""
+    low = [m for m in range(1, math.isqrt(n) + 1) if n % m == 0]
+    return low + [n // m for m in reversed(low) if m * m != n]
 
 
 def _accepted(a: argparse.Namespace, **changes) -> bool:

@@ -36,6 +36,9 @@ REFUSED = [   # (options, what the one line must say): each refused before any r
     (["--pp", "2", "--grad-accum", "5"], r"use --batch 30 or --batch 35 or --grad-accum 4"),
     (["--tp", "3"], r"--tp 3 splits attention by heads, but --n-head 4"),
     (["--checkpoint-every", "0"], r"--checkpoint-every: must be an int >= 1"),
+    (["--dp", "2", "--run-dir", "/etc/passwd"], r"--run-dir /etc/passwd: is a file"),
+    (["--length", "100000000"], r"need at least .* GiB .* more than this machine's"),
+    (["--n-embd", "400000", "--pp", "1000", "--batch", "1000000000"], r"need at least"),
 ]
 
 

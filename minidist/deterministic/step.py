@@ -127,14 +127,15 @@ def whole_token_runs(plan, T: int, token_tiles: int) -> str | None:
 
 
 def fewest_token_tiles(plan, T: int) -> int | None:
-    """The smallest token_tiles whose runs every rank holds whole (whole_token_runs), None
-    if the layout cannot cut T at all."""
+    """The smallest token_tiles whose runs every rank holds whole, None if the layout
+    cannot cut T at all. Every rank's share of a sequence starts and ends on multiples of
+    T / cut (its cp chunks: cut = 2 cp zig-zag, cp contiguous) and, under sequence
+    parallelism, of T / (cp tp) (its tp slice of them), so the longest run that fits all
+    shares is their gcd: token_tiles = T / gcd = lcm(cut, cp tp). A formula, not a search,
+    so a typed --length costs nothing here (whole_token_runs checks it on small T)."""
     cut = 2 * plan.cp if plan.cp_layout == "zigzag" else plan.cp
-    if T % cut or (plan.sequence_parallel and (T // plan.cp) % plan.tp):
-        return None
-    pieces = [pos for _, pos in _position_pieces(plan, T)]
-    return next(n for n in range(1, T + 1)
-                if T % n == 0 and all(_whole_runs(pos, T, n) for pos in pieces))
+    n = math.lcm(cut, plan.cp * plan.tp) if plan.sequence_parallel else cut
+    return n if T % n == 0 else None
 
 
 def _position_pieces(plan, T: int):

@@ -91,8 +91,13 @@ def create(path: str | os.PathLike, cfg: dict) -> Path:
     """Make the run directory (an existing one is reused: a resumed run appends to its
     metrics) and write config.json; return its path."""
     path = Path(path)
-    (path / "metrics").mkdir(parents=True, exist_ok=True)
-    _write_json(path / "config.json", cfg)
+    try:
+        (path / "metrics").mkdir(parents=True, exist_ok=True)
+        _write_json(path / "config.json", cfg)
+    except OSError as e:                  # a file, a path not writable: one line, exit 2
+        raise ValueError(f"--run-dir {path}: cannot make a run directory there "
+                         f"({e.strerror or e}); give a directory this user can write, or "
+                         "--run-dir none") from None
     return path
 
 

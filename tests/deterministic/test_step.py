@@ -373,3 +373,22 @@ def test_every_context_parallel_factorisation_of_w_up_to_8_equals_the_single_pro
     for r, run in enumerate(spawn(plan.world_size, _rank_tt, _cfg4(dtype), plan, 8, batch)):
         _same(run, _tiled_reference(dtype, batch, 8),
               f"{plan.describe()} {plan.cp_layout} ZeRO-{plan.zero} rank {r}")
+
+
+def test_the_fewest_token_tiles_formula_is_the_smallest_whole_count():
+    """fewest_token_tiles = lcm(cut, cp tp) against a search with whole_token_runs."""
+    from minidist.deterministic.step import fewest_token_tiles, whole_token_runs
+    for cp in (2, 3, 4):
+        for tp in (1, 2, 3, 4):
+            for sp in ((False, True) if tp > 1 else (False,)):
+                for layout in ("zigzag", "contiguous"):
+                    plan = Plan(cp=cp, tp=tp, sequence_parallel=sp, cp_layout=layout)
+                    for T in range(2, 50):
+                        cuts = T % (2 * cp if layout == "zigzag" else cp) == 0 and not (
+                            sp and (T // cp) % tp)
+                        if not cuts:                     # the layout cannot cut T at all
+                            assert fewest_token_tiles(plan, T) is None, (plan, T)
+                            continue
+                        searched = next(n for n in range(1, T + 1) if T % n == 0 and
+                                        whole_token_runs(plan, T, n) is None)
+                        assert fewest_token_tiles(plan, T) == searched, (cp, tp, sp, layout, T)

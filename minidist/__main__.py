@@ -98,8 +98,11 @@ def _run(argv: list[str]) -> int:
         except OSError as e:
             p.error(f"--log-dir {a.log_dir}: cannot create it ({e.strerror})")
     from minidist.runtime.launch import run_script
-    return run_script(a.nproc, a.script, a.args, collective_timeout=a.timeout,
-                      prefix=not a.no_prefix, log_dir=a.log_dir, show=a.local_ranks_filter)
+    try:                                 # -n beyond this machine, MINIDIST_* variables
+        return run_script(a.nproc, a.script, a.args, collective_timeout=a.timeout,
+                          prefix=not a.no_prefix, log_dir=a.log_dir, show=a.local_ranks_filter)
+    except ValueError as e:
+        return _error(str(e))
 
 
 def _demos() -> list[str]:

@@ -49,7 +49,9 @@ from minidist.parallel.compose import Plan
 from minidist.parallel.pipeline.schedule_csv import from_csv
 from minidist.parallel.pipeline.schedules import SCHEDULES, PipelineSchedule
 from minidist.reliability import confined, recovery
+from minidist.runtime.launch import check_world_size
 from minidist.runtime.mpi import MPI_ENV
+from minidist.runtime.world import RuntimeConfig
 
 
 class OptionError(ValueError):
@@ -273,6 +275,9 @@ def _validated(a: argparse.Namespace) -> Job:
                           global_batch=a.batch, token_tiles=a.token_tiles,
                           seq_len=data_cfg.block_size)
     resilience = recovery.options(a, plan.world_size, plan.pp)
+    if plan.world_size > 1:
+        check_world_size(plan.world_size)       # this machine's ranks, and the MINIDIST_*
+        RuntimeConfig(plan.world_size)          # variables the launcher will read
     return Job(cfg, data_cfg, plan, resilience)
 
 

@@ -87,3 +87,22 @@ def test_baseline_does_not_load_the_runtime():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert res.stdout.strip() == "False", res.stderr
+
+
+@pytest.mark.parametrize("env, args, says", [
+    ({}, ["-n", "100000"], r"^error: 100000 ranks: this machine can start at most \d+ "),
+    ({"MINIDIST_TIMEOUT": "abc"}, ["-n", "2"], r"^error: MINIDIST_TIMEOUT='abc' is not a"),
+    ({"MINIDIST_GROUPS": "0"}, ["-n", "2"], r"^error: MINIDIST_GROUPS=0 must be >= 2"),
+    ({"MINIDIST_GROUP_BYTES": "1000"}, ["-n", "2"],
+     r"^error: MINIDIST_GROUP_BYTES=1000 is too small: the world group of 2 ranks needs")],
+    ids=["-n 100000", "timeout", "groups", "group bytes"])
+def test_run_refuses_what_cannot_start_in_one_line_before_any_rank(tmp_path, monkeypatch,
+                                                                   env, args, says):
+    """Too many ranks (too many open files), or MINIDIST_* variables the launcher cannot
+    use: one `error:` line, exit 2, no traceback (README promises one launcher line)."""
+    import re
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    res = _run(tmp_path, *args)
+    assert res.returncode == 2 and res.stdout == "", res
+    assert res.stderr.count("\n") == 1 and re.search(says, res.stderr), res.stderr

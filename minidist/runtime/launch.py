@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import runpy
 import signal
 import sys
@@ -86,6 +87,27 @@ class RankContext:
         return self.job.new_group(ranks, name)
 
 
+def max_ranks() -> int:
+    """The most ranks this machine can start: each holds about 4 of the launcher's open
+    files (its result pipe, and under `run` its stdout and stderr pipes) and takes at
+    least 16 MiB (a forked Python process, 4-5 MB private, and its arena pages)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    by_files = (soft - 64) // 4 if soft != resource.RLIM_INFINITY else 1 << 20
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, min(by_files, memory // (16 << 20)))
+
+
+def check_world_size(world_size: int) -> None:
+    """ValueError, one line, for a world size this machine cannot start (max_ranks)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"spawn: world_size must be a positive int, got {world_size!r}")
+    most = max_ranks()
+    if world_size > most:
+        raise ValueError(f"{world_size} ranks: this machine can start at most {most} (its "
+                         "open-file limit, `ulimit -n`, and its memory: about 4 files and 16 "
+                         "MiB per rank); use fewer ranks")
+
+
 def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
           collective_timeout: float | None = None, join_timeout: float | None = None,
           groups: int | None = None, **kwargs: Any) -> list[Any]:
@@ -97,8 +119,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
     group_count): the job's group table holds max(groups, 64) unless MINIDIST_GROUPS says.
     Raises RankFailure if any rank fails (see the module docstring).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"spawn: world_size must be a positive int, got {world_size!r}")
+    check_world_size(world_size)
     if not callable(fn):
         raise ValueError(f"spawn: fn must be callable, got {type(fn).__name__}")
     knobs = {} if collective_timeout is None else {"timeout": collective_timeout}
@@ -381,6 +402,8 @@ def run_script(world_size: int, path: str, argv: list[str],
     after printing the RankFailure report on stderr, after every rank's output. Raises
     BrokenPipeError when the launcher's stdout was closed by its reader (`| head`).
     """
+    check_world_size(world_size)                # before a pipe per rank is opened
+    RuntimeConfig(world_size)                   # the MINIDIST_* variables, checked here
     if not os.path.isfile(path):
         raise ValueError(f"run: no such script {path!r}")
     if show is not None and not set(show) <= set(range(world_size)):

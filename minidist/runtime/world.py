@@ -44,6 +44,7 @@ Read next: runtime/mesh.py, runtime/launch.py
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import zlib
@@ -70,9 +71,12 @@ def _env_num(name: str, default: float | None) -> float | None:
     if raw is None:
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+        raise ValueError(f"{name}={raw!r} is not a number; unset it or give one") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={raw!r} must be a finite number; unset it or give one")
+    return value
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -125,8 +129,13 @@ class RuntimeConfig:
         if self.group_bytes is None:
             object.__setattr__(self, "group_bytes",
                                default_group_bytes(W, self.nslots, self.slot_bytes))
-        if self.group_bytes < 1:
-            raise ValueError(f"MINIDIST_GROUP_BYTES={self.group_bytes} must be positive")
+        need = ProcessGroup.region_bytes(W, self.nslots, self.slot_bytes)
+        if self.group_bytes < need:          # the world group must fit: say it before launch
+            raise ValueError(f"MINIDIST_GROUP_BYTES={self.group_bytes} is too small: the world "
+                             f"group of {W} ranks needs {need} B for its mailboxes ({W * (W - 1)} "
+                             f"channels x {self.nslots} slots x {self.slot_bytes} B, plus "
+                             f"headers); set it to at least {need}, or unset it (sized from "
+                             "the world size)")
 
     @property
     def spin(self) -> bool:

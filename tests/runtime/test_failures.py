@@ -18,6 +18,7 @@ import pytest
 
 import minidist.collectives as C
 from minidist.runtime import RankFailure, spawn
+from minidist.runtime.world import Job
 from minidist.runtime.shm import Arena
 
 pytestmark = pytest.mark.multiproc
@@ -159,20 +160,28 @@ def _hello(ctx):
 
 
 def test_a_setup_error_reaches_the_report_once(monkeypatch, capfd):
-    monkeypatch.setenv("MINIDIST_GROUP_BYTES", "4096")
+    def cannot(job):                          # the ranks inherit it: each fails in Job()
+        raise MemoryError("shared arena too small: planted while making 'alone'")
+    monkeypatch.setattr(Job, "_alone", cannot)
     with pytest.raises(RankFailure) as info:
         spawn(3, _hello)
     text = str(info.value)
     lines = text.splitlines()
     assert lines[0] == "rank {} of 3 failed, and every other rank the same way:".format(
         info.value.rank)
-    cause = lines[1]                           # the cause, in one line, with the numbers
-    assert "MemoryError" in cause and "shared arena too small: group 'world'" in cause
-    assert "Raise MINIDIST_GROUP_BYTES to at least" in cause
+    cause = lines[1]                           # the cause, in one line
+    assert "MemoryError" in cause and "planted while making 'alone'" in cause
     assert "while setting up the job" in lines[2]
     assert "without reporting a result" not in text
     assert text.count("Traceback") == 1
     assert "Traceback" not in capfd.readouterr().err          # no dump from each rank
+
+
+def test_a_group_region_too_small_is_refused_before_any_rank_starts(monkeypatch):
+    monkeypatch.setenv("MINIDIST_GROUP_BYTES", "4096")
+    with pytest.raises(ValueError, match=r"MINIDIST_GROUP_BYTES=4096 is too small: the world "
+                                         r"group of 3 ranks needs \d+ B .* set it to at least"):
+        spawn(3, _hello)
 
 
 def test_too_many_groups_names_the_variable(monkeypatch):

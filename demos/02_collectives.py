@@ -14,10 +14,10 @@ Paper:     Thakur, Rabenseifner & Gropp 2005, "Optimization of collective commun
            operations in MPICH", IJHPCA 19(1), 49-66
 """
 
-import argparse
 
 import numpy as np
 
+from minidist.cli import CliParser, like
 from minidist.collectives import api, simulated
 from minidist.runtime.launch import spawn
 
@@ -107,9 +107,9 @@ def fmt(a) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=int, default=WORLD_SIZE, help="ranks (1..8)")
-    ap.add_argument("--n", type=int, default=N, help="float64 elements per rank (>= 1)")
+    ap = CliParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=like(WORLD_SIZE), help="ranks (1..8)")
+    ap.add_argument("--n", type=like(N), help="float64 elements per rank (>= 1)")
     args = ap.parse_args(argv)
     W, n = args.world_size, args.n
     if not 1 <= W <= 8 or n < 1:

@@ -19,12 +19,12 @@ Paper:     Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for c
            workstations", J. Parallel Distrib. Comput. 69(2), Sec. 3
 """
 
-import argparse
 import os
 import tempfile
 
 import numpy as np
 
+from minidist.cli import CliParser, like
 from minidist.collectives import api, simulated
 from minidist.observe.trace import Trace, now_us
 from minidist.runtime.launch import spawn
@@ -135,9 +135,9 @@ def show_steps(runs, steps, W: int) -> list[str]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=int, default=WORLD_SIZE, help="ranks (2..8)")
-    ap.add_argument("--n", type=int, default=N, help="elements per rank (>= 1)")
+    ap = CliParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=like(WORLD_SIZE), help="ranks (2..8)")
+    ap.add_argument("--n", type=like(N), help="elements per rank (>= 1)")
     ap.add_argument("--trace", default=os.path.join(tempfile.gettempdir(),
                                                     "minidist_ring_trace.json"))
     args = ap.parse_args(argv)

@@ -22,6 +22,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse                                # noqa: E402
 
 from minidist.baseline import train_single_process                                     # noqa
+from minidist.cli import CliParser, like                                                # noqa
 from minidist.data import DataConfig, SyntheticData, answer_accuracy, model_config_for  # noqa
 from minidist.nn import GPT                                                          # noqa
 
@@ -32,11 +33,11 @@ TARGET_ACCURACY, EVAL_PROMPTS = 0.9, 64
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(task=TASK, length=LENGTH, steps=STEPS, batch=BATCH, lr=LR,
                             seed=SEED, n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
                             dtype=DTYPE, target_accuracy=TARGET_ACCURACY).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     return ap.parse_args(argv)
 
 

@@ -27,6 +27,7 @@ import hashlib                                 # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import train_single_process                      # noqa: E402
+from minidist.cli import CliParser, like                                # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT, DropoutKey                                 # noqa: E402
 from minidist.parallel.data.buckets import BucketedDataParallel         # noqa: E402
@@ -38,12 +39,12 @@ N_LAYER, N_EMBD, N_HEAD, BUCKET_BYTES, ALGO = 2, 32, 2, 64 * 1024, "direct"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(world_size=WORLD_SIZE, steps=STEPS, global_batch=GLOBAL_BATCH,
                             micro_batches=MICRO_BATCHES, lr=LR, seed=SEED, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, bucket_bytes=BUCKET_BYTES,
                             algo=ALGO).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     return ap.parse_args(argv)
 
 

@@ -23,6 +23,7 @@ import argparse                                # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import train_single_process                      # noqa: E402
+from minidist.cli import CliParser, like                                # noqa: E402
 from minidist.data import DataConfig, model_config_for                  # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel.zero import memory as zm                         # noqa: E402
@@ -36,12 +37,12 @@ N_LAYER, N_EMBD, N_HEAD, ALGO, MAP_LINES = 2, 32, 2, "ring", 8
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(world_size=WORLD_SIZE, steps=STEPS, global_batch=GLOBAL_BATCH,
                             micro_batches=MICRO_BATCHES, lr=LR, seed=SEED, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, algo=ALGO,
                             map_lines=MAP_LINES).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     return ap.parse_args(argv)
 
 

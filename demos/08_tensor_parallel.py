@@ -27,6 +27,7 @@ import numpy as np                             # noqa: E402
 from minidist import collectives as C                                   # noqa: E402
 from minidist.autograd import functional as F                           # noqa: E402
 from minidist.baseline import train_single_process                      # noqa: E402
+from minidist.cli import CliParser, like                                # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel import placement as pl                           # noqa: E402
@@ -50,11 +51,11 @@ LEGEND = """  f       forward: identity; backward: all-reduce of dx (B·T·C num
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(tp=TP, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, seed=SEED,
                             n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
                             length=LENGTH).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     return ap.parse_args(argv)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from minidist.autograd import Tensor
 from minidist.baseline import train_single_process
+from minidist.cli import CliParser, like
 from minidist.data import DataConfig, model_config_for
 from minidist.nn.attention import attention_core
 from minidist.nn.layers import Dropout
@@ -130,10 +131,10 @@ def ring_by_hand(Q, K, V, P, track):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(cp=CP, layout=LAYOUT, T=T, steps=STEPS, global_batch=GLOBAL_BATCH,
                             lr=LR, seed=SEED, trace=TRACE).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value,
                         **{"choices": LAYOUTS} if name == "layout" else {})
     args = ap.parse_args(argv)
     args.T = args.T or 4 * args.cp

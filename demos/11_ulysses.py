@@ -20,6 +20,7 @@ import numpy as np
 
 from minidist.autograd import Tensor
 from minidist.baseline import train_single_process
+from minidist.cli import CliParser, like
 from minidist.data import DataConfig, model_config_for
 from minidist.nn.attention import attention_core
 from minidist.nn.layers import Dropout
@@ -62,10 +63,10 @@ def rank_main(ctx, args, arrays, cfg, data_cfg):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(cp=CP, layout=LAYOUT, T=T, H=H, steps=STEPS,
                             global_batch=GLOBAL_BATCH, lr=LR, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value,
                         **{"choices": LAYOUTS} if name == "layout" else {})
     args = ap.parse_args(argv)
     args.T, args.H = args.T or 4 * args.cp, args.H or 2 * args.cp

@@ -21,6 +21,7 @@ from fractions import Fraction
 import numpy as np
 
 from minidist.baseline import train_single_process
+from minidist.cli import CliParser, like
 from minidist.data import DataConfig, model_config_for
 from minidist.parallel.pipeline.schedule_render import LEGEND, ascii, side_by_side
 from minidist.parallel.pipeline.schedule_sim import (Timeline, bubble_closed_form, peak_activations,
@@ -58,11 +59,11 @@ def expected_peak(name: str, P: int, M: int, V: int) -> tuple[list[int] | None, 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(P=P, M=M, V=V, pp=PP, run_m=RUN_M, run=RUN, steps=STEPS,
                             global_batch=GLOBAL_BATCH, lr=LR, seed=SEED, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     args = ap.parse_args(argv)
     args.run = [s for s in args.run.split(",") if s]
     if not set(args.run) <= set(SCHEDULES) or min(args.P, args.M, args.V - 1, args.pp - 1) < 1:

@@ -23,6 +23,7 @@ from minidist import seed as seeding
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
 from minidist.baseline import train_single_process
+from minidist.cli import CliParser, like
 from minidist.data import DataConfig, model_config_for
 from minidist.nn.moe import MoE
 from minidist.parallel.expert.expert_parallel import ExpertParallelMoE
@@ -36,13 +37,13 @@ PNG, RAMP = "", " .:-=+*#%@"                   # RAMP: share of tokens 0.0 .. 1.
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(ep=EP, experts=EXPERTS, top_k=TOP_K, tokens=TOKENS, group=GROUP,
                             capacity_factor=CAPACITY_FACTOR, c=C, hidden=HIDDEN, seed=SEED,
                             steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH, z_loss=Z_LOSS,
                             png=PNG).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     return ap.parse_args(argv)
 
 

@@ -22,16 +22,18 @@ import subprocess
 import sys
 import tempfile
 
+from minidist.cli import CliParser, like
+
 # --- settings (each can be overridden on the command line) ---
 STEPS, EVERY, KILL_STEP, KILL_RANK, BATCH, SEED = 10, 4, 6, 1, 8, 0
 SHOW = ("step", "no checkpoint", "resuming", "recovery:", "[rank", "params sha256")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, every=EVERY, kill_step=KILL_STEP, kill_rank=KILL_RANK,
                             batch=BATCH, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     a = ap.parse_args(argv)
     if not 0 <= a.kill_step < a.steps or a.kill_rank not in (0, 1):
         ap.error("need 0 <= --kill-step < --steps and --kill-rank 0 or 1 (2 ranks)")

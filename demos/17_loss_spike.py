@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 
+from minidist.cli import CliParser, like
+
 # --- settings (each can be overridden on the command line) ---
 STEPS, NAN_STEP, CKPT_EVERY, BATCH, SEED = 24, 15, 4, 8, 0
 SHOW = ("spike", "recovery:", "resuming", "params sha256")
@@ -34,9 +36,9 @@ POLICIES = {  # policy: what it does, in one line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, nan_step=NAN_STEP, batch=BATCH, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     a = ap.parse_args(argv)
     if not CKPT_EVERY <= a.nan_step < a.steps - 1:
         ap.error(f"need {CKPT_EVERY} <= --nan-step < --steps - 1 (a checkpoint before it)")

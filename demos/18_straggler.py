@@ -22,16 +22,18 @@ import subprocess
 import sys
 import tempfile
 
+from minidist.cli import CliParser, like
+
 # --- settings (each can be overridden on the command line) ---
 STEPS, PER_ROW, SLOW_STEP, BATCH, SEED = 15, 0.004, 2, 64, 0
 SHOW = ("step", "[rank", "straggler:", "OK:", "MISMATCH")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, per_row=PER_ROW, slow_step=SLOW_STEP, batch=BATCH,
                             seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     a = ap.parse_args(argv)
     if a.steps < a.slow_step + 10 or a.per_row <= 0 or a.batch % 2 or a.batch < 4:
         ap.error("need --steps >= --slow-step + 10 (3 steps to detect, 5 per rebalance), "

@@ -30,6 +30,7 @@ import time                                    # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.autograd.saved import saved_bytes                        # noqa: E402
+from minidist.cli import CliParser, like                               # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for  # noqa: E402
 from minidist.memory import recompute as rc                            # noqa: E402
 from minidist.nn import GPT, DropoutKey                                # noqa: E402
@@ -40,11 +41,11 @@ REPEATS = 5
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
                             batch=BATCH, dropout=DROPOUT, moe_every=MOE_EVERY, seed=SEED,
                             repeats=REPEATS).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     return ap.parse_args(argv)
 
 

@@ -20,6 +20,7 @@ import argparse
 
 import numpy as np
 
+from minidist.cli import CliParser, like
 from minidist.data import DataConfig, model_config_for
 from minidist.runtime.launch import spawn
 from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on_rank
@@ -31,10 +32,10 @@ LAST = 10          # the gap: |mean loss of the last 10 steps - fp32's| / fp32's
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, every=EVERY, batch=BATCH, lr=LR, seed=SEED,
                             overflow_step=OVERFLOW_STEP, scale_steps=SCALE_STEPS).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     a = ap.parse_args(argv)
     if a.steps < LAST or not 1 <= a.overflow_step < a.scale_steps - 1:
         ap.error(f"need --steps >= {LAST} and 1 <= --overflow-step < --scale-steps - 1")

@@ -26,6 +26,7 @@ import tempfile                                # noqa: E402
 
 import numpy as np                             # noqa: E402
 
+from minidist.cli import CliParser, like                               # noqa: E402
 from minidist.data import DataConfig, model_config_for                 # noqa: E402
 from minidist.memory.ledger import format_bytes                        # noqa: E402
 from minidist.memory.offload import PREFIX, TIERS                      # noqa: E402
@@ -37,11 +38,11 @@ WORLD_SIZE, ZERO, STEPS, N_LAYER, N_EMBD, N_HEAD, LENGTH, BATCH, SEED = 2, 3, 4,
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(world_size=WORLD_SIZE, zero=ZERO, steps=STEPS, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH, batch=BATCH,
                             seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     return ap.parse_args(argv)
 
 

@@ -19,6 +19,7 @@ Paper:     Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054, Sec. 5 and Fig. 1;
 
 import argparse
 
+from minidist.cli import CliParser, like
 from minidist.data import DataConfig, model_config_for
 from minidist.memory.budget import MemoryPlan, estimate, zero_figure1
 from minidist.memory.budget_cli import fmt, parse_plan
@@ -33,11 +34,11 @@ PAPER_FIG1 = (120, 31.4, 16.6, 1.9)                 # GB per device, ZeRO stages
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default=PLANS, help="plans separated by ';' (memory --plan)")
     for name, value in dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, batch=BATCH,
                             seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     return ap.parse_args(argv)
 
 

@@ -27,6 +27,7 @@ import time
 
 
 from minidist.baseline import train_single_process
+from minidist.cli import CliParser, like, at_least
 from minidist.data import DataConfig
 from minidist.deterministic.digest import params_digest
 from minidist.nn import GPTConfig
@@ -57,11 +58,11 @@ TOKEN_TILES = 8      # --deterministic: sums over positions in runs of T / 8 (cp
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--batch", type=int, default=BATCH, help="divisible by 2, 3 and 4")
+    ap = CliParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=like(STEPS))
+    ap.add_argument("--batch", type=like(BATCH), help="divisible by 2, 3 and 4")
     ap.add_argument("--dtype", default=DTYPE, choices=["float64", "float32"])
-    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--seed", type=at_least(0), default=SEED)
     a = ap.parse_args(argv)
     if a.steps < 1 or a.batch < 12 or a.batch % 12:
         ap.error("need --steps >= 1 and --batch a multiple of 12 (dp = 2 and 3, M = 2)")

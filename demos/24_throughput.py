@@ -28,6 +28,7 @@ import time                                    # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minidist import optim                     # noqa: E402
+from minidist.cli import CliParser, like                               # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.observe.flops import FlopLedger  # noqa: E402
@@ -40,10 +41,10 @@ N_LAYER, N_EMBD, N_HEAD, LENGTH, BATCH, STEPS, DTYPE, PEAK_SIZE = 2, 64, 4, 16, 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
                             batch=BATCH, steps=STEPS, peak_size=PEAK_SIZE).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value))
     ap.add_argument("--dtype", default=DTYPE, choices=["float32", "float64"])
     ap.add_argument("--peak-cache", default=None,
                     help="the peak's cache file (default ~/.cache/minidist/peak.json)")

@@ -23,6 +23,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from minidist.cli import CliParser, like
 from minidist.data import DataConfig, model_config_for
 from minidist.observe import report, run_dir
 from minidist.runtime.launch import spawn
@@ -34,10 +35,10 @@ SHOW = 4                                           # collective bars shown per r
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(dp=DP, tp=TP, steps=STEPS, trace_step=TRACE_STEP, batch=BATCH,
                             n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     ap.add_argument("--keep", default=None, help="write the run directory here and keep it")
     a = ap.parse_args(argv)
     if not 1 <= a.trace_step < a.steps:

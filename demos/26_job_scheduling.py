@@ -21,6 +21,7 @@ import argparse
 
 import numpy as np
 
+from minidist.cli import CliParser, like
 from minidist.cluster import metrics
 from minidist.cluster.placement import Cluster
 from minidist.cluster.policies import NAMES
@@ -38,10 +39,10 @@ WHAT = {"fifo": "submit order; the oldest job blocks everyone behind it",
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(jobs=JOBS, nodes=NODES, gpus_per_node=GPUS_PER_NODE, load=LOAD,
                             seed=SEED, checkpoint=CHECKPOINT, restore=RESTORE).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     return ap.parse_args(argv)
 
 

@@ -28,6 +28,7 @@ import textwrap                                # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from minidist.cli import CliParser, like            # noqa: E402
 from minidist.hardware import roofline_cli as cli   # noqa: E402
 from minidist.hardware.roofline import PRECISIONS, gpt_ops, h200  # noqa: E402
 
@@ -36,13 +37,13 @@ MODEL, BATCH, PRECISION, ELEMENTS, REPEATS = "tiny", 32, "float32", 1 << 24, 2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=MODEL, help="'tiny' or a GPT-3 size, e.g. gpt3-125m")
-    ap.add_argument("--batch", type=int, default=BATCH)
+    ap.add_argument("--batch", type=like(BATCH))
     ap.add_argument("--precision", default=PRECISION, choices=list(PRECISIONS))
-    ap.add_argument("--elements", type=int, default=ELEMENTS,
+    ap.add_argument("--elements", type=like(ELEMENTS),
                     help="elements per array of the timed NumPy ops (keep it past the cache)")
-    ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument("--repeats", type=like(REPEATS))
     a = ap.parse_args(argv)
     if min(a.batch, a.elements, a.repeats) < 1:
         ap.error("--batch, --elements and --repeats must be >= 1")

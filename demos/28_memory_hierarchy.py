@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from minidist.cli import CliParser, like  # noqa: E402
 from minidist.gpu import hierarchy as h  # noqa: E402
 from minidist.hardware import cpu_caches  # noqa: E402
 
@@ -34,9 +35,9 @@ M, N, K, MAX_MB, GPU_N, SEED, TOL = 100, 76, 52, 64, 4096, 0, 1e-4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(m=M, n=N, k=K, max_mb=MAX_MB, gpu_n=GPU_N, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
     a = ap.parse_args(argv)
     if min(a.m, a.n, a.k, a.max_mb, a.gpu_n) < 1 or a.k % 4 or a.n % 4:
         ap.error("need --m, --n, --k, --max-mb, --gpu-n >= 1 and --k, --n multiples of 4 "

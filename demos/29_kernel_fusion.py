@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from minidist.cli import CliParser, like      # noqa: E402
 from minidist.hardware import op_costs as oc  # noqa: E402
 from minidist.hardware.roofline import Op, h200, parameter_sizes  # noqa: E402
 from minidist.hardware.roofline_cli import si  # noqa: E402
@@ -33,10 +34,10 @@ TOKENS, WIDTH, HEADS, SEQ, VOCAB, SEED = 8192, 768, 12, 1024, 50257, 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(tokens=TOKENS, width=WIDTH, heads=HEADS, seq=SEQ, vocab=VOCAB,
                             seed=SEED).items():
-        ap.add_argument("--" + name, type=int, default=value)
+        ap.add_argument("--" + name, type=like(value))
     a = ap.parse_args(argv)
     if min(a.tokens, a.width, a.heads, a.seq, a.vocab) < 1 or a.width % a.heads:
         ap.error("sizes must be >= 1 and --width a multiple of --heads")

@@ -40,3 +40,14 @@ def at_least(low: float, kind: type = int) -> Callable[[str], float]:
                                              f" >= {low}, got {text!r}")
         return value
     return parse
+
+
+def like(default) -> Callable[[str], object]:
+    """The argparse type of an option that defaults to `default` (the demos' options): an
+    int >= 1 (>= 0 if the default is 0), a finite number >= 0, or the text as given."""
+    if isinstance(default, bool) or not isinstance(default, (int, float)):
+        return str
+    if isinstance(default, int):
+        return at_least(0 if default == 0 else 1)
+    return at_least(0.0, float)
+

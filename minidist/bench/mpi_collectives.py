@@ -31,7 +31,6 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")          # effective only if NumPy is not imported yet
 
-import argparse                                # noqa: E402
 import json                                    # noqa: E402
 import shlex                                   # noqa: E402
 import shutil                                  # noqa: E402
@@ -45,6 +44,7 @@ import numpy as np                             # noqa: E402
 
 from minidist.bench.collective_inputs import (count_wrong, counts,  # noqa: E402
                                               default_iters, make_input)
+from minidist.cli import CliParser, at_least                     # noqa: E402
 
 
 def find_mpiexec() -> str | None:
@@ -106,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     """On every MPI rank: time each (op, size); rank 0 prints one JSON line per point."""
     from mpi4py import MPI
 
-    p = argparse.ArgumentParser(prog="python -m minidist.bench.mpi_collectives")
+    p = CliParser(prog="python -m minidist.bench.mpi_collectives")
     p.add_argument("--ops", required=True)
     p.add_argument("--sizes", required=True, help="comma list of bytes")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--iters", type=int, default=0, help="timed repeats (0: by size)")
+    p.add_argument("--iters", type=at_least(0), default=0, help="timed repeats (0: by size)")
     a = p.parse_args(argv)
     comm, dt = MPI.COMM_WORLD, np.dtype(a.dtype)
     rank, W = comm.Get_rank(), comm.Get_size()

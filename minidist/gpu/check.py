@@ -50,7 +50,6 @@ Read next: gpu/fused.py, gpu/hierarchy.py, gpu/timing.py, gpu/standin.py,
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import time
@@ -63,6 +62,7 @@ from minidist import backend
 from minidist.autograd.tensor import Context
 from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
 from minidist.baseline import train_single_process
+from minidist.cli import CliParser
 from minidist.data import DataConfig, model_config_for
 from minidist.gpu import fused, twins
 from minidist.gpu import unfused as un
@@ -510,7 +510,7 @@ def run_parts(parts: list[str], rig: Rig) -> list[Part]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minidist gpu check [--parts a,b] [--dry-run]`: the exit code (module doc)."""
-    p = argparse.ArgumentParser(prog="python -m minidist gpu check", description=(
+    p = CliParser(prog="python -m minidist gpu check", description=(
         "Check the GPU path on this machine's GPU: kernels against their NumPy twins, "
         "fusion, bandwidth, the SGEMM ladder, the memory hierarchy and GPT training steps. "
         f"Exit {EXIT_OK}: every part OK; {EXIT_MISMATCH}: a part mismatched; "

@@ -46,8 +46,8 @@ def rank_main(ctx, dp: int, tp: int) -> dict:
 
 def parse_args(argv=None):
     ap = CliParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=like(WORLD_SIZE), help="ranks (1..8)")
-    ap.add_argument("--dp", type=like(DP), help="size of the dp axis; tp = W // dp")
+    ap.add_argument("--world-size", type=like(WORLD_SIZE), default=WORLD_SIZE, help="ranks (1..8)")
+    ap.add_argument("--dp", type=like(DP), default=DP, help="size of the dp axis; tp = W // dp")
     args = ap.parse_args(argv)
     if not 1 <= args.world_size <= 8 or args.dp < 1 or args.world_size % args.dp:
         ap.error(f"--world-size {args.world_size} must be 1..8 and divisible by --dp "

@@ -108,8 +108,8 @@ def fmt(a) -> str:
 
 def main(argv=None) -> int:
     ap = CliParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=like(WORLD_SIZE), help="ranks (1..8)")
-    ap.add_argument("--n", type=like(N), help="float64 elements per rank (>= 1)")
+    ap.add_argument("--world-size", type=like(WORLD_SIZE), default=WORLD_SIZE, help="ranks (1..8)")
+    ap.add_argument("--n", type=like(N), default=N, help="float64 elements per rank (>= 1)")
     args = ap.parse_args(argv)
     W, n = args.world_size, args.n
     if not 1 <= W <= 8 or n < 1:

@@ -136,8 +136,8 @@ def show_steps(runs, steps, W: int) -> list[str]:
 
 def parse_args(argv=None):
     ap = CliParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=like(WORLD_SIZE), help="ranks (2..8)")
-    ap.add_argument("--n", type=like(N), help="elements per rank (>= 1)")
+    ap.add_argument("--world-size", type=like(WORLD_SIZE), default=WORLD_SIZE, help="ranks (2..8)")
+    ap.add_argument("--n", type=like(N), default=N, help="elements per rank (>= 1)")
     ap.add_argument("--trace", default=os.path.join(tempfile.gettempdir(),
                                                     "minidist_ring_trace.json"))
     args = ap.parse_args(argv)

@@ -18,7 +18,7 @@ import numpy as np
 
 from minidist.autograd import Tensor, no_grad
 from minidist.autograd import functional as F
-from minidist.cli import CliParser, like, at_least
+from minidist.cli import CliParser, at_least, like
 
 # --- settings (each can be overridden on the command line) ---
 EPS, SEED, TOLERANCE = 1e-6, 0, 1e-8
@@ -49,7 +49,7 @@ def finite_differences(f, arrays: list[np.ndarray], eps: float) -> list[np.ndarr
 
 def main(argv=None) -> int:
     ap = CliParser(description="autograd vs finite differences")
-    ap.add_argument("--eps", type=like(EPS))
+    ap.add_argument("--eps", type=like(EPS), default=EPS)
     ap.add_argument("--seed", type=at_least(0), default=SEED)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)

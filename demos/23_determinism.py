@@ -27,7 +27,7 @@ import time
 
 
 from minidist.baseline import train_single_process
-from minidist.cli import CliParser, like, at_least
+from minidist.cli import CliParser, at_least, like
 from minidist.data import DataConfig
 from minidist.deterministic.digest import params_digest
 from minidist.nn import GPTConfig
@@ -59,8 +59,8 @@ TOKEN_TILES = 8      # --deterministic: sums over positions in runs of T / 8 (cp
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=like(STEPS))
-    ap.add_argument("--batch", type=like(BATCH), help="divisible by 2, 3 and 4")
+    ap.add_argument("--steps", type=like(STEPS), default=STEPS)
+    ap.add_argument("--batch", type=like(BATCH), default=BATCH, help="divisible by 2, 3 and 4")
     ap.add_argument("--dtype", default=DTYPE, choices=["float64", "float32"])
     ap.add_argument("--seed", type=at_least(0), default=SEED)
     a = ap.parse_args(argv)

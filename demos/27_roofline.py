@@ -39,11 +39,11 @@ MODEL, BATCH, PRECISION, ELEMENTS, REPEATS = "tiny", 32, "float32", 1 << 24, 2
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=MODEL, help="'tiny' or a GPT-3 size, e.g. gpt3-125m")
-    ap.add_argument("--batch", type=like(BATCH))
+    ap.add_argument("--batch", type=like(BATCH), default=BATCH)
     ap.add_argument("--precision", default=PRECISION, choices=list(PRECISIONS))
-    ap.add_argument("--elements", type=like(ELEMENTS),
+    ap.add_argument("--elements", type=like(ELEMENTS), default=ELEMENTS,
                     help="elements per array of the timed NumPy ops (keep it past the cache)")
-    ap.add_argument("--repeats", type=like(REPEATS))
+    ap.add_argument("--repeats", type=like(REPEATS), default=REPEATS)
     a = ap.parse_args(argv)
     if min(a.batch, a.elements, a.repeats) < 1:
         ap.error("--batch, --elements and --repeats must be >= 1")

@@ -149,7 +149,7 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--device", type=_device, default=os.environ.get(backend.DEVICE_ENV, ""),
                     help="cpu (NumPy) or gpu (CuPy; needs the 'gpu' extra and a CUDA "
                          f"device); default ${backend.DEVICE_ENV}, else cpu")
-    ap.add_argument("--seed", type=int, default=0, help="the model's and the data's seed")
+    ap.add_argument("--seed", type=at_least(0), default=0, help="the model's and the data's seed")
     ap.add_argument("--every", type=at_least(1), default=25, help="print every N steps")
     ap.add_argument("--verbose", action="store_true",
                     help="under mpiexec, every rank prints the job's lines (default: rank 0)")

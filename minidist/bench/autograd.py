@@ -44,7 +44,7 @@ import numpy as np                             # noqa: E402
 
 from minidist import optim                     # noqa: E402
 from minidist.autograd.tensor import Observer, observe, unobserve  # noqa: E402
-from minidist.cli import CliParser             # noqa: E402
+from minidist.cli import CliParser, at_least            # noqa: E402
 from minidist.nn import GPT, GPTConfig         # noqa: E402
 
 SIZES = {
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = CliParser(prog="python -m minidist bench autograd",
                                  description=main.__doc__)
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=at_least(1), default=10)
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     args = ap.parse_args(argv)
     if not _BLAS_PINNED:

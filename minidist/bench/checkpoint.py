@@ -63,7 +63,7 @@ from pathlib import Path                       # noqa: E402
 
 from minidist import collectives as C          # noqa: E402
 from minidist.bench import checkpoint_recovery as rec  # noqa: E402
-from minidist.cli import CliParser             # noqa: E402
+from minidist.cli import CliParser, at_least            # noqa: E402
 from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.reliability import confined, recovery      # noqa: E402
@@ -314,18 +314,18 @@ def verdict(res: dict, every: int) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = CliParser(prog="python -m minidist bench checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks")
+    p.add_argument("--dp", type=at_least(1), default=2, help="data-parallel ranks")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
-    p.add_argument("--every", type=int, default=10, help="steps between checkpoints (E)")
-    p.add_argument("--steps", type=int, default=40, help="steps per run (N >= 2 E)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--length", type=int, default=8, help="prompt length, T = 2 x length")
-    p.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
+    p.add_argument("--every", type=at_least(1), default=10, help="steps between checkpoints (E)")
+    p.add_argument("--steps", type=at_least(1), default=40, help="steps per run (N >= 2 E)")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="interleaved repeats; medians")
+    p.add_argument("--n-layer", type=at_least(1), default=4)
+    p.add_argument("--n-embd", type=at_least(1), default=128)
+    p.add_argument("--n-head", type=at_least(1), default=4)
+    p.add_argument("--length", type=at_least(1), default=8, help="prompt length, T = 2 x length")
+    p.add_argument("--batch", type=at_least(1), default=32, help="global batch (sequences)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--kill-step", type=int, default=None,
+    p.add_argument("--kill-step", type=at_least(0), default=None,
                    help="recovery run: the step rank 1 is killed at (default 2 E + E // 2)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     return p

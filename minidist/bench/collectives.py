@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace     # noqa: E402
 
 import numpy as np                             # noqa: E402
 
-from minidist.cli import CliParser             # noqa: E402
+from minidist.cli import CliParser, at_least            # noqa: E402
 from minidist.bench.collective_inputs import (count_wrong, counts, default_iters,  # noqa: E402,F401
                                               make_input)
 from minidist.bench.mpi_collectives import mpi_times     # noqa: E402
@@ -312,8 +312,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--algos", default="", help="comma list (default: auto and every algorithm)")
     p.add_argument("--min-bytes", default="8")
     p.add_argument("--max-bytes", default="64M")
-    p.add_argument("--factor", type=int, default=8, help="size step (default x8)")
-    p.add_argument("--iters", type=int, default=0, help="timed repeats (default: by size)")
+    p.add_argument("--factor", type=at_least(1), default=8, help="size step (default x8)")
+    p.add_argument("--iters", type=at_least(0), default=0, help="timed repeats (default: by size)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--shared", action="store_true", help="inputs live in group.shared()")
     p.add_argument("--mpi", action="store_true", help="also time MPI (mpi4py + mpiexec)")

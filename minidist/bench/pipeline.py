@@ -55,7 +55,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from minidist.cli import CliParser
+from minidist.cli import CliParser, at_least
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.observe.trace import Trace
 from minidist.parallel import placement as pl
@@ -333,17 +333,18 @@ def write_pngs(results: dict[str, dict], path: str) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     p = CliParser(prog="python -m minidist bench pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages, one rank each")
+    p.add_argument("--pp", type=at_least(1), default=2, help="pipeline stages, one rank each")
     p.add_argument("--schedule", default="all", choices=list(SCHEDULES) + ["all"])
-    p.add_argument("--micro-batches", type=int, default=8, help="M (default 8)")
-    p.add_argument("--virtual-stages", type=int, default=2, help="V, interleaved (default 2)")
-    p.add_argument("--steps", type=int, default=5, help="measured steps after 1 warm-up")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs; fastest kept")
-    p.add_argument("--n-layer", type=int, default=None, help="default 2 P V: 2 per chunk")
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--length", type=int, default=32, help="prompt length, T = 2 x length")
-    p.add_argument("--rows", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--micro-batches", type=at_least(1), default=8, help="M (default 8)")
+    p.add_argument("--virtual-stages", type=at_least(1), default=2,
+                   help="V, interleaved (default 2)")
+    p.add_argument("--steps", type=at_least(1), default=5, help="measured steps after 1 warm-up")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="interleaved runs; fastest kept")
+    p.add_argument("--n-layer", type=at_least(1), default=None, help="default 2 P V: 2 per chunk")
+    p.add_argument("--n-embd", type=at_least(1), default=256)
+    p.add_argument("--n-head", type=at_least(1), default=4)
+    p.add_argument("--length", type=at_least(1), default=32, help="prompt length, T = 2 x length")
+    p.add_argument("--rows", type=at_least(1), default=4, help="sequences per micro-batch")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--trace", default=None, help="write the measured timelines (Chrome)")
     p.add_argument("--png", default=None, help="write PNGs (needs the plot extra)")

@@ -60,7 +60,7 @@ import numpy as np                             # noqa: E402
 from minidist.bench import train_layouts as lay  # noqa: E402
 from minidist.bench.collectives import parse_bytes  # noqa: E402
 from minidist.bench.train_runs import Row, best_of  # noqa: E402
-from minidist.cli import CliParser             # noqa: E402
+from minidist.cli import CliParser, at_least    # noqa: E402
 from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.train import Plan                # noqa: E402
@@ -108,28 +108,28 @@ def main(argv: list[str] | None = None) -> int:
     with --tp (--cp): dp x tp (dp x cp) vs one rank on the same batch, bytes and memory."""
     p = CliParser(prog="python -m minidist bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dp", type=int, default=None,
+    p.add_argument("--dp", type=at_least(1), default=None,
                    help="data-parallel ranks (default 2; with --tp: 1)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: the tp table")
+    p.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel ranks: the tp table")
     p.add_argument("--sp", action="store_true", help="add sequence-parallel rows (--tp > 1)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks: the cp table")
+    p.add_argument("--cp", type=at_least(1), default=1, help="context-parallel ranks: the cp table")
     p.add_argument("--cp-algo", default="ring", choices=["ring", "ulysses"])
     p.add_argument("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"])
-    p.add_argument("--batch", type=int, default=8,
+    p.add_argument("--batch", type=at_least(1), default=8,
                    help="global batch of every tp/cp-table row (strong scaling; default 8)")
     p.add_argument("--zero", type=_stages, default=[], help="ZeRO stages to add, e.g. 1,2,3")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=at_least(1), default=None,
                    help="measured steps after warm-up (default 30; --tp, --cp: 10)")
-    p.add_argument("--warmup", type=int, default=None, help="default 5; --tp, --cp: 2")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs; best kept")
-    p.add_argument("--batch-per-rank", type=int, default=32, help="sequences per rank")
+    p.add_argument("--warmup", type=at_least(0), default=None, help="default 5; --tp, --cp: 2")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="interleaved runs; best kept")
+    p.add_argument("--batch-per-rank", type=at_least(1), default=32, help="sequences per rank")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="only with (--overlap) or without (--no-overlap); default both")
-    p.add_argument("--n-layer", type=int, default=None, help="default 2; --tp: 4")
-    p.add_argument("--n-embd", type=int, default=None,
+    p.add_argument("--n-layer", type=at_least(1), default=None, help="default 2; --tp: 4")
+    p.add_argument("--n-embd", type=at_least(1), default=None,
                    help="default 64; --tp: 256; --cp, --ep: 128")
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--length", type=int, default=None,
+    p.add_argument("--n-head", type=at_least(1), default=4)
+    p.add_argument("--length", type=at_least(1), default=None,
                    help="prompt length, T = 2 x length (default 8; --tp, --ep: 64; --cp: 256)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--bucket-bytes", type=parse_bytes, default=64 << 10,

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist.bench.train_runs import Row, best_of
+from minidist.cli import at_least
 from minidist.data import DataConfig, model_config_for
 from minidist.nn import GPT
 from minidist.parallel import placement as pl
@@ -214,11 +215,12 @@ class EpRow:
 
 def add_ep_arguments(p: argparse.ArgumentParser) -> None:
     """The --ep table's options, on the parser of `bench train`."""
-    p.add_argument("--ep", type=int, default=1,
+    p.add_argument("--ep", type=at_least(1), default=1,
                    help="expert-parallel ranks: the MoE table (--dp defaults to --ep)")
-    p.add_argument("--n-experts", type=int, default=4, help="--ep: experts per MoE layer")
-    p.add_argument("--top-k", type=int, default=2, help="--ep: experts per token")
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="--ep: capacity")
+    p.add_argument("--n-experts", type=at_least(1), default=4, help="--ep: experts per MoE layer")
+    p.add_argument("--top-k", type=at_least(1), default=2, help="--ep: experts per token")
+    p.add_argument("--capacity-factor", type=at_least(0.0, float), default=1.25,
+                   help="--ep: capacity")
 
 
 def _ep_on_rank(ctx, cfg, data_cfg, plan: Plan, steps: int, batch: int):

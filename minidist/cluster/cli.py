@@ -44,7 +44,7 @@ def _arguments() -> CliParser:
     p.add_argument("--load", type=at_least(1e-9, float), default=0.9,
                    help="synthetic: GPU-seconds asked per second / GPUs (default 0.9)")
     p.add_argument("--users", type=at_least(1), default=8, help="synthetic: users (8)")
-    p.add_argument("--seed", type=int, default=0, help="synthetic: seed (default 0)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="synthetic: seed (default 0)")
     p.add_argument("--checkpoint-cost", type=at_least(0.0, float), default=30.0,
                    metavar="S", help="seconds a preempted job saves (default 30)")
     p.add_argument("--restore-cost", type=at_least(0.0, float), default=60.0, metavar="S",

@@ -105,7 +105,7 @@ def _arguments() -> CliParser:
     tiny.add_argument("--n-layer", type=at_least(1), default=2)
     tiny.add_argument("--n-embd", type=at_least(1), default=32)
     tiny.add_argument("--n-head", type=at_least(1), default=4)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=at_least(0), default=0)
     return ap
 
 

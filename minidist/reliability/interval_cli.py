@@ -92,7 +92,8 @@ def _arguments():
     ap.add_argument("--runs", type=at_least(2), default=200, help="simulated runs per interval")
     ap.add_argument("--points", type=at_least(2), default=30,
                     help="intervals in the sweep, from T_Daly/4 to 4 T_Daly (default 30)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the simulation (default 0)")
+    ap.add_argument("--seed", type=at_least(0), default=0,
+                    help="seed of the simulation (default 0)")
     ap.add_argument("--weibull-shape", type=float, default=1.0, metavar="K",
                     help="simulate gaps between failures as a Weibull of shape K and mean "
                          "MTBF (default 1: exponential; field data fit K < 1, a decreasing "

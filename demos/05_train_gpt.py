@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in dict(task=TASK, length=LENGTH, steps=STEPS, batch=BATCH, lr=LR,
                             seed=SEED, n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
                             dtype=DTYPE, target_accuracy=TARGET_ACCURACY).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     return ap.parse_args(argv)
 
 

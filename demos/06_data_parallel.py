@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                             micro_batches=MICRO_BATCHES, lr=LR, seed=SEED, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, bucket_bytes=BUCKET_BYTES,
                             algo=ALGO).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     return ap.parse_args(argv)
 
 

@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in dict(tp=TP, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, seed=SEED,
                             n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
                             length=LENGTH).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     return ap.parse_args(argv)
 
 

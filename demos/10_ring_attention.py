@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(cp=CP, layout=LAYOUT, T=T, steps=STEPS, global_batch=GLOBAL_BATCH,
                             lr=LR, seed=SEED, trace=TRACE).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value,
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value,
                         **{"choices": LAYOUTS} if name == "layout" else {})
     args = ap.parse_args(argv)
     args.T = args.T or 4 * args.cp

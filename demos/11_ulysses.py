@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(cp=CP, layout=LAYOUT, T=T, H=H, steps=STEPS,
                             global_batch=GLOBAL_BATCH, lr=LR, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value,
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value,
                         **{"choices": LAYOUTS} if name == "layout" else {})
     args = ap.parse_args(argv)
     args.T, args.H = args.T or 4 * args.cp, args.H or 2 * args.cp

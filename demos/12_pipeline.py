@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in dict(P=P, M=M, V=V, pp=PP, run_m=RUN_M, run=RUN, steps=STEPS,
                             global_batch=GLOBAL_BATCH, lr=LR, seed=SEED, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     args = ap.parse_args(argv)
     args.run = [s for s in args.run.split(",") if s]
     if not set(args.run) <= set(SCHEDULES) or min(args.P, args.M, args.V - 1, args.pp - 1) < 1:

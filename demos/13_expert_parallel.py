@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                             steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH, z_loss=Z_LOSS,
                             png=PNG).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     return ap.parse_args(argv)
 
 

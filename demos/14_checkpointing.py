@@ -39,7 +39,7 @@ SHOW = ("step", "resuming", "[rank", "minidist train:", "  killed", "params sha2
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, every=EVERY, batch=BATCH, seed=SEED).items():
-        ap.add_argument("--" + name, type=like(value), default=value)
+        ap.add_argument("--" + name, type=like(value, name), default=value)
     a = ap.parse_args(argv)
     if a.steps <= a.every or a.batch % 6:
         ap.error("need --steps > --every and --batch a multiple of 6 (for dp=2 and dp=3)")

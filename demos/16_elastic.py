@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, every=EVERY, kill_step=KILL_STEP, kill_rank=KILL_RANK,
                             rejoin_after=REJOIN_AFTER, batch=BATCH, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     a = ap.parse_args(argv)
     if not 0 <= a.kill_step < a.steps or a.kill_rank not in range(4) or a.batch % 12:
         ap.error("need 0 <= --kill-step < --steps, --kill-rank 0..3 and --batch a multiple of "

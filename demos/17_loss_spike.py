@@ -38,7 +38,7 @@ POLICIES = {  # policy: what it does, in one line
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, nan_step=NAN_STEP, batch=BATCH, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     a = ap.parse_args(argv)
     if not CKPT_EVERY <= a.nan_step < a.steps - 1:
         ap.error(f"need {CKPT_EVERY} <= --nan-step < --steps - 1 (a checkpoint before it)")

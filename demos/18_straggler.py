@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, per_row=PER_ROW, slow_step=SLOW_STEP, batch=BATCH,
                             seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     a = ap.parse_args(argv)
     if a.steps < a.slow_step + 10 or a.per_row <= 0 or a.batch % 2 or a.batch < 4:
         ap.error("need --steps >= --slow-step + 10 (3 steps to detect, 5 per rebalance), "

@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
                             batch=BATCH, dropout=DROPOUT, moe_every=MOE_EVERY, seed=SEED,
                             repeats=REPEATS).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     return ap.parse_args(argv)
 
 

@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, every=EVERY, batch=BATCH, lr=LR, seed=SEED,
                             overflow_step=OVERFLOW_STEP, scale_steps=SCALE_STEPS).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     a = ap.parse_args(argv)
     if a.steps < LAST or not 1 <= a.overflow_step < a.scale_steps - 1:
         ap.error(f"need --steps >= {LAST} and 1 <= --overflow-step < --scale-steps - 1")

@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in dict(world_size=WORLD_SIZE, zero=ZERO, steps=STEPS, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH, batch=BATCH,
                             seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     return ap.parse_args(argv)
 
 

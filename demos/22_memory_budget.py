@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--plans", default=PLANS, help="plans separated by ';' (memory --plan)")
     for name, value in dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, batch=BATCH,
                             seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     return ap.parse_args(argv)
 
 

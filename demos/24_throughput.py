@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
                             batch=BATCH, steps=STEPS, peak_size=PEAK_SIZE).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     ap.add_argument("--dtype", default=DTYPE, choices=["float32", "float64"])
     ap.add_argument("--peak-cache", default=None,
                     help="the peak's cache file (default ~/.cache/minidist/peak.json)")

@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(dp=DP, tp=TP, steps=STEPS, trace_step=TRACE_STEP, batch=BATCH,
                             n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     ap.add_argument("--keep", default=None, help="write the run directory here and keep it")
     a = ap.parse_args(argv)
     if not 1 <= a.trace_step < a.steps:

@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(jobs=JOBS, nodes=NODES, gpus_per_node=GPUS_PER_NODE, load=LOAD,
                             seed=SEED, checkpoint=CHECKPOINT, restore=RESTORE).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     return ap.parse_args(argv)
 
 

@@ -37,7 +37,7 @@ M, N, K, MAX_MB, GPU_N, SEED, TOL = 100, 76, 52, 64, 4096, 0, 1e-4
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(m=M, n=N, k=K, max_mb=MAX_MB, gpu_n=GPU_N, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
     a = ap.parse_args(argv)
     if min(a.m, a.n, a.k, a.max_mb, a.gpu_n) < 1 or a.k % 4 or a.n % 4:
         ap.error("need --m, --n, --k, --max-mb, --gpu-n >= 1 and --k, --n multiples of 4 "

@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(tokens=TOKENS, width=WIDTH, heads=HEADS, seq=SEQ, vocab=VOCAB,
                             seed=SEED).items():
-        ap.add_argument("--" + name, type=like(value), default=value)
+        ap.add_argument("--" + name, type=like(value, name), default=value)
     a = ap.parse_args(argv)
     if min(a.tokens, a.width, a.heads, a.seq, a.vocab) < 1 or a.width % a.heads:
         ap.error("sizes must be >= 1 and --width a multiple of --heads")

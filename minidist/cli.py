@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Callable
 
@@ -42,12 +43,36 @@ def at_least(low: float, kind: type = int) -> Callable[[str], float]:
     return parse
 
 
-def like(default) -> Callable[[str], object]:
-    """The argparse type of an option that defaults to `default` (the demos' options): an
-    int >= 1 (>= 0 if the default is 0), a finite number >= 0, or the text as given."""
+def like(default, name: str = "") -> Callable[[str], object]:
+    """The argparse type of the demos' option `name` that defaults to `default`: a finite
+    number >= 0, an int >= 1, or >= 0 where 0 means something (a default of 0, a seed, a
+    ZeRO stage, moe_every, a *_rank or a *_step), or the text as given. Each demo checks
+    its own ranges on top (a rank that exists, a step before the last)."""
     if isinstance(default, bool) or not isinstance(default, (int, float)):
         return str
-    if isinstance(default, int):
-        return at_least(0 if default == 0 else 1)
-    return at_least(0.0, float)
+    if isinstance(default, float):
+        return at_least(0.0, float)
+    zero = default == 0 or name in ("seed", "zero", "moe_every") or \
+        name.endswith(("_rank", "_step"))
+    return at_least(0 if zero else 1)
 
+
+def directory(text: str) -> str:
+    """An argparse type: a directory the command writes into (made later if missing);
+    refused if it names a file."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory; give a "
+                                         "directory (it is made if missing)")
+    return text
+
+
+def file_path(text: str) -> str:
+    """An argparse type: a file the command reads or writes; refused if it names a
+    directory, or if the directory it would be in does not exist."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name in it, "
+                                         f"e.g. {os.path.join(text, 'out')}")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: its directory {folder} does not exist")
+    return text

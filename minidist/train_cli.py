@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from minidist import backend, baseline, collectives as C, train_options
-from minidist.cli import CliParser, at_least, cli_error
+from minidist.cli import CliParser, at_least, cli_error, directory
 from minidist.data import DataConfig, SyntheticData, answer_accuracy
 from minidist.deterministic.digest import params_digest
 from minidist.memory.ledger import parse_bytes
@@ -253,7 +253,7 @@ def _arguments() -> argparse.ArgumentParser:
                     help="optimizer state (ZeRO-3: parameter shards too) off the device: in "
                          "host memory, or in memmap files read ahead of the update "
                          "(memory/offload.py)")
-    ap.add_argument("--offload-dir", default=None, metavar="D",
+    ap.add_argument("--offload-dir", type=directory, default=None, metavar="D",
                     help="--offload disk: the run's files go under D (default: the OS temp "
                          "dir); directories of dead runs there are swept")
     ap.add_argument("--check", action="store_true",

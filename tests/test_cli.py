@@ -54,15 +54,15 @@ def assert_user_error(res: subprocess.CompletedProcess, *words: str) -> None:
 
 
 USER_ERRORS = [
-    (["train", "--dp", "0"], ["dp=0"]),
-    (["train", "--dp", "3"], ["global_batch=32", "dp=3"]),          # 32 rows over 3 ranks
+    (["train", "--dp", "0"], ["--dp", ">= 1"]),
+    (["train", "--dp", "3"], ["--batch 32", "--dp 3"]),          # 32 rows over 3 ranks
     (["train", "--every", "0"], ["--every", ">= 1"]),
     (["train", "--dp", "2", "--every", "0"], ["--every"]),
-    (["train", "--tp", "3"], ["tp=3"]),
+    (["train", "--tp", "3"], ["--tp 3", "use --tp 2"]),
     (["train", "--steps", "-1"], ["--steps"]),
-    (["train", "--grad-accum", "3"], ["--batch 32", "--grad-accum 3", "30 or 33"]),
+    (["train", "--grad-accum", "3"], ["--batch 32", "--grad-accum 3", "30 or --batch 33"]),
     (["train", "--lr", "-1"], ["--lr"]),
-    (["train", "--n-embd", "30"], ["n_embd=30"]),
+    (["train", "--n-embd", "30"], ["--n-embd 30", "use --n-head 3", "--n-embd 32"]),
     (["train", "--no-such-option"], ["--no-such-option"]),
     (["train", "--pp", "2", "--schedule", "missing.csv"], ["--schedule", "missing.csv"]),
     (["train", "--pp", "2", "--schedule", "/dev/zero"], ["--schedule", "not a regular file"]),
@@ -75,7 +75,7 @@ USER_ERRORS = [
     (["demo", "no_such_demo"], ["no_such_demo"]),
     (["bench", "no_such_bench"], ["collectives", "no_such_bench"]),
     (["bench", "collectives", "--world-sizes", "99"], ["world sizes must be 1..8"]),
-    (["bench", "pipeline", "--pp", "0"], ["--pp >= 2"]),
+    (["bench", "pipeline", "--pp", "0"], ["--pp", ">= 2"]),
     (["bench", "train", "--bogus"], ["--bogus"]),
     (["bench", "autograd", "--bogus"], ["--bogus"]),
     (["bench", "checkpoint", "--bogus"], ["--bogus"]),

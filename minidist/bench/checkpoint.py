@@ -63,7 +63,7 @@ from pathlib import Path                       # noqa: E402
 
 from minidist import collectives as C          # noqa: E402
 from minidist.bench import checkpoint_recovery as rec  # noqa: E402
-from minidist.cli import CliParser, at_least            # noqa: E402
+from minidist.cli import CliParser, at_least, directory # noqa: E402
 from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.reliability import confined, recovery      # noqa: E402
@@ -327,7 +327,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--kill-step", type=at_least(0), default=None,
                    help="recovery run: the step rank 1 is killed at (default 2 E + E // 2)")
-    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--dir", type=directory, default=None,
+                   help="where checkpoints go (default: a temp dir)")
     return p
 
 

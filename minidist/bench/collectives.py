@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace     # noqa: E402
 
 import numpy as np                             # noqa: E402
 
-from minidist.cli import CliParser, at_least            # noqa: E402
+from minidist.cli import CliParser, at_least, cli_error, file_path  # noqa: E402
 from minidist.bench.collective_inputs import (count_wrong, counts, default_iters,  # noqa: E402,F401
                                               make_input)
 from minidist.bench.mpi_collectives import mpi_times     # noqa: E402
@@ -318,7 +318,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shared", action="store_true", help="inputs live in group.shared()")
     p.add_argument("--mpi", action="store_true", help="also time MPI (mpi4py + mpiexec)")
     p.add_argument("--calibrate", action="store_true", help="fit and save cost constants first")
-    p.add_argument("--cost-file", default=None, help="calibration JSON (default: cost.py's)")
+    p.add_argument("--cost-file", type=file_path, default=None,
+                   help="calibration JSON (default: cost.py's)")
     return p
 
 
@@ -349,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     Ws, plan = _plan(a := p.parse_args(argv), p)
     if a.cost_file:
         os.environ["MINIDIST_COST_FILE"] = os.path.abspath(a.cost_file)   # ranks inherit it
+    if not a.calibrate:                           # a calibration file to read: check it first
+        try:
+            cost.load_table()
+        except ValueError as e:
+            return cli_error(str(e).removeprefix("cost: "))
     print(f"# command: python -m minidist bench collectives {shlex.join(argv)}".rstrip())
     print(f"# machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (other "
           "jobs may share it: every time is a median); numpy", np.__version__, flush=True)

@@ -43,7 +43,7 @@ import shlex                                   # noqa: E402
 import sys                                     # noqa: E402
 
 from minidist.bench.train_runs import Row, measure  # noqa: E402
-from minidist.cli import CliParser, at_least   # noqa: E402
+from minidist.cli import CliParser, at_least, directory   # noqa: E402
 from minidist.data import DataConfig, model_config_for  # noqa: E402
 from minidist.memory.ledger import format_bytes  # noqa: E402
 from minidist.memory.offload import TIERS      # noqa: E402
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-head", type=at_least(1), default=4)
     p.add_argument("--length", type=at_least(1), default=8, help="prompt length: T = 2 x it")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--offload-dir", default=None, metavar="D",
+    p.add_argument("--offload-dir", type=directory, default=None, metavar="D",
                    help="where the disk tier's files go (default: the OS temp dir)")
     a = p.parse_args(argv)
     data_cfg = DataConfig(task="sort", length=a.length)

@@ -55,7 +55,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from minidist.cli import CliParser, at_least
+from minidist.cli import CliParser, at_least, file_path
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.observe.trace import Trace
 from minidist.parallel import placement as pl
@@ -333,7 +333,7 @@ def write_pngs(results: dict[str, dict], path: str) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     p = CliParser(prog="python -m minidist bench pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pp", type=at_least(1), default=2, help="pipeline stages, one rank each")
+    p.add_argument("--pp", type=at_least(2), default=2, help="pipeline stages, one rank each")
     p.add_argument("--schedule", default="all", choices=list(SCHEDULES) + ["all"])
     p.add_argument("--micro-batches", type=at_least(1), default=8, help="M (default 8)")
     p.add_argument("--virtual-stages", type=at_least(1), default=2,
@@ -346,7 +346,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=at_least(1), default=32, help="prompt length, T = 2 x length")
     p.add_argument("--rows", type=at_least(1), default=4, help="sequences per micro-batch")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--trace", default=None, help="write the measured timelines (Chrome)")
+    p.add_argument("--trace", type=file_path, default=None,
+                   help="write the measured timelines (Chrome)")
     p.add_argument("--png", default=None, help="write PNGs (needs the plot extra)")
     return p
 

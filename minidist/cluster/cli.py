@@ -21,7 +21,7 @@ import tempfile
 
 import numpy as np
 
-from minidist.cli import CliParser, at_least, cli_error
+from minidist.cli import CliParser, at_least, cli_error, directory
 from minidist.cluster import metrics, real, traces
 from minidist.cluster.placement import Cluster
 from minidist.cluster.policies import NAMES
@@ -55,7 +55,8 @@ def _arguments() -> CliParser:
     p.add_argument("--events", type=at_least(0), default=0, metavar="N",
                    help="print the first N scheduling events of each run")
     p.add_argument("--save-trace", metavar="CSV", help="write the trace used to this file")
-    p.add_argument("--plot", metavar="DIR", help="write jct_cdf.png and gpus_in_use.png here")
+    p.add_argument("--plot", type=directory, metavar="DIR",
+                   help="write jct_cdf.png and gpus_in_use.png here")
     p.add_argument("--real", action="store_true",
                    help="run real `minidist train` jobs as processes (real.py)")
     p.add_argument("--slots", type=at_least(1), default=2, help="--real: slots (GPUs), 2")

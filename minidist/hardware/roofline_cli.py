@@ -39,7 +39,7 @@ import numpy as np
 from minidist.autograd import Tensor, no_grad
 from minidist.autograd.tensor import Context
 from minidist.autograd.fused import CrossEntropy, Gelu, LayerNorm, Softmax
-from minidist.cli import CliParser, at_least, cli_error
+from minidist.cli import CliParser, at_least, cli_error, file_path
 from minidist.data import DataConfig, model_config_for
 from minidist.hardware import op_costs as oc
 from minidist.hardware.roofline import (PRECISIONS, Op, Roof, gpt_ops, h200, step_seconds,
@@ -267,7 +267,7 @@ def plot(ops: list[Op], roofs: list[Roof], path: str, title: str) -> None:
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(True, which="both", lw=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")     # at `path` itself, suffix or not
     plt.close(fig)
 
 
@@ -290,8 +290,10 @@ def _arguments():
     tiny.add_argument("--n-head", type=at_least(1), default=4)
     p.add_argument("--no-cpu", action="store_true",
                    help="leave out this CPU's roofs (they take ~1 s to measure)")
-    p.add_argument("--peak-cache", default=None, help="observe/peak.py's cache file")
-    p.add_argument("--png", default="roofline.png", help="the picture (needs matplotlib)")
+    p.add_argument("--peak-cache", type=file_path, default=None,
+                   help="observe/peak.py's cache file")
+    p.add_argument("--png", type=file_path, default="roofline.png",
+                   help="the picture (needs matplotlib)")
     p.add_argument("--no-png", action="store_true", help="write no picture")
     return p
 

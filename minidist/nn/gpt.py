@@ -81,9 +81,11 @@ class GPTConfig:
             if getattr(self, field) < 1:
                 raise ValueError(f"GPTConfig: {field}={getattr(self, field)} must be >= 1.")
         if self.n_embd % self.n_head:
+            heads = max(h for h in range(1, self.n_head) if self.n_embd % h == 0)
+            wider = -(-self.n_embd // self.n_head) * self.n_head
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head="
-                             f"{self.n_head}; pick n_head among the divisors of n_embd or "
-                             f"set n_embd to a multiple of n_head (e.g. {self.n_head * 16}).")
+                             f"{self.n_head}; use n_head={heads} (a divisor of n_embd) or "
+                             f"n_embd={wider} (a multiple of n_head).")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
         if self.moe_every < 0:

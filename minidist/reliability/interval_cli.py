@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from minidist.cli import CliParser, at_least, cli_error
+from minidist.cli import CliParser, at_least, cli_error, file_path
 from minidist.reliability.interval import (LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS,
                                            Recommendation, Simulation, _positive, efficiency,
                                            format_duration, llama3_mtbf, parse_duration,
@@ -98,7 +98,8 @@ def _arguments():
                     help="simulate gaps between failures as a Weibull of shape K and mean "
                          "MTBF (default 1: exponential; field data fit K < 1, a decreasing "
                          "hazard). The analytic column stays exponential")
-    ap.add_argument("--plot", metavar="PNG", help="draw both curves and the optima here")
+    ap.add_argument("--plot", type=file_path, metavar="PNG",
+                    help="draw both curves and the optima here")
     return ap
 
 

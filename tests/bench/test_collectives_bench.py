@@ -124,9 +124,11 @@ def test_header_says_defaults_or_which_calibration(tmp_path, capsys, monkeypatch
     out = capsys.readouterr().out
     assert f"# cost model: calibrated {path} (2025-01-02 03:04, W = 2, 4 fitted)\n" in out
     assert "#   W=4: call 10.00 us, alpha 10.00 us" in out
-    path.write_text('{"alpha": 1}')                               # broken: say so, stop
-    assert bench.main(argv) == 1
-    assert f"calibration file {path} is not valid" in capsys.readouterr().out
+    path.write_text('{"alpha": 1}')              # broken: one error line before the header
+    assert bench.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"error: calibration file {path} is not valid")
+    assert err.count("\n") == 1
 
 
 def test_bad_arguments_are_refused(capsys):

@@ -23,13 +23,15 @@ import argparse                                # noqa: E402
 
 from minidist.baseline import train_single_process                                     # noqa
 from minidist.cli import CliParser, like                                                # noqa
-from minidist.data import DataConfig, SyntheticData, answer_accuracy, model_config_for  # noqa
+from minidist.data import (TASKS, DataConfig, SyntheticData, answer_accuracy,  # noqa
+                           model_config_for)
 from minidist.nn import GPT                                                          # noqa
 
 # --- settings (each can be overridden on the command line) ---
 TASK, LENGTH, STEPS, BATCH, LR, SEED = "sort", 5, 300, 32, 3e-3, 0
 N_LAYER, N_EMBD, N_HEAD, DTYPE = 2, 32, 2, "float32"
 TARGET_ACCURACY, EVAL_PROMPTS = 0.9, 64
+CHOICES = {"task": TASKS, "dtype": ("float32", "float64")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in dict(task=TASK, length=LENGTH, steps=STEPS, batch=BATCH, lr=LR,
                             seed=SEED, n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
                             dtype=DTYPE, target_accuracy=TARGET_ACCURACY).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value,
+                        **{"choices": CHOICES[name]} if name in CHOICES else {})
     return ap.parse_args(argv)
 
 

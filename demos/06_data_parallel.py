@@ -31,6 +31,7 @@ from minidist.cli import CliParser, like                                # noqa: 
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT, DropoutKey                                 # noqa: E402
 from minidist.parallel.data.buckets import BucketedDataParallel         # noqa: E402
+from minidist.parallel.data.ddp import ALGOS                            # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
 
 # --- settings (each can be overridden on the command line) ---
@@ -44,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                             micro_batches=MICRO_BATCHES, lr=LR, seed=SEED, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, bucket_bytes=BUCKET_BYTES,
                             algo=ALGO).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value,
+                        **{"choices": ALGOS} if name == "algo" else {})
     return ap.parse_args(argv)
 
 

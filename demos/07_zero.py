@@ -26,6 +26,7 @@ from minidist.baseline import train_single_process                      # noqa: 
 from minidist.cli import CliParser, like                                # noqa: E402
 from minidist.data import DataConfig, model_config_for                  # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
+from minidist.parallel.data.ddp import ALGOS                            # noqa: E402
 from minidist.parallel.zero import memory as zm                         # noqa: E402
 from minidist.parallel.zero.flat import ownership_map, split_units           # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
@@ -42,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                             micro_batches=MICRO_BATCHES, lr=LR, seed=SEED, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, algo=ALGO,
                             map_lines=MAP_LINES).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value,
+                        **{"choices": [a for a in ALGOS if a != "tree"]} if name == "algo" else {})
     return ap.parse_args(argv)
 
 

@@ -76,7 +76,7 @@ def parse_bytes(text: str) -> int:
     unit = t[-1] if t and t[-1] in _UNITS else ""
     try:
         value = int(float(t[:len(t) - len(unit)]) * _UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):           # not a number, or not a finite one
         value = 0
     if value < 1:
         raise ValueError(f"cannot read {text!r} as a byte count >= 1; write e.g. 8, 4K, 64M")

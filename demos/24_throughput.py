@@ -107,9 +107,9 @@ def main() -> None:
           f"{pk.path})")
     print(f"{'step':>4}{'ms':>9}{'tokens/s':>10}{'MFU':>8}{'HFU':>8}")
     for i, s in enumerate(times, start=1):
-        t = from_ledger(ledger, s, tokens, pk.flops)
+        t = from_ledger(ledger, cfg, s, tokens, pk.flops)
         print(f"{i:>4}{s * 1e3:>9.2f}{t.tokens_per_s:>10.0f}{t.mfu:>8.1%}{t.hfu:>8.1%}")
-    med = from_ledger(ledger, statistics.median(times), tokens, pk.flops)
+    med = from_ledger(ledger, cfg, statistics.median(times), tokens, pk.flops)
     verdict = "OK" if equal else "MISMATCH"
     print(f"{verdict}: FLOP ledger matches 6N + 12LHQT (- 6 x {cf.n_vector:,} vectors + 6 x "
           f"{cf.head:,} head = {cf.matmul:,} FLOPs/token, exactly; median MFU "

@@ -6,8 +6,10 @@ What it prints:
     2. the FLOP ledger of one training step of rank 0 (dp=1) by phase, and its matmul
        FLOPs against the closed form, term by term (observe/throughput.py): equal, exactly;
     3. one row per run, dp=1 and dp=W (weak scaling: --batch-per-rank sequences per rank),
-       with tokens/s, the median step time (slowest rank), model and hardware FLOPs per
-       step (all ranks), and MFU = model FLOPs / (step s x peak x ranks), HFU likewise.
+       with tokens/s, the median step time (slowest rank), model FLOPs per step (tokens x
+       6N + 12LHQT, N every parameter: the one convention, as the main job's line) and
+       hardware FLOPs (the ledger's, all ranks), and MFU = model FLOPs / (step s x peak x
+       ranks), HFU likewise with hardware FLOPs.
 
 One rank's view: train warm-up + steps AdamW steps with minidist.train.train_on_rank; the
 ledger counts the first step (a warm-up step, so its hooks never slow a timed step) and
@@ -39,7 +41,7 @@ from minidist.nn import GPT
 from minidist.observe import op_flops
 from minidist.observe.flops import PHASES, FlopLedger
 from minidist.observe.peak import DTYPES, peak_flops
-from minidist.observe.throughput import closed_form, throughput
+from minidist.observe.throughput import closed_form, from_ledger
 from minidist.runtime.launch import spawn
 from minidist.train import OnStep, OptimizerConfig, Plan, RunConfig, train_on_rank
 
@@ -140,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             print(phases(led))
             text, ok = ledger_vs_formula(led, cfg, tokens, T)
             print(text)
-        rows.append((f"dp={dp}", throughput(led.model_flops(), led.hardware_flops(), step,
-                                            tokens, peaks[a.dtype].flops, dp)))
+        rows.append((f"dp={dp}", from_ledger(led, cfg, step, tokens, peaks[a.dtype].flops,
+                                             dp)))
     print(f"{'run':<8}{'tokens/s':>10}{'step ms':>10}{'model GFLOP':>13}{'hw GFLOP':>10}"
           f"{'peak GFLOP/s':>14}{'MFU':>8}{'HFU':>8}")
     for name, t in rows:

@@ -8,7 +8,8 @@
     s            wall seconds since the job started
     tok/s        tokens trained per second over the steps since the previous line (the window)
     MFU          model FLOPs utilisation over the window: model FLOPs of the steps (6N + 12LHQT
-                 per token, observe/throughput.py) / (window seconds x peak FLOP/s x ranks)
+                 per token, N every parameter: observe/throughput.model_flops_per_token, the
+                 convention of every MFU printed) / (window seconds x peak FLOP/s x ranks)
     comm         the share of the printed step's time that the ranks waited for communication
                  (their mean of comm_wait / step, RankResult.timing); the rest is compute
     mem          the largest memory over the ranks, as each rank measured it: with
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minidist.observe.throughput import closed_form
+from minidist.observe.throughput import mfu as utilisation, model_flops_per_token
 
 BAR = 10                                       # characters of the progress bar
 
@@ -84,10 +85,11 @@ class Progress:
     def for_model(cls, cfg, batch: int, ranks: int, total_steps: int, start_step: int = 0,
                   peak_flops: float = 0.0) -> "Progress":
         """The Progress of training GPTConfig `cfg` on `batch` sequences of cfg.block_size
-        tokens a step: model FLOPs per step = tokens x (6N + 12LHQT) (observe/throughput.py;
-        none for a MoE model, whose MFU needs the FLOP ledger)."""
+        tokens a step: model FLOPs per step = tokens x (6N + 12LHQT), N every parameter
+        (observe/throughput.model_flops_per_token, the one MFU convention; none for a MoE
+        model)."""
         tokens = batch * cfg.block_size
-        flops = 0.0 if cfg.moe_every else float(tokens * closed_form(cfg).palm)
+        flops = 0.0 if cfg.moe_every else float(tokens * model_flops_per_token(cfg))
         return cls(total_steps, tokens, ranks, flops, peak_flops, start_step)
 
     def __post_init__(self) -> None:
@@ -124,7 +126,8 @@ class Progress:
         """Model FLOPs utilisation at this rate, or None without flops or a peak."""
         if not (self.flops_per_step > 0 and self.peak_flops > 0):
             return None
-        return self.flops_per_step * steps_per_second / (self.peak_flops * self.ranks)
+        return utilisation(self.flops_per_step * steps_per_second, 1.0, self.peak_flops,
+                           self.ranks)
 
     def summary(self, elapsed: float) -> str:
         """The table printed after the last step: whole-run rates and per-rank peaks."""

@@ -6,6 +6,8 @@ MODEL needs per second by the peak the hardware could do:
 
     MFU = model FLOPs per step / (step seconds x peak FLOP/s per rank x ranks)
     HFU = the same with hardware FLOPs: everything executed, recomputation included
+Model FLOPs follow one convention everywhere, PaLM's 6N + 12LHQT per token with N every
+parameter, embeddings included (`model_flops_per_token`); hardware FLOPs are the ledger's.
 
 A run that recomputes activations does more work for the same model, so its HFU rises
 while its MFU does not: MFU is the number to compare, HFU says how busy the machine was.
@@ -66,8 +68,9 @@ class ClosedForm:
 
     @property
     def palm(self) -> int:
-        """6N + 12LHQT: PaLM's model FLOPs per token."""
-        return 6 * self.N + 12 * self.L * self.H * self.Q * self.T
+        """6N + 12LHQT with N the non-embedding parameters (the ledger's check; MFU's model
+        FLOPs count every parameter: model_flops_per_token)."""
+        return palm_flops_per_token(self.N, self.L, self.H, self.Q, self.T)
 
     @property
     def matmul(self) -> int:
@@ -108,6 +111,34 @@ def closed_form(cfg: GPTConfig, T: int | None = None) -> ClosedForm:
                       L=L, H=cfg.n_head, Q=C // cfg.n_head, T=T)
 
 
+def model_flops_per_token(cfg: GPTConfig, T: int | None = None) -> int:
+    """The model FLOPs per token behind every MFU minidist prints (the main job's progress
+    line, `bench throughput`, demo 24): PaLM's convention (Chowdhery et al. 2022, App. B),
+
+        6N + 12LHQT,  N = every parameter of the model: the embeddings included, a tied
+                      input/output embedding once (PaLM's N = 540.35B counts its shared
+                      embedding, and only that N gives its published 46.2 % MFU)
+
+    It is the work the model needs, not what this GPT happens to execute: the FLOP ledger's
+    exact matmul count (`closed_form(cfg).matmul`) leaves out the gathers of the embedding
+    lookups and the elementwise vectors, and counts the tied head's matmul; HFU uses that.
+    A dense model only (ValueError for MoE, as closed_form)."""
+    cf = closed_form(cfg, T)
+    embeddings = (cfg.vocab_size + cfg.block_size) * cfg.n_embd      # wte (tied: once), wpe
+    return palm_flops_per_token(cf.N + embeddings, cf.L, cf.H, cf.Q, cf.T)
+
+
+def palm_flops_per_token(N: int, L: int, H: int, Q: int, T: int) -> int:
+    """6N + 12LHQT: N parameters, L layers, H heads of Q dims, sequence length T."""
+    return 6 * N + 12 * L * H * Q * T
+
+
+def mfu(model_flops: float, seconds: float, peak: float, ranks: int = 1) -> float:
+    """Model FLOPs utilisation: model_flops done in `seconds` on `ranks` ranks of peak
+    FLOP/s `peak` each: model_flops / (seconds x peak x ranks)."""
+    return model_flops / (seconds * peak * ranks)
+
+
 @dataclass(frozen=True)
 class Throughput:
     """One step's throughput: FLOPs summed over `ranks`, peak FLOP/s of one rank."""
@@ -126,12 +157,12 @@ class Throughput:
     @property
     def mfu(self) -> float:
         """model FLOPs / (seconds x peak x ranks)."""
-        return self.model_flops / (self.seconds * self.peak * self.ranks)
+        return mfu(self.model_flops, self.seconds, self.peak, self.ranks)
 
     @property
     def hfu(self) -> float:
         """hardware FLOPs / (seconds x peak x ranks)."""
-        return self.hardware_flops / (self.seconds * self.peak * self.ranks)
+        return mfu(self.hardware_flops, self.seconds, self.peak, self.ranks)
 
 
 def throughput(model_flops: int, hardware_flops: int, seconds: float, tokens: int,
@@ -141,16 +172,17 @@ def throughput(model_flops: int, hardware_flops: int, seconds: float, tokens: in
     if not seconds > 0 or not peak > 0 or ranks < 1 or tokens < 0:
         raise ValueError(f"throughput: seconds={seconds} and peak={peak} must be > 0, "
                          f"ranks={ranks} >= 1 and tokens={tokens} >= 0.")
-    if not 0 <= model_flops <= hardware_flops:
-        raise ValueError(f"throughput: model FLOPs {model_flops:,} must lie between 0 and "
-                         f"the hardware FLOPs {hardware_flops:,}: everything the model needs "
-                         "is executed. Pass the ledger's model_flops() and hardware_flops().")
+    if model_flops < 0 or hardware_flops < 0:
+        raise ValueError(f"throughput: model FLOPs {model_flops:,} and hardware FLOPs "
+                         f"{hardware_flops:,} must be >= 0.")
     return Throughput(tokens, float(seconds), ranks, float(peak), int(model_flops),
                       int(hardware_flops))
 
 
-def from_ledger(ledger, seconds: float, tokens: int, peak: float,
+def from_ledger(ledger, cfg: GPTConfig, seconds: float, tokens: int, peak: float,
                 ranks: int = 1) -> Throughput:
-    """throughput() with the FLOPs of a FlopLedger (observe/flops.py) of one step."""
-    return throughput(ledger.model_flops(), ledger.hardware_flops(), seconds, tokens, peak,
-                      ranks)
+    """throughput() of one step of `tokens` tokens of GPTConfig cfg (at its block_size):
+    model FLOPs by the one convention (model_flops_per_token), hardware FLOPs from the
+    step's FlopLedger (observe/flops.py)."""
+    return throughput(tokens * model_flops_per_token(cfg), ledger.hardware_flops(), seconds,
+                      tokens, peak, ranks)

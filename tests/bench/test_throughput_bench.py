@@ -34,7 +34,7 @@ def test_tiny_run_prints_ledger_formula_peak_and_mfu(capsys, tmp_path, monkeypat
         assert mfu == pytest.approx(100 * model / (step_ms / 1e3 * pk * ranks), rel=0.02,
                                     abs=0.06)
         assert hfu >= mfu
-    assert rows["dp=2"][2] == pytest.approx(2 * rows["dp=1"][2])         # weak scaling
+    assert rows["dp=2"][2] == pytest.approx(2 * rows["dp=1"][2], rel=1e-3)  # weak scaling (4 digits)
 
 
 def test_warmup_must_leave_the_counted_step_untimed(capsys):

@@ -9,7 +9,9 @@ import pytest
 from minidist.data import DataConfig
 from minidist.nn import GPT, GPTConfig
 from minidist.observe.flops import FlopLedger
-from minidist.observe.throughput import closed_form, from_ledger, throughput
+from minidist.observe.progress import Progress
+from minidist.observe.throughput import (closed_form, from_ledger, mfu, model_flops_per_token,
+                                         palm_flops_per_token, throughput)
 from minidist.runtime.launch import spawn
 from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
@@ -80,11 +82,13 @@ def test_mfu_and_hfu_arithmetic():
     assert t.tokens_per_s == 2000
     assert t.mfu == pytest.approx(6e9 / (0.5 * 2e10 * 3))                 # 0.2
     assert t.hfu == pytest.approx(8e9 / (0.5 * 2e10 * 3))
-    led = _step(GPTConfig(), 2, 6)
-    u = from_ledger(led, seconds=0.01, tokens=12, peak=1e9)
-    assert u.mfu == led.model_flops() / (0.01 * 1e9) and u.hfu >= u.mfu
-    with pytest.raises(ValueError, match="between 0 and the hardware FLOPs"):
-        throughput(9, 8, 1.0, 1, 1.0)
+    cfg = GPTConfig()
+    led = _step(cfg, 2, 6)
+    u = from_ledger(led, cfg, seconds=0.01, tokens=12, peak=1e9)
+    assert u.mfu == 12 * model_flops_per_token(cfg) / (0.01 * 1e9)
+    assert u.hfu == led.hardware_flops() / (0.01 * 1e9)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        throughput(-1, 8, 1.0, 1, 1.0)
     with pytest.raises(ValueError, match="must be > 0"):
         throughput(1, 2, 0.0, 1, 1.0)
 
@@ -115,3 +119,27 @@ def test_zero3_recomputes_every_forward_matmul_and_model_flops_stay():
     assert ledgers[3].total("matmul", ("recompute",)) == ledgers[3].total("matmul",
                                                                           ("forward",))
     assert ledgers[3].hardware_flops() > ledgers[0].hardware_flops()
+
+
+def test_palm_540b_mfu_is_46_2_percent_with_the_shared_embedding_in_n():
+    """PaLM (Chowdhery et al. 2022, Table 3 and App. B): 540B on 6144 TPU v4 chips of 275
+    TFLOP/s (bf16), 238.3K tokens/s, L=118, H=48, Q=256, T=2048: MFU 46.2 %. The one
+    convention (N every parameter: PaLM's 540.35B, its shared embedding included) gives
+    it; N without the 256k x 18432 embedding gives 45.8 %."""
+    per_token = palm_flops_per_token(540.35e9, 118, 48, 256, 2048)
+    assert round(100 * mfu(per_token * 238.3e3, 1.0, 275e12, 6144), 1) == 46.2
+    no_embedding = palm_flops_per_token(540.35e9 - 256_000 * 18432, 118, 48, 256, 2048)
+    assert round(100 * mfu(no_embedding * 238.3e3, 1.0, 275e12, 6144), 1) == 45.8
+
+
+def test_the_progress_line_and_the_bench_give_one_mfu():
+    """The main job's line (Progress) and bench throughput / demo 24 (from_ledger) compute
+    MFU of the same step from the same convention: the same number."""
+    cfg = GPTConfig()
+    bar = Progress.for_model(cfg, batch=2, ranks=2, total_steps=1, peak_flops=1e9)
+    led = _step(cfg, 2, 6)
+    tokens = 2 * cfg.block_size
+    bench = from_ledger(led, cfg, seconds=0.25, tokens=tokens, peak=1e9, ranks=2)
+    assert bar.mfu(steps_per_second=4.0) == pytest.approx(bench.mfu, rel=1e-12)
+    embeddings = (cfg.vocab_size + cfg.block_size) * cfg.n_embd
+    assert model_flops_per_token(cfg) == closed_form(cfg).palm + 6 * embeddings

@@ -30,9 +30,11 @@ tied wte's all-reduce, "ep" the MoE tokens' all-to-alls, "edp" the experts' grad
 micro-batch, chunk, start, end) in perf_counter seconds, and its peak held activations),
 memory
 (engine.memory()) and timing per step in seconds: "compute" (forward + backward, less
-engine.compute_wait_s: what ZeRO-2/3 wait for inside them), "comm_wait" (engine.comm_wait_s,
-what step() waited for communication, plus engine.compute_wait_s), "step" (wall
-time of the whole step) and "cpu" (this process's CPU time in the step, all threads).
+the communication inside them: engine.compute_wait_s, what ZeRO-2/3 wait for, and the
+synchronous calls on the tp, cp, pp, ep and embedding groups), "comm_wait" (engine.
+comm_wait_s, what step() waited for communication, plus that communication inside forward
+and backward), "step" (wall time of the whole step) and "cpu" (this process's CPU time in
+the step, all threads).
 
 The loop (train_on_rank) is baseline.py's: for each step, read the batches, forward and
 backward (ParallelStep.compute), update (ParallelStep.update), record (Meter). The run's
@@ -182,13 +184,21 @@ class OnStepEnd(Hook):
         self.fn(end)
 
 
-def _traffic(groups: dict[str, object]) -> dict[str, int]:
-    """{"sent", "recv"} over all groups, and "sent.<axis>" per group, so far."""
-    out = {"sent": 0, "recv": 0}
+# The groups whose calls run inside forward and backward (the engine's dp and edp syncs
+# measure their own waits: engine.comm_wait_s, compute_wait_s).
+LAYOUT_AXES = ("tp", "cp", "pp", "ep", "embed")
+
+
+def _traffic(groups: dict[str, object]) -> dict[str, float]:
+    """{"sent", "recv"} over all groups, "sent.<axis>" per group, and "layout_s": seconds
+    in synchronous calls on the LAYOUT_AXES groups, so far."""
+    out = {"sent": 0, "recv": 0, "layout_s": 0.0}
     for axis, g in groups.items():
         out["sent"] += g.stats["bytes_sent"]
         out["recv"] += g.stats["bytes_recv"]
         out[f"sent.{axis}"] = g.stats["bytes_sent"]
+        if axis in LAYOUT_AXES:
+            out["layout_s"] += g.stats.get("seconds", 0.0)
     return out
 
 
@@ -419,6 +429,7 @@ class Meter:
         self.by_axis.append({a: after[f"sent.{a}"] - self.before[f"sent.{a}"]
                              for a in self.groups})
         t = self.timing
+        inner += after["layout_s"] - self.before["layout_s"]      # tp, cp, pp, ep calls
         t["compute"].append(self.t1 - self.t0 - inner)
         t["comm_wait"].append(float(getattr(engine, "comm_wait_s", t2 - self.t1)) + inner)
         t["step"].append(t2 - self.t0)

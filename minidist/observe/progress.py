@@ -11,7 +11,9 @@
                  per token, N every parameter: observe/throughput.model_flops_per_token, the
                  convention of every MFU printed) / (window seconds x peak FLOP/s x ranks)
     comm         the share of the printed step's time that the ranks waited for communication
-                 (their mean of comm_wait / step, RankResult.timing); the rest is compute
+                 (their mean of comm_wait / step, RankResult.timing): the gradient sync's
+                 waits, and the calls on the tp, cp, pp and ep groups inside forward and
+                 backward (under pp a stage waiting for its neighbour, the bubble, too)
     mem          the largest memory over the ranks, as each rank measured it: with
                  --device-memory the ledger's peak of that step (memory/ledger.py: every
                  array, activations included), else the engine's model state (parameters,

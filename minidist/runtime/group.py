@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -93,19 +94,29 @@ class SharedBuffer:
         return self.peer(self.rank, dtype, count, offset)
 
 
-class Work:
-    """Handle of an async collective: `wait()` returns its result or re-raises."""
+MAIN_THREAD = threading.main_thread().ident
 
-    def __init__(self):
+
+class Work:
+    """Handle of an async collective: `wait()` returns its result or re-raises. The time
+    the main thread waits in wait() is communication it waited for: it adds to `stats`
+    (its group's) "seconds", as a synchronous call's does (CallScope)."""
+
+    def __init__(self, stats: dict | None = None):
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        self._stats = stats
 
     def is_completed(self) -> bool:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> Any:
-        if not self._done.wait(timeout):
+        t0 = time.perf_counter()
+        done = self._done.wait(timeout)
+        if self._stats is not None and threading.get_ident() == MAIN_THREAD:
+            self._stats["seconds"] += time.perf_counter() - t0
+        if not done:
             raise TimeoutError(f"async collective not finished after {timeout} s")
         if self._error is not None:
             raise self._error
@@ -266,7 +277,7 @@ class ProcessGroup:
 
     # --- async: one FIFO worker thread per group ---
     def submit(self, fn: Callable[[], Any]) -> Work:
-        work = Work()
+        work = Work(self.stats)
         with self._cv:
             if self._queue is None:
                 self._queue = queue.Queue()
@@ -306,12 +317,15 @@ class ProcessGroup:
 
 
 class CallScope:
-    """Entering: next sequence number, publish the record; leaving: mark it done/failed."""
+    """Entering: next sequence number, publish the record; leaving: mark it done/failed.
+    A call the main thread makes (not an async one on the group's worker) adds its wall
+    time to group.stats["seconds"]: the time this rank spent communicating on the group,
+    which train.py's Meter counts as the step's communication."""
 
-    __slots__ = ("g", "template")
+    __slots__ = ("g", "template", "t0")
 
     def __init__(self, group: ProcessGroup, template: Template):
-        self.g, self.template = group, template
+        self.g, self.template, self.t0 = group, template, 0.0
 
     def __enter__(self) -> ProcessGroup:
         g, t = self.g, self.template
@@ -320,10 +334,13 @@ class CallScope:
                            f"'{g.name}' not started")
         g.records.begin(t)
         g.record, g.key, g._ident = g.records.current, t.key, None
+        self.t0 = time.perf_counter()
         return g
 
     def __exit__(self, exc_type, exc, tb) -> None:
         g = self.g
+        if threading.get_ident() == MAIN_THREAD:
+            g.stats["seconds"] += time.perf_counter() - self.t0
         if exc_type is None:
             g.records.end(call.DONE)
         else:

@@ -73,7 +73,7 @@ class MpiGroup:
         self.seq = 0
         self._p2p = call.pack(gid, 0, "p2p", None)
         self.record = self._p2p
-        self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0}
+        self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0, "seconds": 0.0}
         self.prepared: dict = {}          # collectives/api.py's validated calls, by signature
 
     # --- messages: header, then payload ---

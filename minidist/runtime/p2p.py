@@ -108,7 +108,8 @@ class Mailboxes:
                         self.out[dst] = ch
                     if dst == rank:
                         self.inc[src] = ch
-        self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0}
+        self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0,
+                      "seconds": 0.0}        # in synchronous calls (group.py's CallScope)
 
     @staticmethod
     def nbytes(size: int, nslots: int, slot_bytes: int) -> int:

@@ -171,3 +171,22 @@ def test_ranks_meeting_at_a_barrier_from_different_calls_is_a_mismatch_naming_bo
     assert "CollectiveMismatch" in text
     assert f"barrier #{shift + 1} on 'world'" in text
     assert f"all_reduce #{shift + 1} on 'world' (float32 (2,), op sum, algo direct)" in text
+
+
+def _seconds_in_calls(ctx):
+    g = ctx.world
+    before = g.stats["seconds"]
+    for _ in range(3):
+        C.all_reduce(np.ones(1000), group=g)
+    synchronous = g.stats["seconds"] - before
+    work = C.all_reduce(np.ones(1000), group=g, async_op=True)
+    work.wait()
+    return synchronous, g.stats["seconds"] - before - synchronous
+
+
+def test_a_group_counts_the_seconds_its_caller_spent_in_calls():
+    """train.py's comm column adds these for the tp, cp, pp and ep groups: synchronous
+    calls, and the main thread's waits in Work.wait() (the async call's own run on the
+    group's worker is not waiting)."""
+    for synchronous, waited in spawn(2, _seconds_in_calls):
+        assert synchronous > 0 and waited > 0

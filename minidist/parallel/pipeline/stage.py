@@ -174,9 +174,11 @@ class Links:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Bytes sent and received over every link (what train.py counts as "pp")."""
+        """Bytes sent and received over every link, and seconds in synchronous calls on
+        them (what train.py counts as "pp")."""
         groups = list(self.out.values()) + list(self.inc.values())
-        return {k: sum(g.stats[k] for g in groups) for k in ("bytes_sent", "bytes_recv")}
+        return {k: sum(g.stats[k] for g in groups)
+                for k in ("bytes_sent", "bytes_recv", "seconds")}
 
 
 def make_links(job, grid: np.ndarray, stages: int, chunks: int) -> Links:

@@ -64,7 +64,8 @@ def read(out: list[str]) -> dict:
     moves = [re.match(r"straggler: rows per dp rank \(([\d, ]+)\) -> \(([\d, ]+)\)", x)
              for x in out]
     moves = [[tuple(int(v) for v in m[i].split(",")) for i in (1, 2)] for m in moves if m]
-    wall = [float(m[1]) for x in out if (m := re.match(r"step +\d+ \|.*\|\s+([\d.]+) s$", x))]
+    wall = [float(m[1]) for x in out      # observe/progress.py: "step N | loss L | S s | ..."
+            if (m := re.match(r"step +\d+ \| loss \S+ \|\s+([\d.]+) s \|", x))]
     return dict(named=named, first=moves[0][0] if moves else None,
                 last=moves[-1][1] if moves else None, wall=wall[-1] if wall else float("nan"),
                 verdict=next((x for x in out if x.startswith(("OK:", "MISMATCH"))), "none"))

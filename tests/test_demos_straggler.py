@@ -33,3 +33,5 @@ def test_straggler_demo_names_rank_1_moves_its_rows_and_matches_the_single_proce
     assert text.count("  | OK: dp=2 x tp=1, ZeRO-0 training matches the single-process run") == 2
     assert out[-1].startswith("OK: rank 1 named in both runs; rebalance moved rows (32, 32) -> ")
     assert _temp_folders() <= before, f"left {_temp_folders() - before}"
+    wall = next(line for line in out if "wall time of the run" in line)
+    assert "nan" not in wall, wall            # it read an old form of the step line

@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -56,7 +57,8 @@ def train(a, cwd: Path, *options: str, show=SHOW) -> int:
     print("$ python -m minidist " + " ".join(argv))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
-    print("\n".join(f"  | {line}" for line in done.stdout.splitlines() if line.startswith(show)))
+    shown = [line for line in done.stdout.splitlines() if line.startswith(show)]
+    print("\n".join("  | " + part for line in shown for part in textwrap.wrap(line, 96)))
     return done.returncode
 
 

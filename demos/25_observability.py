@@ -1,7 +1,7 @@
 """Observability: a run directory, its merged trace and its report, for a dp=2 x tp=2 run.
 
 What you will see: a tiny GPT trained on 4 ranks (dp=2 x tp=2) with a run directory in a
-temporary folder: its files; per rank, what the trace holds for the traced step (ops by
+temporary folder, deleted at the end (--keep DIR writes it to DIR/run instead): its files; per rank, what the trace holds for the traced step (ops by
 phase, collectives by group) and its first few collective bars with their times; the
 report `python -m minidist report RUN_DIR` prints. The check: every collective call and
 send/recv a rank made in the traced step is a bar in the trace. The reference is each
@@ -81,8 +81,8 @@ def show_trace(trace: dict, ranks: int) -> dict[int, list[dict]]:
                                   and e["cat"] in ("forward", "backward"))
         groups = collections.Counter(f"{e['name'].split(' #')[0]} on {e['args']['group']}"
                                      for e in calls[r])
-        print(f"rank {r}: {ops['forward']} forward + {ops['backward']} backward ops; "
-              + ", ".join(f"{n} {k}" for k, n in sorted(groups.items())))
+        print(f"rank {r}: {ops['forward']} forward + {ops['backward']} backward ops; calls:")
+        print("  " + ", ".join(f"{n} {k}" for k, n in sorted(groups.items())))
         for e in calls[r][:SHOW]:
             print(f"  {e['ts'] / 1e3:7.2f} ms  {e['dur'] / 1e3:6.2f} ms  track {e['tid']}  "
                   f"{e['args']['call']}")
@@ -120,9 +120,12 @@ def main(argv=None) -> int:
         print(f"MISMATCH: calls in the trace {traced}, by the flight recorder {made}; groups "
               f"with a gap {gaps}; groups whose members differ {differ}")
         return 1
-    print(f"OK: trace has every collective of the traced steps ({plan.world_size} ranks: "
-          f"{', '.join(map(str, traced))} calls = the flight recorder's counts; sequence "
-          f"numbers contiguous and equal on every group, {len(by_group)})")
+    print(f"open in https://ui.perfetto.dev:\n  {Path(a.keep) / 'run' / 'trace.json'}" if a.keep
+          else "the run directory was in a temporary folder, now deleted: --keep DIR keeps\n"
+               "  it (then open DIR/run/trace.json in https://ui.perfetto.dev)")
+    print(f"calls in the trace {', '.join(map(str, traced))} = the flight recorder's counts; "
+          f"sequence numbers\n  contiguous and equal on every group ({len(by_group)})")
+    print(f"OK: the trace has every collective of the traced steps ({plan.world_size} ranks)")
     return 0
 
 

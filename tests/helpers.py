@@ -25,6 +25,7 @@ def assert_close(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, what
 
 def run_demo(name: str, *args: str, timeout: float = 110) -> tuple[int, list[str]]:
     """Run demos/<name> as a user would; return (exit code, output lines, stderr last).
+    Every line it prints must fit in DEMO_WIDTH columns.
     `timeout` is a hang guard under pytest-timeout's 120 s, not a speed check: a demo that
     takes 20 s on an idle machine takes several times that on a loaded one."""
     import subprocess
@@ -32,7 +33,13 @@ def run_demo(name: str, *args: str, timeout: float = 110) -> tuple[int, list[str
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, os.path.join(root, "demos", name), *args],
                           capture_output=True, text=True, timeout=timeout, cwd=root)
+    wide = [line for line in done.stdout.splitlines() if len(line) > DEMO_WIDTH
+            and not line.strip().startswith(("/", "trace: /"))]     # a path is as long as it is
+    assert not wide, f"{name} prints lines over {DEMO_WIDTH} characters: {wide[:3]}"
     return done.returncode, (done.stdout + done.stderr).strip().splitlines()
+
+
+DEMO_WIDTH = 100          # every line a demo prints fits a 100-column terminal
 
 
 def child_pids(pid: int | None = None) -> list[int]:

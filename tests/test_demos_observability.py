@@ -32,8 +32,20 @@ def test_observability_demo_shows_the_run_directory_trace_and_report_and_ends_ok
                  "== python -m minidist report RUN_DIR --no-plots =="):
         assert any(x.startswith(line) for x in out), f"missing {line!r}\n{text}"
     for r in range(4):
-        assert any(x.startswith(f"rank {r}: ") and "all_reduce on tp" in x for x in out), r
-    assert re.fullmatch(r"OK: trace has every collective of the traced steps \(4 ranks: "
-                        r"(\d+), \1, \1, \1 calls = the flight recorder's counts; sequence "
-                        r"numbers contiguous and equal on every group, 4\)", out[-1]), out[-1]
+        at = next(i for i, x in enumerate(out) if x.startswith(f"rank {r}: "))
+        assert "all_reduce on tp" in out[at + 1], out[at:at + 2]
+    assert re.fullmatch(r"calls in the trace (\d+), \1, \1, \1 = the flight recorder's "
+                        r"counts; sequence numbers", out[-3]), out[-3]
+    assert out[-2] == "  contiguous and equal on every group (4)", out[-2]
+    assert out[-1] == "OK: the trace has every collective of the traced steps (4 ranks)"
     assert _temp_folders() <= before, f"left {_temp_folders() - before}"
+
+
+@pytest.mark.slow
+def test_observability_demo_keeps_the_trace_it_tells_you_to_open(tmp_path):
+    """Without --keep it says the folder is gone; with --keep DIR the trace it names is there."""
+    rc, out = run_demo("25_observability.py", "--steps", "2", "--keep", str(tmp_path))
+    assert rc == 0, "\n".join(out)
+    trace = tmp_path / "run" / "trace.json"
+    at = out.index("open in https://ui.perfetto.dev:")
+    assert out[at + 1] == f"  {trace}" and trace.is_file()

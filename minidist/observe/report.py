@@ -97,19 +97,22 @@ def text(path: Path) -> list[str]:
 
 
 def _rank_table(ranks: dict) -> list[str]:
+    """Two tables, each within 100 columns: per rank the times, then the bytes and memory."""
     axes = sorted({a for r in ranks.values() for a in r["bytes_sent"]})
-    head = (f"  {'rank':<5}{'step ms':>9}" + "".join(f"{k.replace('_', ' ') + ' ms':>17}"
-                                                   for k in SHARES)
-            + "".join(f"{'sent ' + a:>12}" for a in axes) + f"{'model state':>13}"
-            + f"{'peak RSS':>11}")
-    out = ["per rank, mean per step (and its share of the rank's step):", head]
-    for r, v in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+    order = sorted(ranks.items(), key=lambda kv: int(kv[0]))
+    out = ["per rank, mean per step (and its share of the rank's step):",
+           f"  {'rank':<5}{'step ms':>9}" + "".join(f"{k.replace('_', ' ') + ' ms':>17}"
+                                                    for k in SHARES)]
+    for r, v in order:
         t = v["time_s"]
         share = {k: t[k] / t["step"] * 100 if t["step"] else 0.0 for k in SHARES}
-        cells = "".join(f"{t[k] * 1e3:>11.2f} {share[k]:>4.0f}%" for k in SHARES)
-        sent = "".join(f"{_size(v['bytes_sent'].get(a, 0)):>12}" for a in axes)
-        out.append(f"  {r:<5}{t['step'] * 1e3:>9.2f}{cells}{sent}"
-                   f"{_size(sum(v['memory'].values())):>13}{_size(v['rss_peak']):>11}")
+        out.append(f"  {r:<5}{t['step'] * 1e3:>9.2f}"
+                   + "".join(f"{t[k] * 1e3:>11.2f} {share[k]:>4.0f}%" for k in SHARES))
+    out.append(f"  {'rank':<5}" + "".join(f"{'sent ' + a:>11}" for a in axes)
+               + f"{'model state':>13}{'peak RSS':>11}")
+    for r, v in order:
+        out.append(f"  {r:<5}" + "".join(f"{_size(v['bytes_sent'].get(a, 0)):>11}" for a in axes)
+                   + f"{_size(sum(v['memory'].values())):>13}{_size(v['rss_peak']):>11}")
     return out
 
 
@@ -122,7 +125,7 @@ def _trace_line(path: Path) -> str:
         return (f"trace: not merged yet ({len(parts)} part files in {path / 'trace'})"
                 if parts else "trace: none (no step was traced: --trace-steps)")
     events, ranks, steps = _trace_facts(raw, str(trace))
-    return (f"trace: {trace}, {events:,} events on {ranks} rank{'s' if ranks > 1 else ''}, "
+    return (f"trace: {trace}\n  {events:,} events on {ranks} rank{'s' if ranks > 1 else ''}, "
             f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
             "(open it in https://ui.perfetto.dev)")
 

@@ -43,19 +43,21 @@ def test_the_report_prints_the_runs_own_numbers(run, capsys):
     assert out[3].startswith(f"steps 0-2 (3) · loss {summary['losses'][0]:.4f} -> "
                              f"{summary['final_loss']:.4f} · "
                              f"{summary['tokens_per_s']:,.0f} tokens/s · median step"), out[3]
-    rows = {line.split()[0]: line.split() for line in out if line.startswith("  ")
-            and line.split()[0].isdigit()}
-    assert sorted(rows) == ["0", "1", "2", "3"]
-    for r, cells in rows.items():
+    heads = [i for i, line in enumerate(out) if line.strip().startswith("rank")]
+    times = {line.split()[0]: line.split() for line in out[heads[0] + 1:heads[0] + 5]}
+    assert sorted(times) == ["0", "1", "2", "3"]
+    for r, cells in times.items():
         t = summary["ranks"][r]["time_s"]
         assert float(cells[1]) == pytest.approx(t["step"] * 1e3, abs=0.006)
         assert float(cells[2]) == pytest.approx(t["compute"] * 1e3, abs=0.006)
         assert float(cells[4]) == pytest.approx(t["comm_wait"] * 1e3, abs=0.006)
         assert float(cells[7][:-1]) == pytest.approx(t["other"] / t["step"] * 100, abs=0.6)
-    head = next(line for line in out if line.strip().startswith("rank"))
+    head = out[heads[1]]                    # the second table: bytes and memory per rank
     assert "sent dp" in head and "sent tp" in head and "model state" in head
-    assert out[-1].startswith(f"trace: {run / 'trace.json'}, ") and out[-1].endswith(
-        "events on 4 ranks, steps 1, 2 (open it in https://ui.perfetto.dev)"), out[-1]
+    assert [line.split()[0] for line in out[heads[1] + 1:heads[1] + 5]] == ["0", "1", "2", "3"]
+    assert all(len(line) <= 100 for line in out if not line.startswith(("  python", "trace")))
+    assert out[-2] == f"trace: {run / 'trace.json'}" and out[-1].endswith(
+        " events on 4 ranks, steps 1, 2 (open it in https://ui.perfetto.dev)"), out[-2:]
 
 
 @pytest.mark.slow

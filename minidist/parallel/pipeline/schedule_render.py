@@ -76,8 +76,11 @@ def _grain(timeline: Timeline) -> int | None:
 
 def _cells(row: list[Slot], t0: float, dt: float, n: int) -> list[Action | None]:
     """For each of n cells [t0 + i dt, t0 + (i+1) dt): the action occupying most of it, or
-    None where idle time is the largest share. Ties go to the earlier action."""
-    out = []
+    None where idle time is the largest share. Ties go to the earlier action. An action
+    too short to win a cell (a measured timeline's quick F or W next to a long wait) then
+    takes the cell of its midpoint, if that cell is idle or its action is shown in another
+    cell too: every action of the row is drawn at least once where it can be."""
+    out: list[Slot | None] = []
     for i in range(n):
         lo, hi = t0 + i * dt, t0 + (i + 1) * dt
         best, best_len, used = None, 0.0, 0.0
@@ -86,9 +89,14 @@ def _cells(row: list[Slot], t0: float, dt: float, n: int) -> list[Action | None]
             if share > 0:
                 used += share
                 if share > best_len:
-                    best, best_len = sl.action, share
+                    best, best_len = sl, share
         out.append(best if best_len >= dt - used else None)
-    return out
+    for sl in row:
+        if n and all(c is not sl for c in out):
+            i = min(n - 1, max(0, int(((sl.start + sl.end) / 2 - t0) // dt)))
+            if out[i] is None or sum(c is out[i] for c in out) > 1:
+                out[i] = sl
+    return [None if sl is None else sl.action for sl in out]
 
 
 def _layout(timeline: Timeline, columns: int | None) -> tuple[float, int, str]:

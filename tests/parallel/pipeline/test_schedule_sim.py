@@ -344,3 +344,12 @@ def test_plot_png_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(RuntimeError, match=r"pip install -e '\.\[plot\]'"):
         R.plot_png(simulate(S.gpipe(1, 1)), tmp_path / "x.png")
+
+
+def test_a_measured_action_too_short_for_a_cell_is_still_drawn():
+    """Demo 12 under load: a quick F1 between two long waits vanished from the quantized
+    measured timeline. Every action gets at least one cell."""
+    records = [[(Action("F", 0, 0), 0.0, 1.0), (Action("F", 1, 0), 5.0, 5.01),
+                (Action("B", 0, 0), 9.0, 10.0)]]
+    row = R.ascii(Timeline.from_records(records, "1f1b"), columns=10).splitlines()[1]
+    assert "F0" in row and "F1" in row and "B0" in row, row

@@ -337,6 +337,13 @@ def init():
     if not is_initialized() and under_mpiexec():
         set_job(init_mpi())             # the default group, get_rank(), ... work under MPI too
     if not is_initialized():
+        size = os.environ.get("WORLD_SIZE", "1")
+        if size.strip() not in ("", "1", "0"):          # torchrun's, or set by hand
+            raise ValueError(f"WORLD_SIZE={size} (and RANK={os.environ.get('RANK', '?')}) "
+                             "ask for a job of several ranks, but this process was not "
+                             "started by a launcher minidist can join: start it with "
+                             f"`python -m minidist run -n {size} SCRIPT` (or mpiexec -n "
+                             f"{size}), or unset WORLD_SIZE for a one-rank job")
         cfg = RuntimeConfig(1)
         set_job(Job(cfg, Arena(cfg.arena_bytes()), 0, os.getppid()))
     job = current_job()

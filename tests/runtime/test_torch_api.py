@@ -222,3 +222,17 @@ def test_under_mpiexec_the_shm_backend_is_refused(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=ENV)
     assert res.returncode == 0, res.stderr
     assert "backend='shm', but this process was started by mpiexec" in res.stdout
+
+
+def test_torchrun_variables_in_a_plain_process_are_refused_by_name(tmp_path):
+    """RANK=0 WORLD_SIZE=2 python x.py: no launcher to join; it said nothing and failed
+    later. Now init() says what to start instead."""
+    import subprocess
+    import sys
+    script = tmp_path / "x.py"
+    script.write_text("import minidist\nminidist.init()\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "RANK": "0", "WORLD_SIZE": "2"})
+    assert run.returncode == 1
+    assert "WORLD_SIZE=2 (and RANK=0) ask for a job of several ranks" in run.stderr
+    assert "python -m minidist run -n 2 SCRIPT" in run.stderr

@@ -113,3 +113,14 @@ def test_random_bad_values_for_every_option_are_refused(command, tmp_path):
             continue
         if run.returncode != 0:
             _assert_refused(run, argv)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "checkpoint", "--steps", "5"], "--steps 5 must be at least 2 x --every = 20"),
+    (["bench", "checkpoint", "--dp", "3"], "--batch 32 must divide by --dp 3"),
+    (["bench", "train", "--tp", "2", "--zero", "1"], "--zero is not in the --tp and --cp"),
+    (["bench", "train", "--sp"], "--sp needs --tp > 1")], ids=" ".join)
+def test_a_bench_refusal_names_the_one_rule_broken(argv, says, tmp_path):
+    """Not every rule of the bench at once."""
+    run = _minidist(argv, tmp_path)
+    assert run.returncode == 2 and run.stderr.startswith(f"error: {says}"), run.stderr

@@ -338,11 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
     a.kill_step = 2 * a.every + a.every // 2 if a.kill_step is None else a.kill_step
-    if min(a.dp, a.every, a.repeats) < 1 or a.steps < 2 * a.every or a.batch % a.dp \
-            or not a.every <= a.kill_step < a.steps:
-        p.error(f"need --dp, --every, --repeats >= 1, --steps >= 2 x --every (got "
-                f"{a.steps}, {a.every}), --batch divisible by --dp and --every <= --kill-step "
-                f"< --steps (got {a.kill_step})")
+    if a.steps < 2 * a.every:                   # the numbers' ranges: at parsing
+        p.error(f"--steps {a.steps} must be at least 2 x --every = {2 * a.every} (two "
+                "checkpoints in each run)")
+    if a.batch % a.dp:
+        p.error(f"--batch {a.batch} must divide by --dp {a.dp}")
+    if not a.every <= a.kill_step < a.steps:
+        p.error(f"--kill-step {a.kill_step} must lie in --every {a.every} .. --steps - 1 = "
+                f"{a.steps - 1} (after the first checkpoint)")
     data_cfg = DataConfig(task="sort", length=a.length)
     cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
                            dtype=a.dtype)

@@ -373,9 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     simulated with measured costs, measured; held activations and p2p bytes vs formulas."""
     p = _parser()
     a = p.parse_args(argv)
-    if a.pp < 2 or min(a.micro_batches, a.virtual_stages, a.steps, a.repeats, a.rows) < 1:
-        p.error(f"need --pp >= 2 (got {a.pp}) and --micro-batches, --virtual-stages, "
-                "--steps, --repeats, --rows >= 1")
     if a.png and importlib.util.find_spec("matplotlib") is None:
         p.error("--png needs matplotlib: pip install -e '.[plot]'")
     names = list(SCHEDULES) if a.schedule == "all" else [a.schedule]

@@ -145,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    if a.dp < 1 or a.tp < 1 or a.cp < 1 or a.steps < 1 or a.warmup < 0 or a.batch_per_rank < 1 \
-            or a.repeats < 1 or a.batch < 1:
-        p.error("need --dp, --tp, --cp, --steps, --repeats, --batch, --batch-per-rank >= 1 "
-                "and --warmup >= 0")
-    if a.sp and not tp_mode or (tp_mode or cp_mode) and (a.zero or a.batch % a.dp) \
-            or tp_mode and cp_mode:
-        p.error("--sp needs --tp > 1; with --tp or --cp, --batch must divide by --dp and "
-                "--zero is not in the table; --tp with --cp: see python -m minidist train")
+    if a.sp and not tp_mode:                    # the numbers' ranges: at parsing
+        p.error("--sp needs --tp > 1")
+    if tp_mode and cp_mode:
+        p.error("--tp with --cp: no table here; run python -m minidist train --tp T --cp C")
+    if (tp_mode or cp_mode) and a.zero:
+        p.error("--zero is not in the --tp and --cp tables; drop it")
+    if (tp_mode or cp_mode) and a.batch % a.dp:
+        p.error(f"--batch {a.batch} must divide by --dp {a.dp}")
     data_cfg = DataConfig(task="sort", length=a.length)
     cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
                            dtype=a.dtype)

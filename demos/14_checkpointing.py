@@ -22,7 +22,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -57,8 +56,7 @@ def train(a, cwd: Path, *options: str, show=SHOW) -> int:
     print("$ python -m minidist " + " ".join(argv))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
-    shown = [line for line in done.stdout.splitlines() if line.startswith(show)]
-    print("\n".join("  | " + part for line in shown for part in textwrap.wrap(line, 96)))
+    print("\n".join(f"  | {line}" for line in done.stdout.splitlines() if line.startswith(show)))
     return done.returncode
 
 

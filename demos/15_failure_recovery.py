@@ -21,7 +21,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import textwrap
 
 from minidist.cli import CliParser, like
 
@@ -50,7 +49,7 @@ def train(a, cwd: str, *options: str) -> tuple[int, list[str]]:
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     lines = [line for line in done.stdout.splitlines() if line.startswith(SHOW)]
-    print("\n".join("  | " + part for line in lines for part in textwrap.wrap(line, 96)))
+    print("\n".join(f"  | {line}" for line in lines))
     return done.returncode, lines
 
 

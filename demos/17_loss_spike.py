@@ -21,7 +21,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import textwrap
 
 from minidist.cli import CliParser, like
 
@@ -62,7 +61,7 @@ def train(a, cwd: str, *options: str) -> tuple[int, list[str], dict[int, str]]:
     shown = lines if len(spikes) <= 3 else lines[:2] + [
         f"... and {len(spikes) - 2} more 'spike at step s: loss is nan' lines, one per step"
     ] + lines[len(spikes):]
-    print("\n".join("  | " + part for line in shown for part in textwrap.wrap(line, 96)))
+    print("\n".join(f"  | {line}" for line in shown))
     loss = {int(m[1]): m[2] for m in (re.match(r"step +(\d+) \| loss (\S+)", x) for x in out)
             if m}
     return done.returncode, lines, loss

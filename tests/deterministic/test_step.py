@@ -335,7 +335,7 @@ def test_token_tiles_change_no_layout_s_agreement_and_runs_must_be_whole():
                  Plan(cp=2, cp_layout="contiguous")):
         for r, run in enumerate(spawn(plan.world_size, _rank_tt, _cfg4("float64"), plan, 4)):
             _same(run, ref, f"{plan.describe()} token_tiles=4 rank {r}")
-    with pytest.raises(Exception, match="not whole runs of 2"):
+    with pytest.raises(Exception, match=r"not whole runs of T / 4 = 2; use --token-tiles 8"):
         spawn(4, _rank_tt, _cfg4("float64"), Plan(cp=4), 4)
 
 

@@ -1,6 +1,7 @@
 """Every `python -m minidist` command README.md shows works as README says: the main job's
 commands are accepted (or refused with the very line README prints) before any rank starts
-(default set), and every command runs to the exit code README implies (`slow`)."""
+(default set), and every command but the benchmarks runs to the exit code README implies
+(`slow`)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,10 @@ def _exit_code(command: str) -> int:
     return 0
 
 
-SLOW_COMMANDS = [c for c in readme_commands() if not any(t in c for t in TEMPLATES)]
+# The benchmarks take minutes each at README's sizes (tests/bench/ runs each one on tiny
+# sizes); every other command runs here as written.
+SLOW_COMMANDS = [c for c in readme_commands() if not any(t in c for t in TEMPLATES)
+                 and not c.startswith("python -m minidist bench")]
 
 
 @pytest.mark.slow

@@ -94,7 +94,7 @@ def _check_trial(seed: int, tmp_path, capfd, monkeypatch) -> None:
     layout, options, spec, every = _trial(seed)
     if spec.startswith("sigstop"):                        # a SIGSTOPped rank: found in 5 s
         monkeypatch.setenv("MINIDIST_TIMEOUT", "5")
-    base = LAYOUTS[layout] + TINY + options
+    base = TINY + LAYOUTS[layout] + options         # a layout's --n-layer wins
     argv = base + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", str(every),
                    "--inject", spec, "--max-restarts", "2"]
     code, out = _run(argv, capfd)
@@ -109,7 +109,7 @@ def _check_trial(seed: int, tmp_path, capfd, monkeypatch) -> None:
 def test_one_random_trial_of_every_option_recovers_bitwise(tmp_path, capfd):
     """A fixed trial beside the sweep below: pp's interleaved schedule with every stateful
     option on and a SIGKILL in the middle of a save."""
-    base = LAYOUTS["pp2-interleaved"] + TINY + ["--spike", "skip", "--straggler", "detect",
+    base = TINY + LAYOUTS["pp2-interleaved"] + ["--spike", "skip", "--straggler", "detect",
                                                 "--keep", "1"]
     argv = base + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2",
                    "--inject", "sigkill:rank=1:step=5:point=save:phase=marker_written",

@@ -102,6 +102,7 @@ SLOW_COMMANDS = [c for c in readme_commands() if not any(t in c for t in TEMPLAT
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)          # a --check run trains twice: ~100 s here, more on CI
 @pytest.mark.parametrize("command", SLOW_COMMANDS)
 def test_every_readme_command_runs(command, tmp_path):
     """Run as README writes it (in a fresh directory, the caches there too)."""

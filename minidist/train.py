@@ -26,15 +26,19 @@ Result (RankResult): losses (global), grad_norms, lrs, full params and optimizer
 (gathered over dp under ZeRO and over tp), bytes sent/received per step (group.stats deltas
 around the step: "sent", "recv" over all axes; bytes_by_axis: sent per axis, "dp" being
 the gradient sync over dp x cp, "pp" the pipeline's activations and gradients, "embed" the
-tied wte's all-reduce, "ep" the MoE tokens' all-to-alls, "edp" the experts' gradient sync), pipeline (pp > 1: this stage's timeline per step, as (kind,
-micro-batch, chunk, start, end) in perf_counter seconds, and its peak held activations),
-memory
-(engine.memory()) and timing per step in seconds: "compute" (forward + backward, less
-the communication inside them: engine.compute_wait_s, what ZeRO-2/3 wait for, and the
-synchronous calls on the tp, cp, pp, ep and embedding groups), "comm_wait" (engine.
-comm_wait_s, what step() waited for communication, plus that communication inside forward
-and backward), "step" (wall time of the whole step) and "cpu" (this process's CPU time in
-the step, all threads).
+tied wte's all-reduce, "ep" the MoE tokens' all-to-alls, "edp" the experts' gradient
+sync), pipeline (pp > 1: this stage's timeline per step, as (kind, micro-batch, chunk,
+start, end) in perf_counter seconds, and its peak held activations), memory
+(engine.memory()) and timing per step in seconds: "comm_wait" (the wall time this rank
+spent inside calls on its groups during the step: comm_by_axis summed), "compute" (forward +
+backward, less the part of comm_wait inside them), "step" (wall time of the whole step)
+and "cpu" (this process's CPU time in the step, all threads). comm_by_axis: per step, the
+seconds in calls on each axis of bytes_by_axis, and "other" for the layout's other groups
+(the gradient norm's tp x pp group, the pp group, dp alone under cp) when it has any. A
+group counts a call of its caller's thread: a synchronous call, a wait in Work.wait() or
+for the group's queue (runtime/group.py); an async call running on the group's worker
+is not waiting. Each call is counted once, on its own group: the engines and layers
+time nothing themselves.
 
 The loop (train_on_rank) is baseline.py's: for each step, read the batches, forward and
 backward (ParallelStep.compute), update (ParallelStep.update), record (Meter). The run's
@@ -113,6 +117,7 @@ class RankResult:
     timing: dict[str, tuple[float, ...]]            # "compute", "comm_wait", "step", "cpu"
     pipeline: dict | None = None                    # pp > 1: "timeline", "held_peak", ...
     moe: tuple[dict[str, dict], ...] = ()           # per step: {layer: routing stats}
+    comm_by_axis: tuple[dict[str, float], ...] = ()  # {"dp": s, "tp": s}: seconds in calls
 
 
 @dataclass(frozen=True)
@@ -184,21 +189,22 @@ class OnStepEnd(Hook):
         self.fn(end)
 
 
-# The groups whose calls run inside forward and backward (the engine's dp and edp syncs
-# measure their own waits: engine.comm_wait_s, compute_wait_s).
-LAYOUT_AXES = ("tp", "cp", "pp", "ep", "embed")
-
-
-def _traffic(groups: dict[str, object]) -> dict[str, float]:
-    """{"sent", "recv"} over all groups, "sent.<axis>" per group, and "layout_s": seconds
-    in synchronous calls on the LAYOUT_AXES groups, so far."""
-    out = {"sent": 0, "recv": 0, "layout_s": 0.0}
+def _traffic(groups: dict[str, object]) -> dict[str, int]:
+    """{"sent", "recv"} over all groups, and "sent.<axis>" per group, so far."""
+    out = {"sent": 0, "recv": 0}
     for axis, g in groups.items():
         out["sent"] += g.stats["bytes_sent"]
         out["recv"] += g.stats["bytes_recv"]
         out[f"sent.{axis}"] = g.stats["bytes_sent"]
-        if axis in LAYOUT_AXES:
-            out["layout_s"] += g.stats.get("seconds", 0.0)
+    return out
+
+
+def _seconds(groups: dict[str, object], others: list) -> dict[str, float]:
+    """Per axis, the seconds this rank spent in calls on its group so far (group.stats),
+    and "other": those on the `others` groups together (if any)."""
+    out = {axis: g.stats["seconds"] for axis, g in groups.items()}
+    if others:
+        out["other"] = sum(g.stats["seconds"] for g in others)
     return out
 
 
@@ -369,9 +375,9 @@ class ParallelStep:
 
 class Meter:
     """What a step costs and what it gave, for the hooks (StepEnd) and the RankResult:
-    local losses, norms, lrs, bytes per group (group.stats deltas), times, the memory peak
-    (memory/ledger.py's Ledger under a budget or when asked, else the engine's model
-    state) and each MoE layer's routing."""
+    local losses, norms, lrs, bytes and seconds in calls per group (group.stats deltas),
+    times, the memory peak (memory/ledger.py's Ledger under a budget or when asked, else
+    the engine's model state) and each MoE layer's routing."""
 
     def __init__(self, ctx, lay, plan: Plan, device_memory, memory_ledger: bool) -> None:
         self.lay, self.engine, self.grad = lay, lay.engine, lay.grad_group
@@ -386,25 +392,30 @@ class Meter:
             self.groups["pp"] = lay.pipeline.links
             if lay.pipeline.embed_group is not None:
                 self.groups["embed"] = lay.pipeline.embed_group
+        self.others, seen = [], {id(g) for g in self.groups.values()}   # comm seconds:
+        for g in (lay.sharding.model_group, lay.pp_group, lay.dp_group):  # each group once
+            if g is not None and id(g) not in seen:   # the norm's tp x pp, pp, dp under cp
+                seen.add(id(g))
+                self.others.append(g)
         self.moe_layers = {name: m for name, m in lay.model.named_modules()
                            if hasattr(m, "take_totals")}
         self.offload = plan.offload != "none"
         self.ledger = None if device_memory is None and not memory_ledger else \
             _ledger(ctx, self.engine, device_memory)
         self.local, self.norms, self.lrs, self.traffic, self.by_axis = [], [], [], [], []
+        self.comm_by_axis: list[dict[str, float]] = []
         self.moe: list[dict] = []
         self.timing: dict[str, list[float]] = {"compute": [], "comm_wait": [], "step": [],
                                                "cpu": []}
 
     def compute(self, compute: Callable[[], float]) -> float:
         """Run the step's forward and backward, timed and under the ledger: the local loss."""
-        self.before = _traffic(self.groups)
+        self.before, self.s0 = _traffic(self.groups), _seconds(self.groups, self.others)
         self.t0, self.c0 = time.perf_counter(), time.process_time()
         with contextlib.nullcontext() if self.ledger is None else self.ledger:
             self.local.append(compute())
-        self.t1 = time.perf_counter()
-        self.inner = float(getattr(self.engine, "compute_wait_s", 0.0))   # ZeRO-2/3: waits
-        return self.local[-1]                                              # inside backward
+        self.t1, self.s1 = time.perf_counter(), _seconds(self.groups, self.others)
+        return self.local[-1]
 
     def global_loss(self, local: float, replace_last: bool = False) -> float:
         """COLLECTIVE: the step's global loss from this rank's local one (replace_last: it
@@ -415,7 +426,7 @@ class Meter:
 
     def end(self, step: int, lr: float, norm: float, timeline, dp_rank: int) -> StepEnd:
         """After the update: record the step; COLLECTIVE under MoE (the routing's sums)."""
-        t2, engine, inner = time.perf_counter(), self.engine, self.inner
+        t2, s2, engine = time.perf_counter(), _seconds(self.groups, self.others), self.engine
         if self.ledger is not None:                # memory/ledger.py: this step's peak
             self.ledger.mark("optimizer")
             peak = self.ledger.end_step()
@@ -428,10 +439,12 @@ class Meter:
         self.traffic.append({k: after[k] - self.before[k] for k in ("sent", "recv")})
         self.by_axis.append({a: after[f"sent.{a}"] - self.before[f"sent.{a}"]
                              for a in self.groups})
+        s0, s1 = self.s0, self.s1
+        comm = {a: s2[a] - s0[a] for a in s2}
+        self.comm_by_axis.append(comm)
         t = self.timing
-        inner += after["layout_s"] - self.before["layout_s"]      # tp, cp, pp, ep calls
-        t["compute"].append(self.t1 - self.t0 - inner)
-        t["comm_wait"].append(float(getattr(engine, "comm_wait_s", t2 - self.t1)) + inner)
+        t["compute"].append(self.t1 - self.t0 - sum(s1[a] - s0[a] for a in s1))
+        t["comm_wait"].append(sum(comm.values()))
         t["step"].append(t2 - self.t0)
         t["cpu"].append(time.process_time() - self.c0)
         if self.moe_layers:
@@ -456,6 +469,7 @@ class Meter:
                             optimizer_state=engine.full_optimizer_state(),
                             bytes_per_step=tuple(self.traffic),
                             bytes_by_axis=tuple(self.by_axis),
+                            comm_by_axis=tuple(self.comm_by_axis),
                             memory=_memory(engine, self.ledger),
                             timing={k: tuple(v) for k, v in self.timing.items()},
                             pipeline=None if stage is None else {

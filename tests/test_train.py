@@ -98,6 +98,21 @@ def test_rank_result_reports_memory_bytes_and_timing():
     assert all(w <= s for w, s in zip(run.timing["comm_wait"], run.timing["step"]))
 
 
+@pytest.mark.multiproc
+def test_comm_wait_counts_the_tp_calls_and_nothing_on_a_group_of_one():
+    """Under tp=2 (dp=1) the comm column's seconds are the tp group's calls (the layers'
+    all-reduces, the norm's sum): nonzero; the dp group has one rank, so no call and 0 s.
+    comm_wait is the sum over the axes, and compute does not contain it."""
+    for run in spawn(2, train_on_rank, TINY, DATA, Plan(tp=2),
+                     RunConfig(steps=2, global_batch=4), OptimizerConfig(lr=1e-3)):
+        assert [set(c) for c in run.comm_by_axis] == [{"dp", "tp"}] * 2
+        assert all(c["tp"] > 0 and c["dp"] == 0 for c in run.comm_by_axis), run.comm_by_axis
+        assert list(run.timing["comm_wait"]) == [sum(c.values()) for c in run.comm_by_axis]
+        for comm, compute, step in zip(run.timing["comm_wait"], run.timing["compute"],
+                                       run.timing["step"]):
+            assert compute >= 0 and comm + compute <= step
+
+
 @pytest.mark.slow      # a subprocess, ~1.2 s; the default run has test_cli.py's in-process
 @pytest.mark.multiproc # `train --dp 2 --check` runs (one with ZeRO-2)
 def test_train_cli_runs_dp_with_zero_and_checks_against_the_baseline():

@@ -5,11 +5,13 @@ What it prints:
        in a rank (pinned as every rank is) or read from the cache (observe/peak.py);
     2. the FLOP ledger of one training step of rank 0 (dp=1) by phase, and its matmul
        FLOPs against the closed form, term by term (observe/throughput.py): equal, exactly;
+       then MFU's model FLOPs of that step, tokens x (6N + 12LHQT) with N every parameter;
     3. one row per run, dp=1 and dp=W (weak scaling: --batch-per-rank sequences per rank),
        with tokens/s, the median step time (slowest rank), model FLOPs per step (tokens x
-       6N + 12LHQT, N every parameter: the one convention, as the main job's line) and
-       hardware FLOPs (the ledger's, all ranks), and MFU = model FLOPs / (step s x peak x
-       ranks), HFU likewise with hardware FLOPs.
+       6N + 12LHQT, N every parameter: the one convention, as the main job's line and
+       `report`) and hardware FLOPs (the ledger's, all ranks: recomputation and the
+       elementwise work included), and MFU = model FLOPs / (step s x peak x ranks), HFU
+       likewise with hardware FLOPs.
 
 One rank's view: train warm-up + steps AdamW steps with minidist.train.train_on_rank; the
 ledger counts the first step (a warm-up step, so its hooks never slow a timed step) and
@@ -41,7 +43,7 @@ from minidist.nn import GPT
 from minidist.observe import op_flops
 from minidist.observe.flops import PHASES, FlopLedger
 from minidist.observe.peak import DTYPES, peak_flops
-from minidist.observe.throughput import closed_form, from_ledger
+from minidist.observe.throughput import closed_form, from_ledger, model_flops_per_token
 from minidist.runtime.launch import spawn
 from minidist.train import OnStep, OptimizerConfig, Plan, RunConfig, train_on_rank
 
@@ -78,7 +80,8 @@ def measure(cfg, data_cfg, dp: int, a: argparse.Namespace) -> tuple[FlopLedger, 
 
 
 def ledger_vs_formula(led: FlopLedger, cfg, tokens: int, T: int) -> tuple[str, bool]:
-    """The closed form's terms for `tokens` tokens next to the ledger's matmul FLOPs."""
+    """The closed form's terms for `tokens` tokens next to the ledger's matmul FLOPs, and
+    under them MFU's model FLOPs (6N + 12LHQT, N every parameter: the one convention)."""
     cf = closed_form(cfg, T)
     lines = [f"{'closed form (PaLM App. B), per step':<52}{'FLOPs':>18}"]
     for label, per_token in cf.terms():
@@ -86,6 +89,9 @@ def ledger_vs_formula(led: FlopLedger, cfg, tokens: int, T: int) -> tuple[str, b
     equal = led.model_flops() == cf.matmul * tokens
     lines.append(f"  {'ledger: matmul FLOPs of forward + backward':<50}"
                  f"{led.model_flops():>18,d}   {'equal' if equal else 'DIFFERENT'}")
+    n = GPT(cfg, None).num_parameters()
+    lines.append(f"  {f'MFU: 6N + 12LHQT, N = {n:,} every param':<50}"
+                 f"{model_flops_per_token(cfg, T) * tokens:>18,d}")
     return "\n".join(lines), equal
 
 

@@ -126,7 +126,7 @@ class MixedPrecision:
         engine.opt = self.master
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)      # no_sync, comm_wait_s, model, sharding, ...
+        return getattr(self.inner, name)      # no_sync, model, sharding, ...
 
     def forward(self, idx, targets=None, **kwargs):
         """(logits, loss) of the inner engine, Autocast on until step(); loss x S in the

@@ -10,10 +10,14 @@
     MFU          model FLOPs utilisation over the window: model FLOPs of the steps (6N + 12LHQT
                  per token, N every parameter: observe/throughput.model_flops_per_token, the
                  convention of every MFU printed) / (window seconds x peak FLOP/s x ranks)
-    comm         the share of the printed step's time that the ranks waited for communication
-                 (their mean of comm_wait / step, RankResult.timing): the gradient sync's
-                 waits, and the calls on the tp, cp, pp and ep groups inside forward and
-                 backward (under pp a stage waiting for its neighbour, the bubble, too)
+    comm         the share of the printed step's time that the ranks spent communicating
+                 (their mean of comm_wait / step, RankResult.timing): the seconds each rank
+                 spent inside calls on every group of its layout (dp, tp, cp, ep, the
+                 experts' dp, pp's links, the tied embedding's and the gradient norm's
+                 groups), each call counted once on its own group (runtime/group.py: a
+                 synchronous call, or waiting in Work.wait() or for the group's queue; an
+                 async call running behind compute is not counted). Under pp a stage
+                 waiting for its neighbour, the bubble, counts too
     mem          the largest memory over the ranks, as each rank measured it: with
                  --device-memory the ledger's peak of that step (memory/ledger.py: every
                  array, activations included), else the engine's model state (parameters,
@@ -27,7 +31,7 @@ steps, wall time, tokens/s and MFU over the whole run (the first step, which pay
 warm-up, left out when there are more), the mean communication share, and each rank's peak
 memory.
 
-One rank's view: rank 0 keeps the Progress; train.py gathers the per-rank numbers of a
+One rank's view: rank 0 keeps the Progress; train_cli.py gathers the per-rank numbers of a
 printed step ([step seconds, comm wait, peak bytes] per rank, one all_gather on the world
 group only at printed steps) and hands them to `line`. Nothing here communicates.
 

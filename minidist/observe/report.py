@@ -12,6 +12,10 @@ metrics lines instead, and says so.
 What it prints (times are means per step; shares are of the rank's step time):
     the command and the model, layout and batch (config.json)
     steps, first and final loss, tokens/s, median step time (summary.json)
+    MFU at that tokens/s: tokens/s x model FLOPs per token / (peak FLOP/s x ranks), with
+    the model FLOPs per token (6N + 12LHQT, N every parameter) and one rank's peak that
+    `train` recorded in config.json: observe/throughput.py's one convention, the progress
+    line's and `bench throughput`'s (no line for a MoE model or an older run)
     per rank: step ms, compute / comm wait / other ms (share), bytes sent per step and
     axis, model state after the last step (params + grads + optimizer), peak RSS
     the trace: its events, the traced steps, and where to open it
@@ -40,8 +44,10 @@ from pathlib import Path
 
 from minidist.cli import CliParser, cli_error
 from minidist.observe import metrics, run_files
+from minidist.observe.progress import human
 from minidist.observe.run_dir import check_config, load
 from minidist.observe.run_files import RunFileError, check, field
+from minidist.observe.throughput import mfu
 
 SHARES = ("compute", "comm_wait", "other")
 
@@ -93,7 +99,23 @@ def text(path: Path) -> list[str]:
     out.append(f"steps {s['first_step']}-{s['last_step']} ({s['steps']}) · loss "
                f"{s['losses'][0]:.4f} -> {s['final_loss']:.4f} · {tok}median step "
                f"{s['step_s_median'] * 1e3:.1f} ms (the slowest rank's)")
+    u = mfu_of(cfg, s)
+    if u is not None:
+        out.append(f"MFU {100 * u:.2f}% = {human(s['tokens_per_s'])} tokens/s x "
+                   f"{human(cfg['model_flops_per_token'])} FLOPs/token (6N + 12LHQT) / "
+                   f"({human(cfg['peak_flops'], 'FLOP/s')} x {cfg['world_size']} ranks)")
     return out + _rank_table(s["ranks"]) + [_trace_line(path)]
+
+
+def mfu_of(cfg: dict, s: dict) -> float | None:
+    """The run's MFU at the summary's tokens/s, by the one convention: tokens/s x
+    config.json's model_flops_per_token / (its peak_flops x world_size ranks)
+    (observe/throughput.mfu); None when one of them is missing."""
+    tokens_per_s, flops = s.get("tokens_per_s"), cfg.get("model_flops_per_token")
+    peak, ranks = cfg.get("peak_flops"), cfg.get("world_size", 0)
+    if not (tokens_per_s and flops and peak and ranks >= 1):
+        return None
+    return mfu(tokens_per_s * flops, 1.0, peak, ranks)
 
 
 def _rank_table(ranks: dict) -> list[str]:

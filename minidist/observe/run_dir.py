@@ -1,7 +1,8 @@
 """The run directory: one folder per training run, with everything needed to look at it later.
 
     RUN_DIR/
-      config.json              the command line, GPTConfig, DataConfig, Plan, versions
+      config.json              the command line, GPTConfig, DataConfig, Plan, versions,
+                               and MFU's inputs: model FLOPs per token and one rank's peak
       metrics/rank<r>.jsonl    one line per step and rank, flushed each step (metrics.py)
       trace.json               one Chrome/Perfetto trace of the traced steps, every rank
       summary.json             steps, final loss, tokens/s, time split per rank (at the end)
@@ -58,6 +59,7 @@ import minidist
 from minidist.autograd import tensor as core
 from minidist.autograd.tensor import Observer, observe, unobserve
 from minidist.observe import metrics, run_files
+from minidist.observe.throughput import model_flops_per_token
 from minidist.observe.trace import Event, Trace
 from minidist.runtime import call
 from minidist.runtime import flight
@@ -70,14 +72,21 @@ DEFAULT_TRACE_STEPS = (0, 1)
 
 # --- the folder ---------------------------------------------------------------------------
 
-def config(model_cfg, data_cfg, plan, *, command: Sequence[str] = (), **run: Any) -> dict:
+def config(model_cfg, data_cfg, plan, *, command: Sequence[str] = (),
+           peak_flops: float | None = None, **run: Any) -> dict:
     """What config.json holds: the command, the three configs, the run's other settings
-    (global_batch, lr, ...), tokens per step (global_batch x T) and the versions."""
+    (global_batch, lr, ...), tokens per step (global_batch x T), the versions, and what
+    `report` needs for MFU: model_flops_per_token (6N + 12LHQT, N every parameter:
+    observe/throughput.py's one convention; None for a MoE model) and peak_flops (one
+    rank's peak FLOP/s, observe/peak.py's for the model's dtype; None if not measured)."""
     batch = run.get("global_batch")
     return {"command": " ".join(command), "model": _plain(model_cfg), "data": _plain(data_cfg),
             "plan": _plain(plan), "plan_describe": plan.describe(),
             "world_size": plan.world_size, "run": run,
             "tokens_per_step": None if batch is None else batch * data_cfg.block_size,
+            "model_flops_per_token": None if model_cfg.moe_every else
+            model_flops_per_token(model_cfg),
+            "peak_flops": None if peak_flops is None else float(peak_flops),
             "versions": {"minidist": minidist.__version__, "python": platform.python_version(),
                          "numpy": np.__version__, "platform": platform.platform()},
             "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -137,6 +146,12 @@ def check_config(cfg: Any, where: str) -> dict:
     f(cfg, "plan_describe", "a string", where)
     f(cfg, "world_size", "an int", where)
     f(cfg, "tokens_per_step", "an int or null", where)
+    for key, kind in (("model_flops_per_token", "an int or null"),
+                      ("peak_flops", "a number or null")):     # absent in older runs
+        value = f(cfg, key, kind, where) if key in cfg else None
+        if value is not None and not 0 < value < float("inf"):
+            raise run_files.RunFileError(f"{where}: {key} is {value!r}, expected a "
+                                         "number > 0 or null")
     return cfg
 
 
@@ -238,6 +253,7 @@ def for_cli(a, command: Sequence[str], model_cfg, data_cfg, plan) -> Path | None
     run = {k: getattr(a, k) for k in ("steps", "batch", "lr", "optimizer", "seed", "dtype")
            if hasattr(a, k)}
     return create(path, config(model_cfg, data_cfg, plan, command=command,
+                               peak_flops=getattr(a, "peak_flops", None),
                                global_batch=a.batch, trace_steps=list(a.trace_steps), **run))
 
 

@@ -6,30 +6,33 @@ MODEL needs per second by the peak the hardware could do:
 
     MFU = model FLOPs per step / (step seconds x peak FLOP/s per rank x ranks)
     HFU = the same with hardware FLOPs: everything executed, recomputation included
-Model FLOPs follow one convention everywhere, PaLM's 6N + 12LHQT per token with N every
-parameter, embeddings included (`model_flops_per_token`); hardware FLOPs are the ledger's.
+Model FLOPs follow ONE convention everywhere minidist prints an MFU (the main job's
+progress line, `bench throughput`, `report`, demo 24), PaLM's (App. B), per token:
 
-A run that recomputes activations does more work for the same model, so its HFU rises
-while its MFU does not: MFU is the number to compare, HFU says how busy the machine was.
-
-Model FLOPs of a dense GPT, per token (PaLM, App. B), with N the non-embedding parameters,
-L layers, H heads, Q head dim, T sequence length:
-
-    6N + 12LHQT
+    6N + 12LHQT      `model_flops_per_token(cfg)`; `mfu()` divides by the peak
+    N   every parameter of the model: the embeddings included, a tied input/output
+        embedding counted once (PaLM's N = 540.35B counts its shared embedding; with
+        PaLM 540B's published figures only this N gives its 46.2 %)
+    L layers, H heads, Q head dim, T sequence length
     6N: every weight is used in one multiply-add per token forward (2 FLOPs) and two
         backward (dx and dW: 4 FLOPs); 12LHQT: per layer, q k^T and A v are each 2QT
         FLOPs per head and token forward, 3x that with their backward, over the FULL T x T
         square (our causal attention computes all of it, then masks).
+Hardware FLOPs are the ledger's (observe/flops.py).
 
-What this GPT executes differs from that formula in two documented terms, so the FLOP
-ledger (observe/flops.py) of one training step of B sequences equals EXACTLY
+A run that recomputes activations does more work for the same model, so its HFU rises
+while its MFU does not: MFU is the number to compare, HFU says how busy the machine was.
 
-    B T (6N + 12LHQT - 6 N_vec + 6 V C [tied head])
-    N_vec:  biases and LayerNorm gains and shifts are in N but run no matmul (they cost
+What this GPT executes differs from the formula, so the FLOP ledger's matmul FLOPs of one
+training step of B sequences are checked against a closed form written with N', the
+NON-embedding parameters (all but wte and wpe), which it equals EXACTLY:
+
+    B T (6N' + 12LHQT - 6 N_vec + 6 V C [tied head])
+    N_vec:  biases and LayerNorm gains and shifts are in N' but run no matmul (they cost
             elementwise FLOPs, counted as "other", not as model FLOPs);
     6VC:    the LM head (B T, C) @ (C, V), forward and backward: a matmul on the tied token
-            embedding, which N (non-embedding) leaves out. Untied, the head's weight is
-            in N already and the term is 0.
+            embedding, which N' leaves out. Untied, the head's weight is in N' already
+            and the term is 0.
 The embedding lookups are gathers (0 FLOPs); their backward is an add.at ("other").
 `closed_form(cfg, T)` returns each term; tests/observe/test_throughput.py checks the
 equality, and demos/24_throughput.py prints it.
@@ -56,11 +59,12 @@ from minidist.nn import GPTConfig
 
 @dataclass(frozen=True)
 class ClosedForm:
-    """The terms of 6N + 12LHQT for one dense GPT at sequence length T (FLOPs per token)."""
+    """The terms of the ledger's closed form, 6N' + 12LHQT - 6 N_vec + 6 head, for one
+    dense GPT at sequence length T (FLOPs per token)."""
 
-    N: int              # non-embedding parameters (all but wte and wpe)
+    N: int              # N': non-embedding parameters (all but wte and wpe)
     n_vector: int       # of those, biases and LayerNorm gains and shifts (no matmul)
-    head: int           # V * C when the LM head is the tied wte (a matmul not in N), else 0
+    head: int           # V * C when the LM head is the tied wte (a matmul not in N'), else 0
     L: int
     H: int
     Q: int
@@ -68,19 +72,19 @@ class ClosedForm:
 
     @property
     def palm(self) -> int:
-        """6N + 12LHQT with N the non-embedding parameters (the ledger's check; MFU's model
-        FLOPs count every parameter: model_flops_per_token)."""
+        """6N' + 12LHQT, N' the non-embedding parameters: the ledger's check, not MFU's
+        model FLOPs (those count every parameter: model_flops_per_token)."""
         return palm_flops_per_token(self.N, self.L, self.H, self.Q, self.T)
 
     @property
     def matmul(self) -> int:
-        """The matmul FLOPs per token this GPT executes: 6N + 12LHQT - 6 N_vec + 6 head."""
+        """The matmul FLOPs per token this GPT executes: 6N' + 12LHQT - 6 N_vec + 6 head."""
         return self.palm - 6 * self.n_vector + 6 * self.head
 
     def terms(self) -> list[tuple[str, int]]:
         """(label, FLOPs per token) for each term, ending with the exact matmul total."""
         L, H, Q, T = self.L, self.H, self.Q, self.T
-        return [(f"6N, N = {self.N:,} non-embedding params", 6 * self.N),
+        return [(f"6N', N' = {self.N:,} non-embedding params", 6 * self.N),
                 (f"12LHQT, L={L} H={H} Q={Q} T={T}", 12 * L * H * Q * T),
                 (f"- 6 x {self.n_vector:,} biases and LayerNorm params", -6 * self.n_vector),
                 (f"+ 6 x {self.head:,} tied LM head (V x C)", 6 * self.head),
@@ -113,16 +117,20 @@ def closed_form(cfg: GPTConfig, T: int | None = None) -> ClosedForm:
 
 def model_flops_per_token(cfg: GPTConfig, T: int | None = None) -> int:
     """The model FLOPs per token behind every MFU minidist prints (the main job's progress
-    line, `bench throughput`, demo 24): PaLM's convention (Chowdhery et al. 2022, App. B),
+    line, `bench throughput`, `report`, demo 24): PaLM's convention (Chowdhery et al.
+    2022, App. B),
 
-        6N + 12LHQT,  N = every parameter of the model: the embeddings included, a tied
-                      input/output embedding once (PaLM's N = 540.35B counts its shared
-                      embedding, and only that N gives its published 46.2 % MFU)
+        6N + 12LHQT,  N = every parameter of the model (GPT.num_parameters()): the
+                      embeddings included, a tied input/output embedding once (PaLM's
+                      N = 540.35B counts its shared embedding, and only that N gives its
+                      published 46.2 % MFU); L layers, H heads of Q dims, T the sequence
+                      length (default block_size)
 
     It is the work the model needs, not what this GPT happens to execute: the FLOP ledger's
-    exact matmul count (`closed_form(cfg).matmul`) leaves out the gathers of the embedding
-    lookups and the elementwise vectors, and counts the tied head's matmul; HFU uses that.
-    A dense model only (ValueError for MoE, as closed_form)."""
+    exact matmul count (`closed_form(cfg).matmul`) leaves out the embedding lookups (gathers)
+    and the elementwise vectors, and counts the tied head's matmul; the ledger's hardware
+    FLOPs (everything executed) are HFU's numerator. A dense model only (ValueError for
+    MoE, as closed_form)."""
     cf = closed_form(cfg, T)
     embeddings = (cfg.vocab_size + cfg.block_size) * cfg.n_embd      # wte (tied: once), wpe
     return palm_flops_per_token(cf.N + embeddings, cf.L, cf.H, cf.Q, cf.T)
@@ -135,7 +143,9 @@ def palm_flops_per_token(N: int, L: int, H: int, Q: int, T: int) -> int:
 
 def mfu(model_flops: float, seconds: float, peak: float, ranks: int = 1) -> float:
     """Model FLOPs utilisation: model_flops done in `seconds` on `ranks` ranks of peak
-    FLOP/s `peak` each: model_flops / (seconds x peak x ranks)."""
+    FLOP/s `peak` each: model_flops / (seconds x peak x ranks). Every MFU minidist prints
+    is this with model_flops = tokens x model_flops_per_token(cfg) (HFU: the ledger's
+    hardware FLOPs)."""
     return model_flops / (seconds * peak * ranks)
 
 

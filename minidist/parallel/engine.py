@@ -25,11 +25,6 @@ optimizer, and calls only these:
                                  naming the key for a missing or unexpected name, a wrong
                                  shape or dtype, or another optimizer's state.
     engine.memory()
-    engine.comm_wait_s           seconds the last step() waited for communication
-    engine.compute_wait_s        seconds the forward and backward since the last step() spent
-                                 in the engine's own collectives (ZeRO-2/3's reduce-scatters
-                                 in the backward, ZeRO-3's all-gathers; 0 for DDP and ZeRO-1,
-                                 which wait only in step()); step() sets it back to 0
 
 Engines: parallel/data/ddp.py's DataParallel (ZeRO stage 0) and parallel/zero/engine.py's
 ZeroEngine (stages 1-3). An engine syncs gradients over ONE group, the dp group, for
@@ -56,8 +51,6 @@ class Engine:
     """Base of the engines: `self._sync` is False inside no_sync()."""
 
     _sync = True
-    comm_wait_s = 0.0
-    compute_wait_s = 0.0
     sharding = None              # parallel/sharding.ModelSharding, or None: the whole model
 
     def _norm(self, dp_sq: float) -> float:

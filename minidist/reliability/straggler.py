@@ -9,16 +9,17 @@ points at the culprit.
 
 Measure. After each step every rank contributes four float64 numbers, train.py's timing
 of the step: its dp coordinate, its compute time (forward and backward of its
-micro-batches), its communication wait (engine.comm_wait_s: what the optimizer step
-waited for the gradient sync) and its step time; one all_gather over the world group
-gives every rank the same (W, 4) table. Under DDP and ZeRO-1 the gradient sync overlaps
-the backward and is waited for only in the optimizer step, so a fast rank's compute holds
-no waiting for a slow one. ZeRO-2 and -3 block inside the backward (reduce-scatters; and
-stage 3's all-gathers in the forward too): the engine times those waits
-(engine.compute_wait_s) and train.py moves them from compute to the communication wait,
-so a fast rank's compute is again its own. Limits: time lost before the forward (loading
-data) is not seen. A `slow` fault (reliability/faults.py) sleeps as the forward begins, as
-a slow device computes late; with per_row= its delay follows the rows it is given.
+micro-batches), its communication wait (the seconds it spent inside calls on its groups:
+under DDP what the optimizer step waited for the gradient sync) and its step time; one
+all_gather over the world group gives every rank the same (W, 4) table. Under DDP and
+ZeRO-1 the gradient sync overlaps the backward and is waited for only in the optimizer
+step, so a fast rank's compute holds no waiting for a slow one. ZeRO-2 and -3 block inside
+the backward (reduce-scatters; and stage 3's all-gathers in the forward too): the groups
+time those calls (runtime/group.py) and train.py moves them from compute to the
+communication wait, so a fast rank's compute is again its own. Limits: time lost before
+the forward (loading data) is not seen. A `slow` fault (reliability/faults.py) sleeps as
+the forward begins, as a slow device computes late; with per_row= its delay follows the
+rows it is given.
 
 Detect (`Detector`). A rank is slow in a step when its compute time exceeds FACTOR
 (F = 1.5) times the median of the other ranks' compute; it is a straggler once it has

@@ -17,7 +17,10 @@ transport, runtime/mpi.py, offers the same, without `shared`):
                                same call again returns the same region, whose
                                `state` dict an algorithm may keep things in
     barrier()                  every member has arrived, in this same call
-    stats                      bytes sent and received, for cost accounting
+    stats                      bytes sent and received, for cost accounting, and
+                               "seconds": the wall time the main thread spent in
+                               calls on the group (CallScope), in Work.wait() and
+                               in drain() (train.py's comm column adds them up)
 Everything else here is the runtime's own: numbering and publishing calls
 (runtime/records.py), watching for failures while waiting (runtime/watch.py),
 the async worker, and the exit checks.
@@ -288,11 +291,15 @@ class ProcessGroup:
         return work
 
     def drain(self) -> None:
-        """Wait until every submitted call has run (keeps program order for sync calls)."""
+        """Wait until every submitted call has run (keeps program order for sync calls).
+        The main thread's wait here is a wait for communication: it adds to "seconds"."""
         if self._pending == 0:                  # the common case: nothing queued, no lock
             return
+        t0 = time.perf_counter()
         with self._cv:
             self._cv.wait_for(lambda: self._pending == 0)
+        if threading.get_ident() == MAIN_THREAD:
+            self.stats["seconds"] += time.perf_counter() - t0
 
     def _worker(self) -> None:
         while True:

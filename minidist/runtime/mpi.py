@@ -26,6 +26,7 @@ Read next: collectives/
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable
 
 import numpy as np
@@ -167,16 +168,21 @@ class MpiGroup:
 
 
 class _MpiScope:
+    """One call: its sequence number and record, and its wall time added to
+    stats["seconds"] (as group.py's CallScope; every MPI call runs on the main thread)."""
+
     def __init__(self, g: MpiGroup, rec: np.ndarray):
-        self.g, self.rec = g, rec
+        self.g, self.rec, self.t0 = g, rec, 0.0
 
     def __enter__(self) -> MpiGroup:
         self.g.seq += 1
         self.rec[call.SEQ] = self.g.seq
         self.g.record = self.rec
+        self.t0 = time.perf_counter()
         return self.g
 
     def __exit__(self, *exc) -> None:
+        self.g.stats["seconds"] += time.perf_counter() - self.t0
         self.g.record = self.g._p2p
 
 

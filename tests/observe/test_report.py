@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
+from minidist.nn import GPTConfig
 from minidist.observe import report
+from minidist.observe.throughput import mfu, model_flops_per_token
 from minidist.train_cli import main as train_main
 
 CLI = ["--dp", "2", "--tp", "2", "--task", "reverse", "--length", "3", "--n-layer", "2",
@@ -43,6 +45,10 @@ def test_the_report_prints_the_runs_own_numbers(run, capsys):
     assert out[3].startswith(f"steps 0-2 (3) · loss {summary['losses'][0]:.4f} -> "
                              f"{summary['final_loss']:.4f} · "
                              f"{summary['tokens_per_s']:,.0f} tokens/s · median step"), out[3]
+    cfg = json.loads((run / "config.json").read_text())            # what `train` recorded
+    assert cfg["model_flops_per_token"] == model_flops_per_token(GPTConfig(**cfg["model"]))
+    u = mfu(summary["tokens_per_s"] * cfg["model_flops_per_token"], 1.0, cfg["peak_flops"], 4)
+    assert out[4].startswith(f"MFU {100 * u:.2f}% = "), out[4]      # the one convention
     heads = [i for i, line in enumerate(out) if line.strip().startswith("rank")]
     times = {line.split()[0]: line.split() for line in out[heads[0] + 1:heads[0] + 5]}
     assert sorted(times) == ["0", "1", "2", "3"]

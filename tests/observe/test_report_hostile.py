@@ -212,6 +212,12 @@ IN_PROCESS = [
     ("config-tokens-per-step-a-string",
      _replace("config.json", json.dumps({**CONFIG, "tokens_per_step": "24"})),
      ["config.json", "tokens_per_step"]),
+    ("config-model-flops-a-string",
+     _replace("config.json", json.dumps({**CONFIG, "model_flops_per_token": "1e6"})),
+     ["config.json", "model_flops_per_token"]),
+    ("config-peak-flops-negative",
+     _replace("config.json", json.dumps({**CONFIG, "peak_flops": -1.0})),
+     ["config.json", "peak_flops", "> 0"]),
     ("metrics-file-linked-out", _unfinished(_linked_out("metrics/rank0.jsonl")),
      ["rank0.jsonl", "symbolic link"]),
     ("summary-linked-out", _linked_out("summary.json"), ["summary.json", "symbolic link"]),
@@ -252,8 +258,19 @@ def test_the_hand_made_run_directory_reports_cleanly(run, capsys):
     assert report.main([str(run), "--no-plots"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[3].startswith("steps 0-2 (3) · loss 3.0000 -> 1.0000 · 48 tokens/s"), out[3]
+    assert out[4].startswith("per rank"), out[4]      # no MFU: config.json has no FLOPs
     assert out[-1].endswith("4 events on 2 ranks, steps 0, 1 (open it in "
                             "https://ui.perfetto.dev)"), out[-1]
+
+
+def test_the_report_gives_mfu_from_the_flops_and_peak_in_config(run, capsys):
+    """48 tokens/s x 1000 FLOPs/token / (1 MFLOP/s x 2 ranks) = 2.40 %."""
+    (run / "config.json").write_text(json.dumps({**CONFIG, "model_flops_per_token": 1000,
+                                                 "peak_flops": 1e6}))
+    assert report.main([str(run), "--no-plots"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[4] == ("MFU 2.40% = 48 tokens/s x 1k FLOPs/token (6N + 12LHQT) / "
+                      "(1MFLOP/s x 2 ranks)"), out[4]
 
 
 @pytest.mark.parametrize("plant, words", [c[1:] for c in IN_PROCESS],

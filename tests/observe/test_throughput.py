@@ -3,11 +3,14 @@ documented terms (vectors, tied head), op by op and in total; the parameter coun
 closed form are the model's; model FLOPs do not depend on the layout while ZeRO-3's
 recomputation shows up in hardware FLOPs only; MFU and HFU are the stated quotients."""
 
+import json
+
 import numpy as np
 import pytest
 
 from minidist.data import DataConfig
 from minidist.nn import GPT, GPTConfig
+from minidist.observe import report, run_dir
 from minidist.observe.flops import FlopLedger
 from minidist.observe.progress import Progress
 from minidist.observe.throughput import (closed_form, from_ledger, mfu, model_flops_per_token,
@@ -40,6 +43,8 @@ def test_closed_form_counts_the_models_parameters(over):
     assert cf.head == (cfg.vocab_size * cfg.n_embd if cfg.tie_weights else 0)
     assert (cf.L, cf.H, cf.Q, cf.T) == (cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head,
                                         cfg.block_size)
+    N = sum(p.size for p in params.values())                  # MFU's N: every parameter
+    assert model_flops_per_token(cfg) == palm_flops_per_token(N, cf.L, cf.H, cf.Q, cf.T)
 
 
 @pytest.mark.parametrize("over", CONFIGS)
@@ -132,14 +137,19 @@ def test_palm_540b_mfu_is_46_2_percent_with_the_shared_embedding_in_n():
     assert round(100 * mfu(no_embedding * 238.3e3, 1.0, 275e12, 6144), 1) == 45.8
 
 
-def test_the_progress_line_and_the_bench_give_one_mfu():
-    """The main job's line (Progress) and bench throughput / demo 24 (from_ledger) compute
-    MFU of the same step from the same convention: the same number."""
+def test_the_progress_line_the_bench_and_the_report_give_one_mfu():
+    """The main job's line (Progress), bench throughput / demo 24 (from_ledger) and `report`
+    (mfu_of, from what config.json records) compute MFU of the same run by the same
+    convention: fed the same tokens/s, peak and ranks, they give the same number."""
     cfg = GPTConfig()
     bar = Progress.for_model(cfg, batch=2, ranks=2, total_steps=1, peak_flops=1e9)
     led = _step(cfg, 2, 6)
     tokens = 2 * cfg.block_size
     bench = from_ledger(led, cfg, seconds=0.25, tokens=tokens, peak=1e9, ranks=2)
+    saved = json.loads(json.dumps(run_dir.config(cfg, DataConfig(), Plan(dp=2),
+                                                 global_batch=2, peak_flops=1e9)))
+    printed = report.mfu_of(saved, {"tokens_per_s": 4.0 * tokens})       # 4 steps a second
     assert bar.mfu(steps_per_second=4.0) == pytest.approx(bench.mfu, rel=1e-12)
+    assert printed == pytest.approx(bench.mfu, rel=1e-12)
     embeddings = (cfg.vocab_size + cfg.block_size) * cfg.n_embd
     assert model_flops_per_token(cfg) == closed_form(cfg).palm + 6 * embeddings

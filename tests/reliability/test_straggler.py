@@ -279,8 +279,8 @@ def test_the_cli_names_the_slow_rank_within_a_few_steps(capfd):
 @pytest.mark.parametrize("zero", [2, 3])
 def test_zero_2_and_3_name_the_slow_rank_though_they_wait_inside_the_backward(zero):
     """Stages 2-3 block in the backward (reduce-scatters; stage 3's gathers too), so a fast
-    rank's forward + backward includes waiting for the slow one; engine.compute_wait_s
-    takes that out of compute, and only the slow rank is named."""
+    rank's forward + backward includes waiting for the slow one; the seconds of those
+    calls (train.py's comm_wait) come out of compute, and only the slow rank is named."""
     slow = "slow:rank=1:step=2:seconds=0.05"
     runs = spawn(2, _rank, Plan(dp=2, zero=zero), 7, "detect", None, slow)
     lines = runs[0][2]

@@ -1,5 +1,6 @@
 """Groups: barriers, shared regions, async work, subgroups side by side, and the mesh."""
 
+import threading
 import time
 
 import numpy as np
@@ -173,6 +174,19 @@ def test_ranks_meeting_at_a_barrier_from_different_calls_is_a_mismatch_naming_bo
     assert f"all_reduce #{shift + 1} on 'world' (float32 (2,), op sum, algo direct)" in text
 
 
+class _ReleasingCondition(threading.Condition):
+    """The group's condition, which lets the queued call `go` once drain() waits on it:
+    the main thread is then certainly waiting for the queue (no timing involved)."""
+
+    def __init__(self, go: threading.Event):
+        super().__init__()
+        self.go = go
+
+    def wait_for(self, predicate, timeout=None):
+        self.go.set()
+        return super().wait_for(predicate, timeout)
+
+
 def _seconds_in_calls(ctx):
     g = ctx.world
     before = g.stats["seconds"]
@@ -181,12 +195,19 @@ def _seconds_in_calls(ctx):
     synchronous = g.stats["seconds"] - before
     work = C.all_reduce(np.ones(1000), group=g, async_op=True)
     work.wait()
-    return synchronous, g.stats["seconds"] - before - synchronous
+    waited = g.stats["seconds"] - before - synchronous
+    go = threading.Event()
+    g._cv = _ReleasingCondition(go)
+    g.submit(go.wait)                     # queued until drain() waits for it
+    before = g.stats["seconds"]
+    g.drain()
+    return synchronous, waited, g.stats["seconds"] - before
 
 
 def test_a_group_counts_the_seconds_its_caller_spent_in_calls():
-    """train.py's comm column adds these for the tp, cp, pp and ep groups: synchronous
-    calls, and the main thread's waits in Work.wait() (the async call's own run on the
-    group's worker is not waiting)."""
-    for synchronous, waited in spawn(2, _seconds_in_calls):
-        assert synchronous > 0 and waited > 0
+    """train.py's comm column adds these for every group of the layout: synchronous
+    calls, the main thread's waits in Work.wait() (the async call's own run on the
+    group's worker is not waiting) and in drain() (a synchronous call waiting for the
+    group's queued async ones)."""
+    for synchronous, waited, drained in spawn(2, _seconds_in_calls):
+        assert synchronous > 0 and waited > 0 and drained > 0

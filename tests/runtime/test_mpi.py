@@ -26,6 +26,7 @@ SCRIPT = textwrap.dedent("""
         y = g.sendrecv(x, (g.rank + 1) % g.size, (g.rank - 1) % g.size)
     left = (g.rank - 1) % g.size
     assert np.array_equal(y, np.arange(100_000.0) * (left + 1)), "wrong payload"
+    assert g.stats["seconds"] > 0, "the call's seconds (the comm column's) were not counted"
     pair = ctx.new_group([0, 1], name="pair")
     if pair is not None:
         acc = np.ones(3)

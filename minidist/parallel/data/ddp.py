@@ -67,7 +67,6 @@ Read next: parallel/data/buckets.py (the fast path), then parallel/zero/engine.p
 from __future__ import annotations
 
 import hashlib
-import time
 
 from typing import Callable
 
@@ -113,7 +112,7 @@ class DataParallel(Engine):
         named = list(model.named_parameters())
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.opt = make_optimizer(optimizer, self.params, lr, weight_decay, betas, momentum)
-        self.steps, self.comm_wait_s = 0, 0.0
+        self.steps = 0
         self._setup_gradients(bucket_bytes)
         for p in self.params:
             p.register_grad_hook(self._on_grad_ready)
@@ -185,9 +184,7 @@ class DataParallel(Engine):
         """Finish the all-reduces, clip by the global norm, update, zero; return the norm.
         skip(norm) True (the same on every rank: reliability/spike.py): zero the gradients
         and leave the parameters and the optimizer as they are."""
-        t0 = time.perf_counter()
         grads = self._summed_grads()
-        self.comm_wait_s = time.perf_counter() - t0
         norm = self._norm(self.sharding.grad_sq(grads) if self.sharding is not None
                           else sum(float(wide(g.reshape(-1)) @ wide(g.reshape(-1)))
                                    for g in grads))

@@ -64,7 +64,6 @@ Read next: parallel/zero/stage3.py (stage 3 forward/backward), parallel/zero/mem
 
 from __future__ import annotations
 
-import time
 
 from typing import Callable
 
@@ -103,7 +102,7 @@ class ZeroEngine(Engine):
         self.unit_groups = [expert_group if u.name.endswith(".experts") else group
                             for u in self.units]
         self.dtype = np.dtype(self.units[0].params[0].dtype)
-        self._sync, self.comm_wait_s = True, 0.0
+        self._sync = True
         w_shards = self._shard_parameters()
         # gradients: stage 1 keeps full flat buffers (the reduced slice in place);
         # stages 2-3 keep a shard and build full buffers only while a unit is reduced
@@ -163,7 +162,6 @@ class ZeroEngine(Engine):
         """
         if clip_grad is not None and not clip_grad > 0:
             raise ValueError(f"ZeroEngine.step: clip_grad={clip_grad}; it must be > 0 or None.")
-        t0 = time.perf_counter()
         for i, u in enumerate(self.units):
             if self.stage == 1:
                 lo, hi = u.shard_range(self._rank(i))
@@ -181,7 +179,6 @@ class ZeroEngine(Engine):
                     self.p_full[i][...] = self._all_gather(s.data, unit=i).reshape(-1)
         for g in self.g_acc if self.stage == 1 else [s.grad for s in self.shards]:
             g[...] = 0
-        self.comm_wait_s, self.compute_wait_s = time.perf_counter() - t0, 0.0
         return norm
 
     def global_norm(self) -> float:
@@ -283,7 +280,7 @@ class ZeroEngine(Engine):
         if self._seen[i] == len(u.params):
             self._seen[i] = 0
             if self.stage == 2 and self._sync:
-                self._reduce_in_backward(i)
+                self._reduce_unit(i)
 
     def local_grad(self, p) -> np.ndarray:
         """Stages 1-2: p's gradient accumulated on this rank and not yet reduced (a view
@@ -309,14 +306,7 @@ class ZeroEngine(Engine):
         else:
             self.g_acc[i] += flat
         if self._sync:
-            self._reduce_in_backward(i)
-
-    def _reduce_in_backward(self, i: int) -> None:
-        """_reduce_unit(i) from the backward (stages 2-3): its seconds count in
-        compute_wait_s (engine.py), the time the backward waited for communication."""
-        t0 = time.perf_counter()
-        self._reduce_unit(i)
-        self.compute_wait_s += time.perf_counter() - t0
+            self._reduce_unit(i)
 
     def _reduce_unit(self, i: int) -> None:
         """dw_shard_i += reduce_scatter(sum) of unit i's full buffer; free the buffer."""

@@ -68,7 +68,6 @@ Read next: parallel/zero/memory.py.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -294,9 +293,7 @@ class Zero3Hooks:
         """Make unit i's parameters real: wait for its gather, point the Parameters at it."""
         self._prefetch(i)
         if i not in self.gathered:
-            t0 = time.perf_counter()
             flat = self.work[i].wait().reshape(-1)                 # (W S_u,)
-            self.e.compute_wait_s += time.perf_counter() - t0     # engine.py
             for p, view in zip(self.e.units[i].params, self.e.units[i].views(flat)):
                 p.data = view
             self.gathered.add(i)

@@ -1,16 +1,19 @@
 """Observability: a run directory, its merged trace and its report, for a dp=2 x tp=2 run.
 
-What you will see: a tiny GPT trained on 4 ranks (dp=2 x tp=2) with a run directory in a
-temporary folder: its files; per rank, what the trace holds for the traced step (ops by
+What you will see: a tiny GPT trained on 4 ranks (dp=2 x tp=2) with a run directory,
+written where `python -m minidist train` writes its own (runs/<UTC time>-dp2-tp2 in the
+current folder, or in $MINIDIST_RUN_DIR; --run-dir DIR to choose) and kept, so that you
+can open its trace: its files; per rank, what the trace holds for the traced step (ops by
 phase, collectives by group) and its first few collective bars with their times; the
-report `python -m minidist report RUN_DIR` prints. The check: every collective call and
+report `python -m minidist report RUN_DIR` prints (its per-rank table, wider than a
+terminal, in two parts). The check: every collective call and
 send/recv a rank made in the traced step is a bar in the trace. The reference is each
 rank's flight recorder: its position (calls made so far, every group) at the end of each
 step, read by the rank itself; and the sequence numbers on every group have no gap and are
 the same on every member.
 
 Run:       python demos/25_observability.py [--dp 2 --tp 2 --steps 3 --trace-step 1]
-           then open RUN_DIR/trace.json in https://ui.perfetto.dev (--keep DIR keeps it)
+           [--run-dir DIR], then open RUN_DIR/trace.json in https://ui.perfetto.dev
 Read with: minidist/observe/run_dir.py, minidist/observe/metrics.py,
            minidist/observe/report.py, minidist/observe/trace.py, minidist/runtime/flight.py
 Paper:     PyTorch's profiler traces and NCCL's flight recorder (the same two ideas);
@@ -20,9 +23,10 @@ Paper:     PyTorch's profiler traces and NCCL's flight recorder (the same two id
 import argparse
 import collections
 import json
-import tempfile
+import textwrap
 from pathlib import Path
 
+from minidist.cli import CliParser, at_least
 from minidist.data import DataConfig, model_config_for
 from minidist.observe import report, run_dir
 from minidist.runtime.launch import spawn
@@ -31,17 +35,43 @@ from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on
 # --- settings (each can be overridden on the command line) ---
 DP, TP, STEPS, TRACE_STEP, BATCH, N_LAYER, N_EMBD, N_HEAD, LR = 2, 2, 3, 1, 8, 2, 16, 2, 1e-2
 SHOW = 4                                           # collective bars shown per rank
+# each number option's (low, high): the demo stays small
+LIMITS = dict(dp=(1, 8), tp=(1, 8), steps=(2, 100), trace_step=(1, 99), batch=(1, 256),
+              n_layer=(1, 8), n_embd=(1, 256), n_head=(1, 64))
+WIDTH = 100                                        # characters a line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(dp=DP, tp=TP, steps=STEPS, trace_step=TRACE_STEP, batch=BATCH,
                             n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
-    ap.add_argument("--keep", default=None, help="write the run directory here and keep it")
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=at_least(low, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_argument("--run-dir", default=None, metavar="DIR",
+                    help="the run directory, kept (default: <UTC time>-<layout> in "
+                         "$MINIDIST_RUN_DIR, else in ./runs, as train's)")
     a = ap.parse_args(argv)
-    if not 1 <= a.trace_step < a.steps:
-        ap.error("need 1 <= --trace-step < --steps (the step before it is the reference)")
+    high = [f"--{n.replace('_', '-')} <= {hi}" for n, (_, hi) in LIMITS.items()
+            if getattr(a, n) > hi]
+    if high:
+        ap.error("need " + ", ".join(high))
+    if a.dp * a.tp > 8:
+        ap.error(f"--dp {a.dp} x --tp {a.tp} = {a.dp * a.tp} ranks; the demo runs at most 8")
+    if a.trace_step >= a.steps:
+        ap.error("need --trace-step < --steps (the step before it is the reference)")
+    if a.n_embd % a.n_head or a.n_head % a.tp or a.batch % a.dp:
+        ap.error(f"need --n-embd a multiple of --n-head, --n-head of --tp and --batch of --dp; "
+                 f"got {a.n_embd}, {a.n_head}, {a.tp}, {a.batch}, {a.dp}")
+    data = DataConfig(task="reverse", length=3)
+    cfg = model_config_for(data, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head)
+    try:
+        Plan(dp=a.dp, tp=a.tp).validate(cfg, a.batch, data.block_size)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.run_dir is not None and Path(a.run_dir).exists() and any(Path(a.run_dir).iterdir()):
+        ap.error(f"--run-dir {a.run_dir} is not empty; give a new directory (the demo writes a "
+                 "fresh run there)")
     return a
 
 
@@ -69,6 +99,30 @@ def show_tree(path: Path) -> None:
             print(f"  {'  ' * (q != p)}{q.name}{'/' if q.is_dir() else f'  ({what})'}")
 
 
+def fold(table: list[str], keep: int) -> list[str]:
+    """A table wider than WIDTH as two stacked tables: cut at the last column where every
+    row has a blank (a gap between columns) within WIDTH; the second part repeats each
+    row's first `keep` characters (its label)."""
+    width = max(map(len, table))
+    if width <= WIDTH:
+        return table
+    rows = [line.ljust(width) for line in table]
+    cut = max(c for c in range(keep, WIDTH + 1) if all(row[c - 1] == " " for row in rows))
+    return [row[:cut].rstrip() for row in rows] + [""] + [
+        (row[:keep] + row[cut:]).rstrip() for row in rows]
+
+
+def show_report(lines: list[str]) -> None:
+    """report.text's lines: its per-rank table folded to WIDTH, any other line wrapped."""
+    table = [i for i, line in enumerate(lines) if line.startswith("  rank ")
+             or (line[:3].strip().isdigit() and line.startswith("  "))]
+    for i, line in enumerate(lines):
+        if i == table[0]:
+            print("\n".join(fold([lines[j] for j in table], keep=7)))
+        elif i not in table:
+            print(textwrap.fill(line, WIDTH, subsequent_indent="    "))
+
+
 def show_trace(trace: dict, ranks: int) -> dict[int, list[dict]]:
     """Per rank: ops by phase, collectives by (op, group), the first SHOW collective bars."""
     print("\n== trace.json: the traced step, rank by rank (times from the first bar) ==")
@@ -80,11 +134,13 @@ def show_trace(trace: dict, ranks: int) -> dict[int, list[dict]]:
                                   and e["cat"] in ("forward", "backward"))
         groups = collections.Counter(f"{e['name'].split(' #')[0]} on {e['args']['group']}"
                                      for e in calls[r])
-        print(f"rank {r}: {ops['forward']} forward + {ops['backward']} backward ops; "
-              + ", ".join(f"{n} {k}" for k, n in sorted(groups.items())))
+        print(textwrap.fill(f"rank {r}: {ops['forward']} forward + {ops['backward']} backward "
+                            "ops; " + ", ".join(f"{n} {k}" for k, n in sorted(groups.items())),
+                            WIDTH, subsequent_indent="    "))
         for e in calls[r][:SHOW]:
-            print(f"  {e['ts'] / 1e3:7.2f} ms  {e['dur'] / 1e3:6.2f} ms  track {e['tid']}  "
-                  f"{e['args']['call']}")
+            print(textwrap.fill(f"  {e['ts'] / 1e3:7.2f} ms  {e['dur'] / 1e3:6.2f} ms  track "
+                                f"{e['tid']}  {e['args']['call']}", WIDTH,
+                                subsequent_indent=" " * 10))
     return calls
 
 
@@ -96,16 +152,18 @@ def main(argv=None) -> int:
     plan = Plan(dp=a.dp, tp=a.tp)
     print(f"demo 25 · observability · {plan.describe()} = {plan.world_size} ranks · GPT "
           f"{a.n_layer} layers, C={a.n_embd} · {a.steps} steps, step {a.trace_step} traced")
-    with tempfile.TemporaryDirectory(prefix="minidist-demo25-") as tmp:
-        path = Path(a.keep or tmp) / "run"
-        run_dir.create(path, run_dir.config(cfg, data, plan, global_batch=a.batch,
-                                            command=["python", "demos/25_observability.py"]))
-        made = spawn(plan.world_size, rank_main, cfg, data, plan, a, path)
-        run_dir.finish(path)
-        show_tree(path)
-        calls = show_trace(json.loads((path / "trace.json").read_text()), plan.world_size)
-        print("\n== python -m minidist report RUN_DIR --no-plots ==")
-        print("\n".join(report.text(path)))
+    path = Path(a.run_dir) if a.run_dir is not None else run_dir.default_path(plan)
+    run_dir.create(path, run_dir.config(cfg, data, plan, global_batch=a.batch,
+                                        command=["python", "demos/25_observability.py"]))
+    made = spawn(plan.world_size, rank_main, cfg, data, plan, a, path)
+    run_dir.finish(path)
+    show_tree(path)
+    calls = show_trace(json.loads((path / "trace.json").read_text()), plan.world_size)
+    print("\n== python -m minidist report RUN_DIR --no-plots ==")
+    show_report(report.text(path))
+    print(f"\nthe run directory is kept:\n  {path}\nopen its trace.json in "
+          "https://ui.perfetto.dev; `python -m minidist report DIR` prints the report\n"
+          "above again (and draws plots with matplotlib)")
     traced = [len(calls[r]) for r in range(plan.world_size)]
     by_group = collections.defaultdict(dict)             # group -> rank -> sorted seqs
     for r, mine in calls.items():
@@ -119,9 +177,11 @@ def main(argv=None) -> int:
         print(f"MISMATCH: calls in the trace {traced}, by the flight recorder {made}; groups "
               f"with a gap {gaps}; groups whose members differ {differ}")
         return 1
-    print(f"OK: trace has every collective of the traced steps ({plan.world_size} ranks: "
-          f"{', '.join(map(str, traced))} calls = the flight recorder's counts; sequence "
-          f"numbers contiguous and equal on every group, {len(by_group)})")
+    print(f"calls per rank of the traced step, in the trace: {', '.join(map(str, traced))}; by "
+          f"the flight recorder:\n  {', '.join(map(str, made))}; sequence numbers contiguous "
+          f"and equal on every group ({len(by_group)})")
+    print(f"OK: the trace has every collective call of the traced step, on all {plan.world_size}"
+          " ranks")
     return 0
 
 

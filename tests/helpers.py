@@ -23,16 +23,32 @@ def assert_close(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, what
                              f"(got {a[i]!r}, expected {e[i]!r}; atol={atol}, rtol={rtol})")
 
 
-def run_demo(name: str, *args: str, timeout: float = 110) -> tuple[int, list[str]]:
-    """Run demos/<name> as a user would; return (exit code, output lines, stderr last).
+DEMO_WIDTH = 100                # characters: the longest line a demo may print
+
+
+def run_demo(name: str, *args: str, timeout: float = 110,
+             cwd: str | os.PathLike | None = None) -> tuple[int, list[str]]:
+    """Run demos/<name> as a user would, in `cwd` (default the checkout); return (exit code,
+    output lines, stderr last), each checked to fit DEMO_WIDTH (assert_lines_fit).
     `timeout` is a hang guard under pytest-timeout's 120 s, not a speed check: a demo that
     takes 20 s on an idle machine takes several times that on a loaded one."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, os.path.join(root, "demos", name), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=root)
-    return done.returncode, (done.stdout + done.stderr).strip().splitlines()
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd or root)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert_lines_fit(lines, f"demos/{name} {' '.join(args)}".rstrip())
+    return done.returncode, lines
+
+
+def assert_lines_fit(lines: list[str], what: str, width: int = DEMO_WIDTH) -> None:
+    """Every line a demo prints is at most `width` characters: a newcomer's terminal shows
+    it whole, without wrapping. A user error is exempt: it is one `error:` line, however
+    long (the project's convention for every command)."""
+    long = [f"{len(line)}: {line!r}" for line in lines
+            if len(line) > width and not line.startswith("error: ")]
+    assert not long, f"{what}: {len(long)} lines over {width} characters:\n" + "\n".join(long)
 
 
 def child_pids(pid: int | None = None) -> list[int]:

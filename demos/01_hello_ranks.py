@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, at_least
 from minidist.collectives import api
 from minidist.runtime.launch import spawn
 from minidist.runtime.mesh import DeviceMesh
@@ -46,10 +46,11 @@ def rank_main(ctx, dp: int, tp: int) -> dict:
 
 def parse_args(argv=None):
     ap = CliParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=like(WORLD_SIZE), default=WORLD_SIZE, help="ranks (1..8)")
-    ap.add_argument("--dp", type=like(DP), default=DP, help="size of the dp axis; tp = W // dp")
+    ap.add_argument("--world-size", type=at_least(1), default=WORLD_SIZE, help="ranks (1..8)")
+    ap.add_argument("--dp", type=at_least(1), default=DP,
+                    help="size of the dp axis; tp = W // dp")
     args = ap.parse_args(argv)
-    if not 1 <= args.world_size <= 8 or args.dp < 1 or args.world_size % args.dp:
+    if args.world_size > 8 or args.world_size % args.dp:
         ap.error(f"--world-size {args.world_size} must be 1..8 and divisible by --dp "
                  f"{args.dp}; e.g. --world-size 6 --dp 2 (tp = 3)")
     return args
@@ -101,8 +102,8 @@ def main(argv=None) -> int:
     if problems:
         print(f"\nMISMATCH: {'; '.join(problems)}")
         return 1
-    print(f"\nOK: {W} ranks in {W} separate processes; mesh groups match the rows and columns "
-          f"of np.arange({W}).reshape({dp}, {tp}); every rank heard from its left neighbour")
+    print(f"\nOK: {W} ranks in {W} processes; groups = the grid's columns and rows; every rank "
+          "heard its left")
     return 0
 
 

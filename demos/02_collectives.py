@@ -14,15 +14,15 @@ Paper:     Thakur, Rabenseifner & Gropp 2005, "Optimization of collective commun
            operations in MPICH", IJHPCA 19(1), 49-66
 """
 
-
 import numpy as np
 
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, at_least
 from minidist.collectives import api, simulated
 from minidist.runtime.launch import spawn
 
 # --- settings (each can be overridden on the command line) ---
 WORLD_SIZE, N = 4, 4
+MAX_N, WIDTH = 16, 100  # WIDTH: characters a line; longer arrays are shown by their ends
 ALGO = {"broadcast": "tree", "reduce": "tree", "all_reduce": "ring", "reduce_scatter": "ring",
         "all_gather": "ring", "gather": "tree", "scatter": "tree", "all_to_all": "pairwise"}
 HEADER = 96            # scatter first sends the row shape and dtype: 12 int64 (tree.py)
@@ -98,35 +98,52 @@ def oracle(data: dict, W: int) -> dict:
             "all_to_all": simulated.all_to_all(data["a2a"], data["splits"])}
 
 
-def fmt(a) -> str:
+def fmt(a, width: int = WIDTH) -> str:
+    """'[0 1 2 3]', rows as '[[0 1] [2 3]]'; past `width` characters, the first and last
+    values around '...' and the shape: '[0 1 ... 32 33] (4, 4)'."""
     if a is None:
         return "None"
-    if a.ndim == 2:
-        return "[" + " ".join(fmt(row) for row in a) + "]"
-    return "[" + " ".join(f"{v:g}" for v in a) + "]"
+    full = ("[" + " ".join(fmt(row) for row in a) + "]" if a.ndim == 2
+            else "[" + " ".join(f"{v:g}" for v in a) + "]")
+    values = [f"{v:g}" for v in a.reshape(-1)]
+    for k in range(len(values) // 2, 0, -1):
+        if len(full) <= width:
+            break
+        full = f"[{' '.join(values[:k] + ['...'] + values[-k:])}] {a.shape}"
+    return full
+
+
+def parse_args(argv=None):
+    ap = CliParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=at_least(1), default=WORLD_SIZE, help="ranks (1..8)")
+    ap.add_argument("--n", type=at_least(1), default=N,
+                    help=f"float64 elements per rank (1..{MAX_N})")
+    args = ap.parse_args(argv)
+    if args.world_size > 8 or args.n > MAX_N:
+        ap.error(f"need --world-size <= 8 and --n <= {MAX_N}, got {args.world_size} and "
+                 f"{args.n}")
+    return args
 
 
 def main(argv=None) -> int:
-    ap = CliParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=like(WORLD_SIZE), default=WORLD_SIZE, help="ranks (1..8)")
-    ap.add_argument("--n", type=like(N), default=N, help="float64 elements per rank (>= 1)")
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
     W, n = args.world_size, args.n
-    if not 1 <= W <= 8 or n < 1:
-        ap.error(f"need 1 <= --world-size <= 8 and --n >= 1, got {W} and {n}")
     data = inputs(W, n)
     print(f"demo 02 · collectives · {W} ranks · {n} float64 per rank · root 0")
     runs, expect = spawn(W, rank_main, data), oracle(data, W)
     worst, problems = 0.0, []
     for i, name in enumerate(ALGO):
         print(f"\n== {name} ({ALGO[name]}) ==")
+        splits = [f" split {data['splits'][r]}" if name == "all_to_all" else ""
+                  for r in range(W)]
         befores = [fmt({"scatter": data["root_rows"] if r == 0 else None,
-                        "all_to_all": data["a2a"][r]}.get(name, data["xs"][r]))
-                   + (f" split {data['splits'][r]}" if name == "all_to_all" else "")
-                   for r in range(W)]
+                        "all_to_all": data["a2a"][r]}.get(name, data["xs"][r]),
+                       40 - len(splits[r])) + splits[r] for r in range(W)]
+        width = max(map(len, befores))
         for r in range(W):
             got = runs[r][i][1]
-            print(f"rank {r}  before {befores[r]:<{max(map(len, befores))}}   after {fmt(got)}")
+            print(f"rank {r}  before {befores[r]:<{width}}   after "
+                  f"{fmt(got, WIDTH - 24 - width)}")
             want = expect[name][r]
             if (got is None) != (want is None) or (got is not None and got.shape != want.shape):
                 problems.append(f"{name} rank {r}: got {fmt(got)}, oracle {fmt(want)}")
@@ -134,14 +151,16 @@ def main(argv=None) -> int:
                 worst = max(worst, float(np.max(np.abs(got - want))))
         sent = [runs[r][i][2] for r in range(W)]
         pred, formula = predicted_bytes(name, W, n, data)
-        print(f"bytes sent per rank: {sent}   predicted {pred}  ({formula}, n = {8 * n} B)")
+        print(f"bytes sent per rank: {sent}" + ("   = predicted" if sent == pred else
+                                                 f"\npredicted:           {pred}"))
+        print(f"  predicted by {formula}, n = {8 * n} B")
         if sent != pred:
             problems.append(f"{name}: bytes sent {sent} != predicted {pred}")
     if worst > 0 or problems:
         print(f"\nMISMATCH: {'; '.join(problems) or f'max |Δ| = {worst:.1e}'}")
         return 1
-    print(f"\nOK: every collective matches the oracle on {W} ranks (max |Δ| = {worst:.1e}; "
-          "bytes sent as predicted)")
+    print(f"\nOK: every collective matches the oracle on {W} ranks (max |Δ| = {worst:.1e}); "
+          "bytes sent as predicted")
     return 0
 
 

@@ -11,7 +11,8 @@ trace: open it at https://ui.perfetto.dev (or chrome://tracing).
 
 Inputs: rank r holds 10^r * (j % 9 + 1) at index j, so the decimal digits of a
 partial sum name the ranks in it (1011 = ranks 0, 1 and 3); the grid shows those
-ranks, with * on the chunk just received.
+ranks, with * on the chunk just received (past 4 ranks, three or more as the arc of the
+ring they form: 6..1 = ranks 6, 7, 0, 1).
 
 Run:       python demos/03_ring_trace.py [--world-size 4] [--n 8] [--trace PATH]
 Read with: minidist/collectives/ring.py, minidist/runtime/p2p.py, minidist/observe/trace.py
@@ -24,13 +25,13 @@ import tempfile
 
 import numpy as np
 
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, at_least
 from minidist.collectives import api, simulated
 from minidist.observe.trace import Trace, now_us
 from minidist.runtime.launch import spawn
 
 # --- settings (each can be overridden on the command line) ---
-WORLD_SIZE, N = 4, 8
+WORLD_SIZE, N, MAX_N = 4, 8, 64
 
 
 class RecordingGroup:
@@ -90,11 +91,17 @@ def simulate(xs, W: int):
 
 
 def who(chunk: np.ndarray, W: int) -> str:
-    """Ranks whose numbers are in a partial sum, read from the decimal digits of element 0."""
+    """Ranks whose numbers are in a partial sum, read from the decimal digits of element 0:
+    "0+1+2"; past 4 ranks, three or more are the arc of the ring they form, "6..1" for
+    6+7+0+1 (a ring's partial sums always are one)."""
     if chunk.size == 0:
         return "-"
     digits = int(round(chunk[0]))             # m (10^a + 10^b + ...), m <= 9: no carries
-    return "+".join(str(k) for k in range(W) if digits // 10 ** k % 10)
+    ranks = [k for k in range(W) if digits // 10 ** k % 10]
+    arcs = [a for a in ranks if {(a + i) % W for i in range(len(ranks))} == set(ranks)]
+    if W > 4 and len(ranks) > 2 and arcs:
+        return f"{arcs[0]}..{(arcs[0] + len(ranks) - 1) % W}"
+    return "+".join(map(str, ranks))
 
 
 def build_trace(runs, W: int) -> Trace:
@@ -128,7 +135,7 @@ def show_steps(runs, steps, W: int) -> list[str]:
                 problems.append(f"rank {r} step {step + 1}: the real message differs")
         for r in range(W):
             c_in = schedule(r, step, W)[2]
-            cells = [f"c{c}={who(ch, W) + ('*' if c == c_in else ''):<{2 * W}}"
+            cells = [f"c{c}={who(ch, W) + ('*' if c == c_in else ''):<{min(2 * W, 6)}}"
                      for c, ch in enumerate(held[r])]
             print(f"  rank {r} holds " + " ".join(cells).rstrip())
     return problems
@@ -136,13 +143,14 @@ def show_steps(runs, steps, W: int) -> list[str]:
 
 def parse_args(argv=None):
     ap = CliParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=like(WORLD_SIZE), default=WORLD_SIZE, help="ranks (2..8)")
-    ap.add_argument("--n", type=like(N), default=N, help="elements per rank (>= 1)")
+    ap.add_argument("--world-size", type=at_least(2), default=WORLD_SIZE, help="ranks (2..8)")
+    ap.add_argument("--n", type=at_least(1), default=N, help=f"elements per rank (1..{MAX_N})")
     ap.add_argument("--trace", default=os.path.join(tempfile.gettempdir(),
                                                     "minidist_ring_trace.json"))
     args = ap.parse_args(argv)
-    if not 2 <= args.world_size <= 8 or args.n < 1:
-        ap.error(f"need 2 <= --world-size <= 8 and --n >= 1, got {args.world_size} and {args.n}")
+    if args.world_size > 8 or args.n > MAX_N:
+        ap.error(f"need --world-size <= 8 and --n <= {MAX_N}, got {args.world_size} and "
+                 f"{args.n}")
     return args
 
 
@@ -150,8 +158,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     W, n = args.world_size, args.n
     xs = [10.0 ** r * (np.arange(n) % 9 + 1) for r in range(W)]
-    print(f"demo 03 · ring all_reduce trace · {W} ranks · {n} float64 per rank · "
-          f"chunks of {[len(c) for c in np.array_split(np.arange(n), W)]} elements")
+    print(f"demo 03 · ring all_reduce trace · {W} ranks · {n} float64 per rank")
+    print(f"chunks c0..c{W - 1} of {[len(c) for c in np.array_split(np.arange(n), W)]} elements")
     runs = spawn(W, rank_main, xs)
     steps, derived = simulate(xs, W)
     counts = [len(run[1]) for run in runs]
@@ -167,12 +175,12 @@ def main(argv=None) -> int:
     if len(Trace.read(path)) != W * (2 * W - 1):
         problems.append(f"{path} does not hold {W * (2 * W - 1)} events")
     print(f"\nresult on every rank: {runs[0][0]}")
-    print(f"Chrome trace: {path}  (open at https://ui.perfetto.dev or chrome://tracing)")
+    print(f"Chrome trace, to open at https://ui.perfetto.dev or chrome://tracing:\n  {path}")
     if worst > 0 or problems:
         print(f"MISMATCH: {'; '.join(problems) or f'max |Δ| = {worst:.1e}'}")
         return 1
     print(f"OK: ring all_reduce on {W} ranks matches the oracle (max |Δ| = {worst:.1e}); "
-          f"all {W * 2 * (W - 1)} recorded messages match the derived schedule")
+          f"its {W * 2 * (W - 1)} messages as derived")
     return 0
 
 

@@ -13,12 +13,11 @@ Paper:     Baydin et al. 2018, "Automatic differentiation in machine learning: a
            JMLR 18, arXiv:1502.05767 (reverse mode, Sec. 3.2)
 """
 
-
 import numpy as np
 
 from minidist.autograd import Tensor, no_grad
 from minidist.autograd import functional as F
-from minidist.cli import CliParser, at_least, like
+from minidist.cli import CliParser, at_least
 
 # --- settings (each can be overridden on the command line) ---
 EPS, SEED, TOLERANCE = 1e-6, 0, 1e-8
@@ -47,11 +46,16 @@ def finite_differences(f, arrays: list[np.ndarray], eps: float) -> list[np.ndarr
     return grads
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = CliParser(description="autograd vs finite differences")
-    ap.add_argument("--eps", type=like(EPS), default=EPS)
+    ap.add_argument("--eps", type=at_least(1e-12, float), default=EPS,
+                    help="the finite differences' step")
     ap.add_argument("--seed", type=at_least(0), default=SEED)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
     x, w, s = (Tensor(rng.standard_normal(shape), requires_grad=True)
                for shape in [(2, 3), (3, 4), (4,)])

@@ -22,8 +22,8 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse                                # noqa: E402
 
 from minidist.baseline import train_single_process                                     # noqa
-from minidist.cli import CliParser, like                                                # noqa
-from minidist.data import (TASKS, DataConfig, SyntheticData, answer_accuracy,  # noqa
+from minidist.cli import CliParser, between                                           # noqa
+from minidist.data import (TASKS, DataConfig, SyntheticData, answer_accuracy,           # noqa
                            model_config_for)
 from minidist.nn import GPT                                                          # noqa
 
@@ -31,17 +31,26 @@ from minidist.nn import GPT                                                     
 TASK, LENGTH, STEPS, BATCH, LR, SEED = "sort", 5, 300, 32, 3e-3, 0
 N_LAYER, N_EMBD, N_HEAD, DTYPE = 2, 32, 2, "float32"
 TARGET_ACCURACY, EVAL_PROMPTS = 0.9, 64
-CHOICES = {"task": TASKS, "dtype": ("float32", "float64")}
+# each number option's (low, high): the demo stays small
+LIMITS = dict(length=(1, 16), steps=(1, 100_000), batch=(1, 512), lr=(0.0, 1.0),
+              seed=(0, 2 ** 32), n_layer=(1, 8), n_embd=(1, 256), n_head=(1, 64),
+              target_accuracy=(0.0, 1.0))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(task=TASK, length=LENGTH, steps=STEPS, batch=BATCH, lr=LR,
-                            seed=SEED, n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
-                            dtype=DTYPE, target_accuracy=TARGET_ACCURACY).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value,
-                        **{"choices": CHOICES[name]} if name in CHOICES else {})
-    return ap.parse_args(argv)
+    ap.add_argument("--task", default=TASK, choices=TASKS)
+    ap.add_argument("--dtype", default=DTYPE, choices=["float32", "float64"])
+    for name, value in dict(length=LENGTH, steps=STEPS, batch=BATCH, lr=LR, seed=SEED,
+                            n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
+                            target_accuracy=TARGET_ACCURACY).items():
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
+    a = ap.parse_args(argv)
+    if a.n_embd % a.n_head:
+        ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")
+    return a
 
 
 def main(argv=None) -> int:

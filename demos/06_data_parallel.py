@@ -23,31 +23,42 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse                                # noqa: E402
 import contextlib                              # noqa: E402
 import hashlib                                 # noqa: E402
+import textwrap                                # noqa: E402
 
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import train_single_process                      # noqa: E402
-from minidist.cli import CliParser, like                                # noqa: E402
+from minidist.cli import CliParser, between                            # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT, DropoutKey                                 # noqa: E402
 from minidist.parallel.data.buckets import BucketedDataParallel         # noqa: E402
-from minidist.parallel.data.ddp import ALGOS                            # noqa: E402
 from minidist.runtime.launch import spawn                               # noqa: E402
 
 # --- settings (each can be overridden on the command line) ---
 WORLD_SIZE, STEPS, GLOBAL_BATCH, MICRO_BATCHES, LR, SEED = 4, 5, 16, 1, 3e-3, 0
 N_LAYER, N_EMBD, N_HEAD, BUCKET_BYTES, ALGO = 2, 32, 2, 64 * 1024, "direct"
+# each number option's (low, high): the demo stays small
+LIMITS = dict(world_size=(1, 8), steps=(1, 10_000), global_batch=(1, 512),
+              micro_batches=(1, 64), lr=(0.0, 1.0), seed=(0, 2 ** 32), n_layer=(1, 8),
+              n_embd=(1, 256), n_head=(1, 64), bucket_bytes=(1, 2 ** 31))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(world_size=WORLD_SIZE, steps=STEPS, global_batch=GLOBAL_BATCH,
                             micro_batches=MICRO_BATCHES, lr=LR, seed=SEED, n_layer=N_LAYER,
-                            n_embd=N_EMBD, n_head=N_HEAD, bucket_bytes=BUCKET_BYTES,
-                            algo=ALGO).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value,
-                        **{"choices": ALGOS} if name == "algo" else {})
-    return ap.parse_args(argv)
+                            n_embd=N_EMBD, n_head=N_HEAD, bucket_bytes=BUCKET_BYTES).items():
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_argument("--algo", default=ALGO, choices=["direct", "ring", "tree", "halving"])
+    a = ap.parse_args(argv)
+    if a.n_embd % a.n_head:
+        ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")
+    if a.global_batch % (a.world_size * a.micro_batches):
+        ap.error(f"--global-batch {a.global_batch} must be a multiple of --world-size x "
+                 f"--micro-batches = {a.world_size * a.micro_batches}")
+    return a
 
 
 def rank_main(ctx, cfg, data_cfg, args):
@@ -86,18 +97,16 @@ def rank_main(ctx, cfg, data_cfg, args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     W, B, M = args.world_size, args.global_batch, args.micro_batches
-    if B % (W * M):
-        raise SystemExit(f"--global-batch {B} must be a multiple of world size x micro-batches"
-                         f" = {W * M}")
     data_cfg = DataConfig(task="sort", length=5, seed=args.seed)
     cfg = model_config_for(data_cfg, n_layer=args.n_layer, n_embd=args.n_embd,
                            n_head=args.n_head, dtype="float64")
     psi = GPT(cfg, args.seed).num_parameters()
-    print(f"demo 06 · data parallel · world_size={W} · GPT {psi / 1e3:.1f}k params · float64 "
-          f"· global batch {B} · {M} micro-batch(es) per rank · all-reduce {args.algo}")
+    print(f"demo 06 · data parallel · world_size={W} · GPT {psi / 1e3:.1f}k params · float64\n"
+          f"global batch {B} · {M} micro-batch(es) per rank · all-reduce {args.algo}")
     per = B // W
-    print(f"rank 0 reads rows 0-{per - 1} of each global batch of {B} (" + ", ".join(
-        f"rank {r}: {r * per}-{(r + 1) * per - 1}" for r in range(1, W)) + ")")
+    print(textwrap.fill(f"rank 0 reads rows 0-{per - 1} of each global batch of {B} (" + ", ".join(
+        f"rank {r}: {r * per}-{(r + 1) * per - 1}" for r in range(1, W)) + ")", 100,
+        subsequent_indent="  "))
     runs = spawn(W, rank_main, cfg, data_cfg, args)
     ref = train_single_process(cfg, data_cfg, steps=args.steps, global_batch=B, lr=args.lr,
                                seed=args.seed, grad_accum=M)
@@ -108,16 +117,17 @@ def main(argv=None) -> int:
         print(f"step {s} | loss {W} ranks {a:.12f} | 1 process {b:.12f} | |Δ| {abs(a - b):.1e}")
     formula = 2 * (W - 1) / W * psi * 8
     sent = [run[1][-1] for run in runs]
-    print("bytes sent per step: " + ", ".join(f"rank {r} {s:,d}" for r, s in enumerate(sent))
-          + f"; mean {np.mean(sent):,.0f} (predicted 2(W-1)/W·Ψ·8 B = {formula:,.0f})")
+    print(textwrap.fill("bytes sent in the last step by rank 0, 1, ...: " + ", ".join(
+        f"{s:,d}" for s in sent), 100, subsequent_indent="  "))
+    print(f"  mean {np.mean(sent):,.0f}; predicted 2(W-1)/W·Ψ·8 B = {formula:,.0f}")
     digests = [run[2] for run in runs]
-    print("parameter digests: " + " ".join(digests))
+    print(textwrap.fill("parameter digests: " + " ".join(digests), 100, subsequent_indent="  "))
     worst = max(abs(a - b) for a, b in zip(dp_losses, ref.losses))
     same = len(set(digests)) == 1
     ok = worst < 1e-9 and same and abs(np.mean(sent) - formula) < 1e-6 * max(formula, 1)
     verdict = "OK" if ok else "MISMATCH"
-    print(f"{verdict}: {W}-rank loss curve matches 1-process run (max |Δ| = {worst:.1e}); "
-          f"replicas {'bitwise identical' if same else 'DIFFER'}; bytes/rank = 2(W-1)/W·Ψ")
+    print(f"{verdict}: {W}-rank loss curve = 1-process run's (max |Δ| = {worst:.1e}); "
+          f"{'identical' if same else 'DIFFERENT'} replicas; bytes as predicted")
     return 0 if ok else 1
 
 

@@ -27,7 +27,7 @@ import numpy as np                             # noqa: E402
 from minidist import collectives as C                                   # noqa: E402
 from minidist.autograd import functional as F                           # noqa: E402
 from minidist.baseline import train_single_process                      # noqa: E402
-from minidist.cli import CliParser, like                                # noqa: E402
+from minidist.cli import CliParser, between                            # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel import placement as pl                           # noqa: E402
@@ -50,13 +50,30 @@ LEGEND = """  f       forward: identity; backward: all-reduce of dx (B·T·C num
   g       forward: all-reduce (B·T·C numbers), then + bias; backward: identity"""
 
 
+# each number option's (low, high): the demo stays small
+LIMITS = dict(tp=(1, 8), steps=(1, 10_000), global_batch=(1, 512), lr=(0.0, 1.0),
+              seed=(0, 2 ** 32), n_layer=(1, 8), n_embd=(1, 256), n_head=(1, 64),
+              length=(1, 16))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(tp=TP, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, seed=SEED,
                             n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
                             length=LENGTH).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
-    return ap.parse_args(argv)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
+    a = ap.parse_args(argv)
+    if a.n_embd % a.n_head:
+        ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")
+    data_cfg = DataConfig(task="sort", length=a.length, seed=a.seed)
+    cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head)
+    try:
+        Plan(tp=a.tp).validate(cfg, a.global_batch, data_cfg.block_size)
+    except ValueError as e:
+        ap.error(str(e))
+    return a
 
 
 @dataclass(frozen=True)
@@ -200,10 +217,11 @@ def show_flow(runs, ref, cfg, W: int) -> float:
         print(f"rank {r}: heads {span(r * H, (r + 1) * H)}, MLP features "
               f"{span(r * Fh, (r + 1) * Fh)}\n" + "\n".join(run[1]["flow"]))
     parts = [run[1]["partial"] for run in runs]
-    print("attention output [0, 0, 0]: the row layer's partial sums " + " ".join(
-        f"{p:+.6f}" for p, _ in parts) + f" add up to {sum(p for p, _ in parts):+.6f}")
+    print("attention output [0, 0, 0]: the row layer's partial sums, rank by rank,\n  "
+          + " ".join(f"{p:+.6f}" for p, _ in parts)
+          + f" add up to {sum(p for p, _ in parts):+.6f}")
     print("  after g every rank holds " + " ".join(f"{w:+.6f}" for _, w in parts)
-          + f"; 1 process {ref['attn']:+.6f}")
+          + f"\n  1 process                {ref['attn']:+.6f}")
     worst = max(float(np.max(np.abs(run[1]["block"] - ref["block"]))) for run in runs)
     print(f"block 0 output, every rank vs 1 process: max |Δ| = {worst:.1e}")
     return worst
@@ -246,10 +264,6 @@ def main(argv=None) -> int:
     W, data_cfg = args.tp, DataConfig(task="sort", length=args.length, seed=args.seed)
     cfg = model_config_for(data_cfg, n_layer=args.n_layer, n_embd=args.n_embd,
                            n_head=args.n_head, dtype="float64")
-    try:
-        Plan(tp=W).validate(cfg, args.global_batch, data_cfg.block_size)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
     print(f"demo 08 · tensor parallel · tp={W} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, "
           f"H={cfg.n_head}, F={cfg.mlp_ratio * cfg.n_embd}, V={cfg.vocab_size} · float64")
     runs = spawn(W, rank_main, cfg, data_cfg, args)
@@ -264,8 +278,8 @@ def main(argv=None) -> int:
     d_param = max(float(np.max(np.abs(runs[0][2].params[k] - v))) for k, v in base.params.items())
     print(f"final parameters, gathered over tp, vs 1 process: max |Δ| = {d_param:.1e}")
     ok = exact and max(worst, d_param) < 1e-10
-    print(f"{'OK' if ok else 'MISMATCH'}: tp={W} training matches the 1-process run (max |Δ| = "
-          f"{max(worst, d_param):.1e}); so do block 0, the vocab-parallel loss, every piece")
+    print(f"{'OK' if ok else 'MISMATCH'}: tp={W} = 1 process (max |Δ| = {max(worst, d_param):.1e})"
+          ": training, block 0, the vocab-parallel loss, every piece")
     return 0 if ok else 1
 
 

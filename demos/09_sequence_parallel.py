@@ -26,7 +26,7 @@ from dataclasses import dataclass, field       # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import train_single_process                      # noqa: E402
-from minidist.cli import CliParser, like                                # noqa: E402
+from minidist.cli import CliParser, between                            # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel import placement as pl                           # noqa: E402
@@ -49,13 +49,30 @@ LEGEND = """  LN              LayerNorm of my positions only (no communication)
   + residual          dropout and residual add on my positions only"""
 
 
+# each number option's (low, high): the demo stays small
+LIMITS = dict(tp=(1, 8), steps=(1, 10_000), global_batch=(1, 512), lr=(0.0, 1.0),
+              seed=(0, 2 ** 32), n_layer=(1, 8), n_embd=(1, 256), n_head=(1, 64),
+              length=(1, 16))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(tp=TP, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, seed=SEED,
                             n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
                             length=LENGTH).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
-    return ap.parse_args(argv)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
+    a = ap.parse_args(argv)
+    if a.n_embd % a.n_head:
+        ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")
+    data_cfg = DataConfig(task="sort", length=a.length, seed=a.seed)
+    cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head)
+    try:
+        Plan(tp=a.tp, sequence_parallel=True).validate(cfg, a.global_batch, data_cfg.block_size)
+    except ValueError as e:
+        ap.error(str(e))
+    return a
 
 
 @dataclass(frozen=True)
@@ -176,14 +193,10 @@ def main(argv=None) -> int:
     W, data_cfg = args.tp, DataConfig(task="sort", length=args.length, seed=args.seed)
     cfg = model_config_for(data_cfg, n_layer=args.n_layer, n_embd=args.n_embd,
                            n_head=args.n_head, dtype="float64")
-    try:
-        Plan(tp=W, sequence_parallel=True).validate(cfg, args.global_batch, data_cfg.block_size)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
     T = data_cfg.block_size
     B, T_tp, C = SHOW_BATCH, T // W, cfg.n_embd
-    print(f"demo 09 · sequence parallel · tp={W} · T={T} positions, T_tp={T_tp} per rank · GPT "
-          f"{cfg.n_layer} layers, C={C}, H={cfg.n_head} · float64")
+    print(f"demo 09 · sequence parallel · tp={W} · T={T} positions, T_tp={T_tp} per rank\n"
+          f"GPT {cfg.n_layer} layers, C={C}, H={cfg.n_head} · float64")
     print(f"outside the tensor-parallel regions rank r holds x[B, T_tp, C], positions "
           f"r·{T_tp} .. r·{T_tp} + {T_tp - 1}:\n  each LayerNorm, dropout and residual add "
           f"keeps B·T_tp·C = {B * T_tp * C} numbers per rank, not B·T·C = {B * T * C}")
@@ -211,8 +224,8 @@ def main(argv=None) -> int:
     print(f"final parameters, gathered over tp, vs 1 process: max |Δ| = {d_param:.1e}\n  (check "
           "mode compared every replicated gradient across the tp ranks after each backward)")
     ok = max(worst, d_param) < 1e-10
-    print(f"{'OK' if ok else 'MISMATCH'}: tp={W} sequence-parallel training matches the "
-          f"1-process run (max |Δ| = {max(worst, d_param):.1e}); so do the shards and gradients")
+    print(f"{'OK' if ok else 'MISMATCH'}: tp={W} sequence-parallel = 1 process (max |Δ| = "
+          f"{max(worst, d_param):.1e}): training, the shards, the gradients")
     return 0 if ok else 1
 
 

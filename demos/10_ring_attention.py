@@ -23,7 +23,7 @@ import numpy as np
 
 from minidist.autograd import Tensor
 from minidist.baseline import train_single_process
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, between
 from minidist.data import DataConfig, model_config_for
 from minidist.nn.attention import attention_core
 from minidist.nn.layers import Dropout
@@ -36,6 +36,10 @@ from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 # --- settings (each can be overridden on the command line; T = 0 means 4 cp) ---
 CP, LAYOUT, T, B, H, D, SEED, STEPS, GLOBAL_BATCH, LR = 4, "zigzag", 0, 1, 2, 4, 0, 3, 4, 3e-3
 TRACE = os.path.join(tempfile.gettempdir(), "minidist_ring_attention.json")
+# each number option's (low, high): the demo stays small
+LIMITS = dict(cp=(2, 8), T=(0, 64), steps=(1, 10_000), global_batch=(1, 512), lr=(0.0, 1.0),
+              seed=(0, 2 ** 32))
+COLUMNS = 4                                    # ranks per row of the ring-step table
 
 
 class TimedGroup:
@@ -132,16 +136,31 @@ def ring_by_hand(Q, K, V, P, track):
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(cp=CP, layout=LAYOUT, T=T, steps=STEPS, global_batch=GLOBAL_BATCH,
-                            lr=LR, seed=SEED, trace=TRACE).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value,
-                        **{"choices": LAYOUTS} if name == "layout" else {})
+    ap.add_argument("--layout", default=LAYOUT, choices=LAYOUTS)
+    ap.add_argument("--trace", default=TRACE, help="where the Chrome trace is written")
+    for name, value in dict(cp=CP, T=T, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,
+                            seed=SEED).items():
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
     args = ap.parse_args(argv)
     args.T = args.T or 4 * args.cp
     chunks = 2 * args.cp if args.layout == "zigzag" else args.cp
-    if not 2 <= args.cp <= 8 or args.T % chunks or args.T % 2:
-        ap.error(f"need 2 <= --cp <= 8 and --T an even multiple of {chunks} ({args.layout})")
+    if args.T % chunks or args.T % 2 or args.T > 8 * args.cp:
+        ap.error(f"need --T an even multiple of {chunks} ({args.layout}), at most 8 positions "
+                 f"a rank ({8 * args.cp})")
     return args
+
+
+def wrapped(parts: list[str], sep: str = " | ", indent: str = "  ", width: int = 100) -> str:
+    """parts joined by sep, in lines of at most `width` characters, each indented."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1] + sep + part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(indent + part)
+    return "\n".join(lines)
 
 
 def gap(a, b) -> float:
@@ -158,27 +177,29 @@ def main(argv=None) -> int:
     P, Tl = sequence_layout(Tn, W, lay), Tn // W
     print(f"demo 10 · ring attention · cp={W} · {lay} · T={Tn}, {Tl} positions per rank · "
           f"B={B}, H={H}, D={D} · float64\npositions ({2 * W if lay == 'zigzag' else W} "
-          "chunks" + f", rank r holds chunks r and {2 * W - 1}-r" * (lay == "zigzag") + "):\n  "
-          + " | ".join(f"rank {r}: " + " ".join(map(str, p)) for r, p in enumerate(P)))
+          "chunks" + f", rank r holds chunks r and {2 * W - 1}-r" * (lay == "zigzag") + "):\n"
+          + wrapped([f"rank {r}: " + " ".join(map(str, p)) for r, p in enumerate(P)]))
     runs = spawn(W, rank_main, args, arrays, cfg, data_cfg)
 
     owner = next(r for r in range(W) if Tn - 1 in P[r])
     cells, row, ys = ring_by_hand(*arrays[:3], P, (owner, int(np.argmax(P[owner]))))
     print(f"step s: rank r holds the K/V block of rank (r - s) mod {W}, computes its queries "
-          "against it\n(R x C scores) and passes it on to rank r+1\nstep | "
-          + " | ".join(f"rank {r:<13d}" for r in range(W)).rstrip())
-    for s, line in enumerate(cells):
-        print((f"{s:4d} | " + " | ".join(f"K/V {src} {st:7s} {R}x{C}".ljust(18) if R else
-                                         f"K/V {src} skip".ljust(18) for src, st, R, C in line)
-               ).rstrip())
+          "against it\n(R x C scores) and passes it on to rank r+1")
+    for first in range(0, W, COLUMNS):                  # at most COLUMNS ranks side by side
+        ranks = range(first, min(first + COLUMNS, W))
+        print("step | " + " | ".join(f"rank {r:<13d}" for r in ranks).rstrip())
+        for s, line in enumerate(cells):
+            print((f"{s:4d} | " + " | ".join(
+                f"K/V {src} {st:7s} {R}x{C}".ljust(18) if R else f"K/V {src} skip".ljust(18)
+                for src, st, R, C in (line[r] for r in ranks))).rstrip())
     print("  full: no score masked; partial: some masked (the diagonal); skip: all keys in the "
           "future.\n  Rows that see no key of the block and keys no row sees are not computed.")
 
     print(f"query at position {Tn - 1} (rank {owner}), head 0: online softmax, blocks in ring "
-          f"order\n  step  keys{' ' * (3 * Tl - 3)}block max  m = max(m, block max)  "
-          "l = l·exp(m_old - m) + Σ exp(s - m)")
+          f"order,\n  m = max(m, block max), l = l·exp(m_old - m) + Σ exp(s - m)\n"
+          f"  step  keys{' ' * (3 * Tl - 3)}block max  {'m':>10s}  l")
     for s, keys, bmax, m, l in row:
-        print(f"  {s:4d}  {' '.join(f'{k:2d}' for k in keys)}  {bmax:+9.6f}  {m:+21.6f}  {l:<.6f}")
+        print(f"  {s:4d}  {' '.join(f'{k:2d}' for k in keys)}  {bmax:+9.6f}  {m:+10.6f}  {l:<.6f}")
     sc = arrays[1][0, 0] @ arrays[0][0, 0, Tn - 1] / np.sqrt(D)           # all keys <= T-1
     ref_ml = (sc.max(), np.exp(sc - sc.max()).sum())
     print(f"  1 process: softmax over keys 0-{Tn - 1}: max {ref_ml[0]:+.6f}, sum {ref_ml[1]:.6f}"
@@ -203,8 +224,8 @@ def main(argv=None) -> int:
           f"vs attention_core\n  over the whole sequence, max |Δ| = {d[0]:.1e}; dQ, dK, dV vs "
           f"its backward: {d[1]:.1e}, {d[2]:.1e}, {d[3]:.1e}")
     path = Trace(e for run in runs for e in run[1]).shifted().write(args.trace)
-    print(f"Chrome trace (https://ui.perfetto.dev): {path}\n  lane 0: compute and waits of "
-          "each ring step; lane 1: the sends")
+    print(f"Chrome trace, to open at https://ui.perfetto.dev:\n  {path}\n  lane 0: compute "
+          "and waits of each ring step; lane 1: the sends")
 
     base = train_single_process(cfg, data_cfg, steps=args.steps, global_batch=args.global_batch,
                                 lr=args.lr, seed=args.seed)
@@ -216,7 +237,7 @@ def main(argv=None) -> int:
     if worst > 1e-10 or problems:
         print(f"MISMATCH: {'; '.join(problems) or f'max |Δ| = {worst:.1e}'}")
         return 1
-    print(f"OK: cp={W} ring attention ({lay}) matches 1-process attention and training "
+    print(f"OK: cp={W} ring attention ({lay}) = 1-process attention and training "
           f"(max |Δ| = {worst:.1e})")
     return 0
 

@@ -15,12 +15,13 @@ Paper:     Jacobs et al. 2023, "DeepSpeed Ulysses", arXiv:2309.14509, Sec. 3.1 a
 """
 
 import argparse
+import textwrap
 
 import numpy as np
 
 from minidist.autograd import Tensor
 from minidist.baseline import train_single_process
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, between
 from minidist.data import DataConfig, model_config_for
 from minidist.nn.attention import attention_core
 from minidist.nn.layers import Dropout
@@ -31,6 +32,10 @@ from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 # --- settings (each can be overridden on the command line; T = 0: 4 cp, H = 0: 2 cp) ---
 CP, LAYOUT, T, H, B, D, SEED, STEPS, GLOBAL_BATCH, LR = 2, "zigzag", 0, 0, 1, 4, 0, 3, 4, 3e-3
+# each number option's (low, high): the demo stays small
+LIMITS = dict(cp=(2, 8), T=(0, 64), H=(0, 32), steps=(1, 10_000), global_batch=(1, 512),
+              lr=(0.0, 1.0), seed=(0, 2 ** 32))
+WIDTH = 100                                      # characters a line
 
 
 def rank_main(ctx, args, arrays, cfg, data_cfg):
@@ -64,16 +69,18 @@ def rank_main(ctx, args, arrays, cfg, data_cfg):
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(cp=CP, layout=LAYOUT, T=T, H=H, steps=STEPS,
-                            global_batch=GLOBAL_BATCH, lr=LR, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value,
-                        **{"choices": LAYOUTS} if name == "layout" else {})
+    ap.add_argument("--layout", default=LAYOUT, choices=LAYOUTS)
+    for name, value in dict(cp=CP, T=T, H=H, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,
+                            seed=SEED).items():
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
     args = ap.parse_args(argv)
     args.T, args.H = args.T or 4 * args.cp, args.H or 2 * args.cp
     chunks = 2 * args.cp if args.layout == "zigzag" else args.cp
-    if not 2 <= args.cp <= 8 or args.T % chunks or args.T % 2 or args.H % args.cp:
-        ap.error(f"need 2 <= --cp <= 8, --T an even multiple of {chunks} ({args.layout}) and "
-                 f"--H a multiple of cp={args.cp}")
+    if args.T % chunks or args.T % 2 or args.H % args.cp:
+        ap.error(f"need --T an even multiple of {chunks} ({args.layout}) and --H a multiple of "
+                 f"--cp {args.cp}")
     return args
 
 
@@ -111,28 +118,35 @@ def main(argv=None) -> int:
         mine, hs = " ".join(map(str, P[r])), slice(r * h, (r + 1) * h)
         want = [qkv[:, :, :, P[r]], qkv[:, :, hs][:, :, :, np.concatenate(P)],
                 ref[0][:, hs][:, :, np.concatenate(P)], ref[0][:, :, P[r]]]
-        rows = [("before the 1st all-to-all", "q, k, v", f"heads {heads(0, Hn)}", mine),
+        rows = [("before all-to-all 1", "q, k, v", f"heads {heads(0, Hn)}", mine),
                 ("after it", "q, k, v", f"heads {heads(r * h, h)}", src),
                 ("after attention", "y", f"heads {heads(r * h, h)}", src),
-                ("after the 2nd all-to-all", "y", f"heads {by_rank}", mine)]
+                ("after all-to-all 2", "y", f"heads {by_rank}", mine)]
         print(f"rank {r}")
         for (when, what, hd, ps), got, w in zip(rows, run[0], want):
-            print(f"  {when:26s}{what:7s} {str(got.shape):17s} {hd:{hw}s} pos {ps:{pw}s} "
-                  f"|Δ| {gap(got, w):.0e}")
+            line = (f"  {when:20s}{what:7s} {str(got.shape):17s} {hd:{hw}s} pos {ps:{pw}s} "
+                    f"|Δ| {gap(got, w):.0e}")
+            if len(line) > WIDTH:                   # too wide: heads and positions below
+                line = "\n".join([f"  {when:20s}{what:7s} {str(got.shape):17s} |Δ| "
+                                  f"{gap(got, w):.0e}"] + [textwrap.fill(
+                                      text, WIDTH, initial_indent=" " * 6,
+                                      subsequent_indent=" " * 10) for text in (hd, "pos " + ps)])
+            print(line)
             worst = max(worst, gap(got, w))
     more = " | ..." * (W > 2)
-    print(f"  (after the 1st all-to-all the positions are in source-rank order: rank 0's | rank "
-          f"1's{more};\n  after the 2nd the heads are too: from rank 0 | rank 1{more})")
+    print(f"  (after all-to-all 1 the positions are in source-rank order: rank 0's | rank "
+          f"1's{more};\n  after all-to-all 2 the heads are too: from rank 0 | rank 1{more})")
 
     n = B * Hn * Tr * D * 8                                       # bytes of one of q, k, v, y
     want = (3 * n * (W - 1) // W, B * h * (Tn - Tr) * D * 8)
     want += (sum(want), n * (W - 1) // W + 3 * B * h * (Tn - Tr) * D * 8)
     sent = [run[1] for run in runs]
     print(f"bytes sent per rank (T_r = T/cp = {Tr} positions, 8 bytes a number):\n"
-          f"  1st all-to-all, q, k, v stacked {want[0]:6d} = 3·B·H·T_r·D·8·(cp-1)/cp\n"
-          f"  2nd all-to-all, y               {want[1]:6d} = B·(H/cp)·(T-T_r)·D·8\n"
-          f"  ulysses_attention forward {want[2]}, backward {want[3]} (dy, then dq, dk, dv: the "
-          f"same all-to-alls reversed)\n  measured, the same on every rank: {sent == [want] * W}")
+          f"  all-to-all 1, q, k, v stacked   {want[0]:6d} = 3·B·H·T_r·D·8·(cp-1)/cp\n"
+          f"  all-to-all 2, y                 {want[1]:6d} = B·(H/cp)·(T-T_r)·D·8\n"
+          f"  ulysses_attention forward {want[2]}, backward {want[3]}\n  (the backward sends dy, "
+          f"then dq, dk, dv: the same all-to-alls reversed)\n"
+          f"  measured, the same on every rank: {sent == [want] * W}")
     problems = [] if sent == [want] * W else [f"bytes sent {sent}, formula {want}"]
     d = [max(gap(run[2][i], a[:, :, p]) for p, run in zip(P, runs)) for i, a in enumerate(ref)]
     by_hand = max(gap(run[0][3], run[2][0]) for run in runs)
@@ -151,8 +165,8 @@ def main(argv=None) -> int:
     if worst > 1e-10 or problems:
         print(f"MISMATCH: {'; '.join(problems) or f'max |Δ| = {worst:.1e}'}")
         return 1
-    print(f"OK: cp={W} Ulysses attention ({args.layout}) matches 1-process attention and "
-          f"training (max |Δ| = {worst:.1e})")
+    print(f"OK: cp={W} Ulysses attention ({args.layout}) = 1-process attention and training "
+          f"(max |Δ| = {worst:.1e})")
     return 0
 
 

@@ -1,11 +1,14 @@
 """Pipeline parallelism: four schedules drawn and timed, then a real pp=2 run vs 1 process.
 
 What you will see: GPipe, 1F1B, interleaved 1F1B (V=2) and ZB-H1 for P=4 stages, M=8
-micro-batches: each proven deadlock-free, played with unit costs, drawn one row per stage,
-its bubble next to the papers' closed form, its peak held activations per stage. Then a tiny
-float64 GPT on pp=2 ranks (M=4), 1F1B and ZB-H1: the last step's measured timeline under one
-simulated with the run's own mean costs, both bubbles, the measured peaks, and the loss of
-every step next to the 1-process run.
+micro-batches: each proven deadlock-free, played with unit costs, drawn one row per stage
+(a timeline wider than 30 cells continues below), its bubble next to the papers' closed
+form, its peak held activations per stage. Then a tiny float64 GPT on pp=2 ranks (M=4),
+1F1B and ZB-H1: the last step's measured timeline under one simulated with the run's own
+mean costs, both bubbles, the measured peaks, and the loss of every step next to the
+1-process run. In those two drawings a cell shows the action that fills most of it; an
+action too short to win a cell takes the cell of its midpoint where it can, so each is
+drawn (schedule_render.py).
 
 Run:       python demos/12_pipeline.py [--P 4 --M 8 --V 2] [--run 1f1b,zb-h1 --pp 2 --run-m 4]
            (or python -m minidist demo pipeline)
@@ -21,11 +24,11 @@ from fractions import Fraction
 import numpy as np
 
 from minidist.baseline import train_single_process
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, between
 from minidist.data import DataConfig, model_config_for
 from minidist.parallel.pipeline.schedule_render import LEGEND, ascii, side_by_side
-from minidist.parallel.pipeline.schedule_sim import (Timeline, bubble_closed_form, peak_activations,
-                                                     simulate)
+from minidist.parallel.pipeline.schedule_sim import (Timeline, bubble_closed_form,
+                                                     peak_activations, simulate)
 from minidist.parallel.pipeline.schedule_validate import validate
 from minidist.parallel.pipeline.schedules import SCHEDULES, Action, make_schedule
 from minidist.runtime.launch import spawn
@@ -33,15 +36,19 @@ from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 
 # --- settings (each can be overridden on the command line) ---
 P, M, V, PP, RUN_M, RUN, STEPS, GLOBAL_BATCH, LR, SEED = 4, 8, 2, 2, 4, "1f1b,zb-h1", 3, 16, 3e-3, 0
-N_LAYER, N_EMBD, N_HEAD, LENGTH, COLUMNS = 4, 64, 4, 8, 30
+N_LAYER, N_EMBD, N_HEAD, LENGTH, COLUMNS = 4, 64, 4, 8, 30      # COLUMNS: cells in a row
+# each number option's (low, high): the demo stays small
+LIMITS = dict(P=(1, 16), M=(1, 32), V=(2, 4), pp=(2, 8), run_m=(1, 16), steps=(1, 10_000),
+              global_batch=(1, 512), lr=(0.0, 1.0), seed=(0, 2 ** 32), n_layer=(1, 16),
+              n_embd=(1, 256), n_head=(1, 64), length=(1, 16))
 FORMULA = {"gpipe": "(P-1)/(M+P-1)", "1f1b": "(P-1)/(M+P-1)", "interleaved": "(P-1)/(V M+P-1)",
            "zb-h1": "(P-1)/(3 M+P-1)"}
 NOTICE = {"gpipe": "all M forwards, then all M backwards: every stage holds all M micro-batches",
           "1f1b": "GPipe's bubble, but stage s runs a backward after P-s forwards: it holds P-s",
           "interleaved": "V chunks a stage, 1/V as long: fill and drain shrink V times; more "
-                         "(smaller) chunks held",
+                         "(smaller)\n  chunks held",
           "zb-h1": "B is the input gradient only (the stage before waits for it); the Ws wait "
-                   "and fill the cool-down"}
+                   "and fill\n  the cool-down"}
 
 
 def expected_peak(name: str, P: int, M: int, V: int) -> tuple[list[int] | None, str]:
@@ -55,20 +62,54 @@ def expected_peak(name: str, P: int, M: int, V: int) -> tuple[list[int] | None, 
     if M % P:
         return None, "(M not a multiple of P: not checked)"
     return ([min(M * V, 2 * (P - 1 - s) + (V - 1) * P + 1) for s in range(P)],
-            "warm-up 2(P-1-s)+(V-1)P forwards, + 1; chunks of 1/V stage")
+            "2(P-1-s)+(V-1)P warm-up forwards + 1,\n    chunks of 1/V stage")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(P=P, M=M, V=V, pp=PP, run_m=RUN_M, run=RUN, steps=STEPS,
+    ap.add_argument("--run", default=RUN, help=f"schedules run for real, from {SCHEDULES}")
+    for name, value in dict(P=P, M=M, V=V, pp=PP, run_m=RUN_M, steps=STEPS,
                             global_batch=GLOBAL_BATCH, lr=LR, seed=SEED, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
     args = ap.parse_args(argv)
     args.run = [s for s in args.run.split(",") if s]
-    if not set(args.run) <= set(SCHEDULES) or min(args.P, args.M, args.V - 1, args.pp - 1) < 1:
-        ap.error(f"--run takes names from {SCHEDULES}; need P, M >= 1, V, pp >= 2")
+    if not set(args.run) <= set(SCHEDULES):
+        ap.error(f"--run takes names from {', '.join(SCHEDULES)}, comma-separated")
+    if args.n_embd % args.n_head:
+        ap.error(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
+    if args.global_batch % args.run_m:
+        ap.error(f"--global-batch {args.global_batch} must be a multiple of --run-m "
+                 f"{args.run_m} (the micro-batches of a step)")
+    data_cfg = DataConfig(task="sort", length=args.length, seed=args.seed)
+    cfg = model_config_for(data_cfg, n_layer=args.n_layer, n_embd=args.n_embd,
+                           n_head=args.n_head)
+    try:
+        for name in args.run:
+            Plan(pp=args.pp, micro_batches=args.run_m, schedule=name).validate(
+                cfg, args.global_batch, data_cfg.block_size)
+    except ValueError as e:
+        ap.error(f"--run {name}: {e}")
     return args
+
+
+def draw(rows: list[str]) -> str:
+    """Stage rows "stage 0 |F0 F1 .. |", COLUMNS cells at a time: a longer timeline goes on
+    in a block below, after a line naming its first cell."""
+    heads = [row[:row.index("|") + 1] for row in rows]              # "stage 0 |"
+    cells = [row[len(h):-1] for h, row in zip(heads, rows)]          # 3 characters a cell
+    n = max(map(len, cells), default=0) // 3
+    lines = []
+    for first in range(0, max(n, 1), COLUMNS):
+        last = min(first + COLUMNS, n)
+        if first:
+            lines.append(f"  ... from cell {first}:")
+        for head, c in zip(heads, cells):
+            piece = c[3 * first:3 * last]
+            lines.append(head + (piece + "|" if last == n else piece.rstrip()))
+    return "\n".join(lines)
 
 
 def show_schedules(P: int, M: int, V: int) -> list[str]:
@@ -81,14 +122,15 @@ def show_schedules(P: int, M: int, V: int) -> list[str]:
         validate(schedule)                    # raises ScheduleError naming the first problem
         tl = simulate(schedule, costs=unit)   # Fractions: exact times, exact bubble
         bubble, closed = tl.bubble_fraction(), bubble_closed_form(name, P, M, V)
-        print("\n" + "\n".join(ascii(tl).splitlines()[:-1])
-              + "\n  validate: complete, each B after its F, channels in order, no deadlock")
+        header, *rows = ascii(tl).splitlines()[:-1]          # less the legend, shown once
+        print(f"\n{header}\n{draw(rows)}"
+              "\n  validate: complete, each B after its F, channels in order, no deadlock")
         line = f"  bubble {bubble} = {100 * float(bubble):.1f}% | closed form {FORMULA[name]}"
         if name in ("gpipe", "1f1b") or M >= P:
             print(line + f" = {100 * closed:.1f}%, equal: {float(bubble) == closed}")
             problems += [f"{name}: bubble {bubble} != {closed}"] * (float(bubble) != closed)
         else:
-            print(line + f" holds for M >= P only: M={M} < P={P}, the pipeline never fills")
+            print(line + f" holds for M >= P only:\n  M={M} < P={P}, the pipeline never fills")
         peaks, (want, rule) = peak_activations(schedule), expected_peak(name, P, M, V)
         print(f"  peak activations held per stage: {' '.join(map(str, peaks))}   ({rule})")
         problems += [f"{name}: peaks {peaks} != {want}"] * (want is not None and peaks != want)
@@ -116,16 +158,15 @@ def show_run(name: str, runs, pp: int, M: int) -> list[str]:
     simulated = simulate(schedule, costs={k: [schedule.chunks * c for c in cs]  # per stage
                                           for k, cs in mean.items()})
     simulated.time_unit = "s"
-    print(f"\n-- {name}, last step; mean ms per action, stage 0 .. {pp - 1}: " + " | ".join(
-        f"{k} " + " ".join(f"{1e3 * c:.2f}" for c in cs) for k, cs in mean.items() if any(cs))
-        + " --")
+    print(f"\n-- {name}, last step; mean ms per action, stage 0 .. {pp - 1}:\n   " + " | ".join(
+        f"{k} " + " ".join(f"{1e3 * c:.2f}" for c in cs) for k, cs in mean.items() if any(cs)))
     print(side_by_side(simulated, measured, ("simulated with these costs", "measured"),
                        columns=COLUMNS).replace(LEGEND + "\n", "").replace("\n" + LEGEND, ""))
     unit = simulate(schedule).bubble_fraction()
     print(f"bubble: measured {100 * measured.bubble_fraction():.1f}% | simulated with these "
           f"costs {100 * simulated.bubble_fraction():.1f}% | unit costs {100 * unit:.1f}%\n"
-          "  the simulator counts sends, receives and Python between actions as free, and "
-          "uses mean costs")
+          "  the simulator counts sends, receives and Python between actions as free, and uses"
+          "\n  mean costs")
     held, want = [r.pipeline["held_peak"] for r in runs], peak_activations(schedule)
     print(f"peak activations held per stage: measured {held}, peak_activations {want}")
     return [] if held == want else [f"{name}: held {held} != {want}"]
@@ -133,7 +174,7 @@ def show_run(name: str, runs, pp: int, M: int) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    print(f"demo 12 · pipeline parallel · schedules for P={args.P}, M={args.M}, V={args.V}; "
+    print(f"demo 12 · pipeline parallel · schedules for P={args.P}, M={args.M}, V={args.V}\n"
           f"real runs on pp={args.pp}, M={args.run_m}: {', '.join(args.run)}")
     problems = show_schedules(args.P, args.M, args.V)
     data_cfg = DataConfig(task="sort", length=args.length, seed=args.seed)
@@ -152,11 +193,10 @@ def main(argv=None) -> int:
                   f"|Δ| {abs(a - b):.1e}")
         worst = max(worst, *(abs(a - b) for r in runs for a, b in zip(r.losses, base.losses)))
     if worst > 1e-12 or problems:
-        print(f"NOT OK: {'; '.join(problems) or f'losses differ by {worst:.1e}'}")
+        print(f"MISMATCH: {'; '.join(problems) or f'losses differ by {worst:.1e}'}")
         return 1
-    print(f"OK: {len(SCHEDULES)} schedules valid, unit-cost bubbles equal the closed forms, "
-          f"peaks as stated; pp={args.pp} {', '.join(args.run)} losses match the 1-process run "
-          f"(max |Δ| = {worst:.1e})")
+    print(f"OK: {len(SCHEDULES)} schedules valid, bubbles and peaks as stated; pp={args.pp} losses "
+          f"= 1 process (max |Δ| = {worst:.1e})")
     return 0
 
 

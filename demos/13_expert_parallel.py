@@ -16,6 +16,7 @@ Paper:     Lepikhin et al. 2020, "GShard", arXiv:2006.16668, Sec. 2.2 (groups, c
 """
 
 import argparse
+import textwrap
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from minidist import seed as seeding
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
 from minidist.baseline import train_single_process
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, between
 from minidist.data import DataConfig, model_config_for
 from minidist.nn.moe import MoE
 from minidist.parallel.expert.expert_parallel import ExpertParallelMoE
@@ -34,17 +35,53 @@ from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 EP, EXPERTS, TOP_K, TOKENS, GROUP, CAPACITY_FACTOR, C, HIDDEN, SEED = 2, 4, 2, 8, 4, 1.0, 6, 8, 0
 STEPS, GLOBAL_BATCH, LR, N_LAYER, N_EMBD, N_HEAD, LENGTH, Z_LOSS = 6, 8, 1e-2, 2, 32, 2, 6, 1e-3
 PNG, RAMP = "", " .:-=+*#%@"                   # RAMP: share of tokens 0.0 .. 1.0 in tenths
+# each number option's (low, high): the demo stays small, a step a column of the heatmap
+LIMITS = dict(ep=(1, 8), experts=(1, 16), top_k=(1, 16), tokens=(1, 64), group=(1, 64),
+              capacity_factor=(0.01, 16.0), c=(1, 256), hidden=(1, 1024), seed=(0, 2 ** 32),
+              steps=(1, 10), global_batch=(1, 512), lr=(0.0, 1.0), n_layer=(1, 8),
+              n_embd=(1, 256), n_head=(1, 64), length=(1, 16), z_loss=(0.0, 1.0))
+WIDTH = 100                                     # characters a line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--png", default=PNG, help="also draw the heatmap into this PNG file")
     for name, value in dict(ep=EP, experts=EXPERTS, top_k=TOP_K, tokens=TOKENS, group=GROUP,
                             capacity_factor=CAPACITY_FACTOR, c=C, hidden=HIDDEN, seed=SEED,
                             steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, n_layer=N_LAYER,
-                            n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH, z_loss=Z_LOSS,
-                            png=PNG).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
-    return ap.parse_args(argv)
+                            n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
+                            z_loss=Z_LOSS).items():
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
+    a = ap.parse_args(argv)
+    if a.experts % a.ep or a.top_k > a.experts:
+        ap.error(f"need --experts a multiple of --ep {a.ep} and --top-k <= --experts")
+    if a.n_embd % a.n_head:
+        ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")
+    if a.global_batch % a.ep:
+        ap.error(f"--global-batch {a.global_batch} must be a multiple of --ep {a.ep} (dp = ep "
+                 "in part 2)")
+    try:
+        data_cfg, cfg = training_config(a)
+        Plan(dp=a.ep, ep=a.ep).validate(cfg, a.global_batch, data_cfg.block_size)
+    except ValueError as e:
+        ap.error(str(e))
+    return a
+
+
+def training_config(a):
+    """(DataConfig, GPTConfig) of part 2: a GPT whose every block is a MoE."""
+    data_cfg = DataConfig(task="sort", length=a.length, seed=a.seed)
+    return data_cfg, model_config_for(data_cfg, n_layer=a.n_layer, n_head=a.n_head,
+                                      n_embd=a.n_embd, moe_every=1, n_experts=a.experts,
+                                      top_k=a.top_k, dtype="float64",
+                                      capacity_factor=a.capacity_factor, z_loss_coef=a.z_loss)
+
+
+def fill(text: str, indent: str = "    ") -> str:
+    """`text` in lines of at most WIDTH characters, the later ones indented."""
+    return textwrap.fill(text, WIDTH, subsequent_indent=indent)
 
 
 def make_moe(a) -> MoE:
@@ -82,8 +119,8 @@ def show_layer(a, res: list[dict]) -> list[str]:
     mine = lambda s: range(s * per, (s + 1) * per)     # noqa: E731  (the experts of rank s)
     print(f"== 1. one MoE layer, E={E}, top-{a.top_k}, on ep={W} ranks: rank r holds experts "
           f"{per}r .. {per}r+{per - 1} ==\ncapacity per expert and routing group of {G} tokens ="
-          f" min(G, ceil({a.capacity_factor} K G / E)) = {res[0]['routing'].capacity}; a group "
-          "admits all 1st choices, then all 2nd choices, ...")
+          f" min(G, ceil({a.capacity_factor} K G / E)) = {res[0]['routing'].capacity};\n"
+          "a group admits all 1st choices, then all 2nd choices, ...")
     for r, rt in enumerate(out["routing"] for out in res):
         probs = F.softmax(ref.router(Tensor(xs[r])), axis=-1).data                # (N, E)
         print(f"rank {r}: tokens t0-t{a.tokens - 1}, choices best first: expert@rank (gate)")
@@ -93,33 +130,34 @@ def show_layer(a, res: list[dict]) -> list[str]:
                 held = [f"t{m} (choice {list(rt.choice[m]).index(choice[k]) + 1})"
                         for m in ids[r][choice[k]] if m // G == n // G]
                 cells[k] += f" DROPPED: e{choice[k]} full in group {n // G}: {', '.join(held)}"
-            print(f"  t{n}: " + " | ".join(cells))
+            line = f"  t{n}: " + " | ".join(cells)
+            print(line if len(line) <= WIDTH else fill(line, " " * 6))
     print(f"all_to_all 1, counts: kept rows per expert; rank s gets those of its {per} experts")
     for r in range(W):
-        print(f"  rank {r} counts e0..e{E - 1} {[len(i) for i in ids[r]]} -> " + ", ".join(
-            f"rank {s} gets {[len(ids[r][e]) for e in mine(s)]}" for s in range(W)))
+        print(fill(f"  rank {r} counts e0..e{E - 1} {[len(i) for i in ids[r]]} -> " + ", ".join(
+            f"rank {s} gets {[len(ids[r][e]) for e in mine(s)]}" for s in range(W))))
     print("all_to_all 2, dispatch. BEFORE: each rank's send buffer, expert-major, slot order")
     for r in range(W):
-        print(f"  rank {r} " + " | ".join(f"to r{s}{' (stays)' * (s == r)}: " + " ".join(
+        print(fill(f"  rank {r} " + " | ".join(f"to r{s}{' (stays)' * (s == r)}: " + " ".join(
             "e%d[%s]" % (e, " ".join(f"t{n}" for n in ids[r][e])) for e in mine(s))
-            for s in range(W)))
+            for s in range(W))))
     print("  AFTER: the rows each local expert received, source rank by source rank")
     for r, e in ((r, e) for r in range(W) for e in mine(r)):
         got = ["r%d:t%d" % tuple(np.argwhere((np.stack(xs) == row).all(-1))[0])
                for row in res[r]["seen"][e]]                 # found among all ranks' tokens
         want = [f"r{s}:t{n}" for s in range(W) for n in ids[s][e]]
         problems += [f"e{e} received {got}, not {want}"] * (got != want)
-        print(f"  rank {r} e{e} <- {' '.join(got)}")
-    print("all_to_all 3, combine: results go back to the sender in its send order, then "
-          "out[n] = sum_k gate[n, k] row(n, k); a dropped (n, k) adds 0")
+        print(fill(f"  rank {r} e{e} <- {' '.join(got)}", " " * 14))
+    print("all_to_all 3, combine: results go back to the sender in its send order, then\n"
+          "  out[n] = sum_k gate[n, k] row(n, k); a dropped (n, k) adds 0")
     for r in range(W):
-        print(f"  rank {r} gets back " + ", ".join(
-            f"{sum(len(ids[r][e]) for e in mine(s))} rows from r{s}" for s in range(W)))
+        print(fill(f"  rank {r} gets back " + ", ".join(
+            f"{sum(len(ids[r][e]) for e in mine(s))} rows from r{s}" for s in range(W))))
     for r, out in enumerate(res):
         delta = float(np.abs(out["out"] - ref(Tensor(xs[r][None]))[0].data[0]).max())
         S = sum(len(ids[r][e]) for s in range(W) if s != r for e in mine(s))
         R = sum(len(ids[s][e]) for s in range(W) if s != r for e in mine(r))
-        print(f"rank {r}: out vs unsharded MoE max |Δ| = {delta:.1e} | ep bytes sent, fwd + bwd:"
+        print(f"rank {r}: out vs unsharded MoE max |Δ| = {delta:.1e}\n  ep bytes sent, fwd + bwd:"
               f" {out['sent']}, take_traffic 2 (S={S} + R={R}) C 8 + (W-1) E/W 8 = "
               f"{out['formula']}")
         problems += [f"rank {r}: outputs differ by {delta:.1e}"] * (delta > 1e-13)
@@ -137,22 +175,19 @@ def rank_train(ctx, a, cfg, data_cfg):
 
 def show_training(a) -> float:
     """Part 2: dp+ep training beside 1 process, the routing per step; returns max |Δ|."""
-    data_cfg = DataConfig(task="sort", length=a.length, seed=a.seed)
-    cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd,
-                           moe_every=1, n_experts=a.experts, top_k=a.top_k, dtype="float64",
-                           capacity_factor=a.capacity_factor, z_loss_coef=a.z_loss)
+    data_cfg, cfg = training_config(a)
     print(f"\n== 2. GPT, {cfg.n_layer} MoE blocks, on {a.ep} ranks, dp={a.ep} and ep={a.ep} (the "
-          f"dp ranks share out the experts), vs 1 process; global batch {a.global_batch}, "
-          f"routing groups of {cfg.block_size} tokens ==")
+          f"dp ranks share out the experts),\nvs 1 process; global batch {a.global_batch}, "
+          f"routing groups of {cfg.block_size} tokens; ep: bytes a rank's all-to-alls sent ==")
     base = train_single_process(cfg, data_cfg, steps=a.steps, global_batch=a.global_batch,
                                 lr=a.lr, seed=a.seed)
     runs = spawn(a.ep, rank_train, a, cfg, data_cfg)
     for s, (x, y) in enumerate(zip(runs[0].losses, base.losses)):
         print(f"step {s} | loss dp+ep {x:.15f} | 1 process {y:.15f} | |Δ| {abs(x - y):.1e} "
-              f"| ep all-to-all bytes/rank {runs[0].bytes_by_axis[s]['ep']}")
+              f"| ep {runs[0].bytes_by_axis[s]['ep']:,} B")
     per, moe, shares = a.experts // a.ep, runs[0].moe, {}   # moe[step][layer], over dp
     print(f"routing heatmap, experts x steps: share of the tokens routed to each (before drops;"
-          f" top-{a.top_k}: they sum to {a.top_k}) as '{RAMP}' = 0.0 .. 1.0, then numbers")
+          f"\ntop-{a.top_k}: they sum to {a.top_k}) as '{RAMP}' = 0.0 .. 1.0, then numbers")
     for n in moe[0]:
         shares[n] = share = np.array([[a.top_k * v / sum(st[n]["load"]) for v in st[n]["load"]]
                                       for st in moe]).T                         # (E, steps)
@@ -184,14 +219,14 @@ def save_png(path: str, shares: dict) -> None:
 def main(argv=None) -> int:
     a = parse_args(argv)
     print(f"demo 13 · expert parallel · E={a.experts}, top-{a.top_k}, ep={a.ep}: one layer "
-          f"by hand, then training with dp={a.ep}, ep={a.ep} vs 1 process")
+          f"by hand,\nthen training with dp={a.ep}, ep={a.ep} vs 1 process")
     problems = show_layer(a, spawn(a.ep, rank_layer, a))
     worst = show_training(a)
     if worst > 1e-12 or problems:
         print(f"MISMATCH: {'; '.join(problems) or f'losses differ by {worst:.1e}'}")
         return 1
-    print(f"OK: ep={a.ep} layer outputs match the unsharded MoE, all-to-all bytes match "
-          f"take_traffic, dp+ep losses match the 1-process run (max |Δ| = {worst:.1e})")
+    print(f"OK: ep={a.ep} layer = unsharded MoE, bytes = take_traffic, dp+ep losses = 1 process "
+          f"(max |Δ| = {worst:.1e})")
     return 0
 
 

@@ -22,29 +22,63 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
 
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, between
 from minidist.reliability import checkpoint as ckpt
 from minidist.reliability.async_checkpoint import AsyncCheckpointer
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, EVERY, BATCH, SEED = 8, 4, 6, 0         # BATCH divisible by dp=2 and dp=3
 SHOW = ("step", "resuming", "[rank", "minidist train:", "  killed", "params sha256")
+# each number option's (low, high): the demo stays small
+LIMITS = dict(steps=(2, 1000), every=(1, 1000), batch=(6, 96), seed=(0, 2 ** 32))
+WIDTH = 100                                    # characters a line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, every=EVERY, batch=BATCH, seed=SEED).items():
-        ap.add_argument("--" + name, type=like(value, name), default=value)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name, type=between(low, high, type(value)), default=value,
+                        help=f"{low}..{high} (default {value})")
     a = ap.parse_args(argv)
     if a.steps <= a.every or a.batch % 6:
         ap.error("need --steps > --every and --batch a multiple of 6 (for dp=2 and dp=3)")
     a.prev = (a.steps - 1) // a.every * a.every    # the last checkpoint before the end
     return a
+
+
+def command(argv: list[str]) -> str:
+    """`$ python -m minidist ...` as a user types it, in lines of at most WIDTH characters
+    that end in a backslash, as a shell continues them; an option keeps its value."""
+    units: list[str] = []
+    for word in ["$", "python", "-m", "minidist", *argv]:
+        if units and units[-1].startswith("--") and " " not in units[-1] \
+                and not word.startswith("--"):
+            units[-1] += " " + word
+        else:
+            units.append(word)
+    lines = [units[0]]
+    for unit in units[1:]:
+        if len(lines[-1] + " " + unit) <= WIDTH - 2:
+            lines[-1] += " " + unit
+        else:
+            lines.append("    " + unit)
+    return " \\\n".join(lines)
+
+
+def echo(line: str) -> str:
+    """A line of train's output as shown here, after "  | ": a step line cut to its first
+    fields, `step N | loss X | T s` (the rest is train's progress display), any other line
+    wrapped at WIDTH."""
+    if line.startswith("step "):
+        line = " | ".join(line.split(" | ")[:3])
+    return textwrap.fill(line, WIDTH, initial_indent="  | ", subsequent_indent="  |     ")
 
 
 def train(a, cwd: Path, *options: str, show=SHOW) -> int:
@@ -53,10 +87,10 @@ def train(a, cwd: Path, *options: str, show=SHOW) -> int:
     argv = ["train", "--zero", "1", "--steps", str(a.steps), "--batch", str(a.batch), "--dtype",
             "float64", "--seed", str(a.seed), "--every", "1", "--checkpoint-every", str(a.every),
             *options]
-    print("$ python -m minidist " + " ".join(argv))
+    print(command(argv))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
-    print("\n".join(f"  | {line}" for line in done.stdout.splitlines() if line.startswith(show)))
+    print("\n".join(echo(line) for line in done.stdout.splitlines() if line.startswith(show)))
     return done.returncode
 
 
@@ -78,20 +112,20 @@ def piece_sha(path: Path, name: str) -> str:
 
 
 def show_layout(a, d: Path) -> bool:
-    print("\n== 1. on disk: rank r writes piece r of every (flattened) array; rank 0 writes the "
-          "manifest, then `latest` ==")
+    print("\n== 1. on disk: rank r writes piece r of every (flattened) array;\n"
+          "   rank 0 writes the manifest, then `latest` ==")
     train(a, d.parent, "--dp", "2", "--checkpoint-dir", d.name, show=("params sha256",))
     tree(d)
     step_dir = d / (d / "latest").read_text().strip()
     m = json.loads((step_dir / "manifest.json").read_text())
     print(f"{step_dir.name}/manifest.json: {m['format']} v{m['version']}, {m['writers']} writers"
-          f", {len(m['tensors'])} tensors (params, then AdamW's m and v), step {m['step']}, "
-          f"{len(m['state']['losses'])} losses, data_cursor {m['state']['data_cursor']}")
+          f",\n  {len(m['tensors'])} tensors (params, then AdamW's m and v), step {m['step']}, "
+          f"{len(m['state']['losses'])} losses,\n  data_cursor {m['state']['data_cursor']}")
     ok = True
     for name in ("params/wte.weight", "params/ln_f.bias", "optimizer/v.0"):
         t = m["tensors"][name]
-        print(f"  {name:<18} {t['dtype']} shape {t['shape']}: " + " | ".join(
-            f"{p['file']} [{p['range'][0]}, {p['range'][1]}) sha256 {p['sha256'][:12]}"
+        print(f"  {name:<18} {t['dtype']} shape {t['shape']}:\n" + "\n".join(
+            f"    {p['file']} [{p['range'][0]}, {p['range'][1]}) sha256 {p['sha256'][:12]}"
             for p in t["pieces"]))
         ok &= all(piece_sha(step_dir / p["file"], name) == p["sha256"] for p in t["pieces"])
     print(f"every piece above, hashed by hand from its safetensors file, matches: {ok}")
@@ -107,21 +141,21 @@ def show_crash(a, tmp: Path) -> bool:
     tree(tmp / "crashed")
     part = next((tmp / "crashed").glob(f".tmp-step{a.steps:08d}-*")) / "rank00001.safetensors"
     print(f"rank 1's file stopped at {part.stat().st_size} B; there is no manifest and no "
-          "step directory: a save writes under .tmp- names\n(with a random token: nothing can "
-          "be planted there) and commits only when rank 0 replaces `latest` (temp file, "
-          "fsync,\nrename), so the previous checkpoint is current")
+          "step directory:\na save writes under .tmp- names (with a random token: nothing can "
+          "be planted there)\nand commits only when rank 0 replaces `latest` (temp file, "
+          "fsync, rename),\nso the previous checkpoint is current")
     found = ckpt.latest(tmp / "crashed")
     state, old = (ckpt.load(d / found.path.name) for d in (tmp / "crashed", tmp / "full"))
     same = all(np.array_equal(v, old.params[k]) for k, v in state.params.items())
-    print(f"checkpoint.latest: {found.path.name}, every byte checked against its manifest; "
+    print(f"checkpoint.latest: {found.path.name}, every byte checked against its manifest;\n"
           f"loaded: step {state.step}, params bitwise equal to run 1's {found.path.name}: {same}")
     return rc != 0 and found.step == a.prev and same
 
 
 def show_async(tmp: Path, state) -> bool:
     print("\n== 3. async save (CheckFreq; train --async-checkpoint): snapshot() copies the "
-          "arrays and a thread writes them\n   while the next step computes (a stand-in "
-          "step here: 10 matmuls 200x200) ==")
+          "arrays\n   and a thread writes them while the next step computes (a stand-in "
+          "step here:\n   10 matmuls 200x200) ==")
     x, events = np.random.default_rng(0).standard_normal((200, 200)), []
     log = lambda what: events.append((time.perf_counter(), what))     # noqa: E731
     t0 = time.perf_counter()
@@ -146,21 +180,22 @@ def show_async(tmp: Path, state) -> bool:
 
 
 def show_reshard(a, tmp: Path) -> float:
-    print("\n== 4. reshard: the crashed dp=2 run continues on 3 ranks (dp=3, ZeRO-1) from its "
-          "latest checkpoint ==")
+    print("\n== 4. reshard: the crashed dp=2 run continues on 3 ranks (dp=3, ZeRO-1)\n"
+          "   from its latest checkpoint ==")
     train(a, tmp, "--dp", "3", "--checkpoint-dir", "crashed")
     print("each rank cuts its ZeRO shard (1/3 of the flat optimizer state now) out of the full "
-          "arrays (load_full_state), with no communication")
+          "arrays\n(load_full_state), with no communication")
     new, ref = (ckpt.load(ckpt.latest(tmp / d).path) for d in ("crashed", "full"))
     dl = max(abs(x - y) for x, y in zip(new.losses, ref.losses))
     dp = max(float(np.abs(v - ref.params[k]).max()) for k, v in new.params.items())
     do = max(float(np.abs(v - ref.optimizer[k]).max()) for k, v in new.optimizer.items()
              if isinstance(v, np.ndarray))
     print(f"step {new.step}, dp=2 -> dp=3 vs uninterrupted dp=2: losses max |Δ| = {dl:.1e}, "
-          f"params {dp:.1e}, AdamW m, v {do:.1e}\n(float64; not bitwise, hence another sha256: "
-          "3 ranks add the gradient in another order than 2)")
+          f"params {dp:.1e},\nAdamW m, v {do:.1e} (float64; not bitwise, hence another sha256: "
+          "3 ranks add the\ngradient in another order than 2)")
     files = sorted(p.name for p in ckpt.latest(tmp / "crashed").path.iterdir())
-    print(f"step{a.steps:08d} now holds {', '.join(files)}; the crash's .tmp-step{a.steps:08d}"
+    print(f"step{a.steps:08d} now holds {', '.join(files[:2])},\n  {', '.join(files[2:])}; "
+          f"the crash's .tmp-step{a.steps:08d}"
           f"-<token> is gone: {not any((tmp / 'crashed').glob(f'.tmp-step{a.steps:08d}-*'))}")
     return max(dl, dp, do)
 
@@ -168,16 +203,17 @@ def show_reshard(a, tmp: Path) -> float:
 def main(argv=None) -> int:
     a = parse_args(argv)
     print(f"demo 14 · checkpointing · dp=2 ZeRO-1, {a.steps} steps, a checkpoint every "
-          f"{a.every}, float64: layout, atomic commit, async save, resume on dp=3")
+          f"{a.every}, float64\nlayout, atomic commit, async save, resume on dp=3 · train's "
+          "lines after '  | ', step lines cut")
     with tempfile.TemporaryDirectory(prefix="minidist-demo14-") as name:
         tmp = Path(name)
-        checks = {"pieces match the manifest": show_layout(a, tmp / "full"),  # the reference
-                  f"a kill mid-save left step {a.prev} current and loadable": show_crash(a, tmp),
+        checks = {"pieces = manifest": show_layout(a, tmp / "full"),        # the reference
+                  f"kill mid-save: step {a.prev} current, loads": show_crash(a, tmp),
                   "async = sync": show_async(tmp, ckpt.load(ckpt.latest(tmp / "full").path))}
         worst = show_reshard(a, tmp)
-    checks[f"dp=2 -> dp=3 within 1e-12 (max |Δ| = {worst:.1e})"] = worst <= 1e-12
+    checks["dp=2 -> dp=3 within 1e-12"] = worst <= 1e-12
     failed = [what for what, ok in checks.items() if not ok]
-    print(f"MISMATCH: not {'; not '.join(failed)}" if failed else f"OK: {', '.join(checks)}")
+    print(f"MISMATCH: not {'; not '.join(failed)}" if failed else f"OK: {'; '.join(checks)}")
     return 1 if failed else 0
 
 

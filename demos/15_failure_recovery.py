@@ -21,23 +21,59 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, between
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, EVERY, KILL_STEP, KILL_RANK, BATCH, SEED = 10, 4, 6, 1, 8, 0
 SHOW = ("step", "no checkpoint", "resuming", "recovery:", "[rank", "params sha256")
+# each number option's (low, high): the demo stays small (--kill-rank: 2 ranks)
+LIMITS = dict(steps=(1, 99), every=(1, 99), kill_step=(0, 98), kill_rank=(0, 1),
+              batch=(2, 64), seed=(0, 2 ** 32))
+WIDTH = 100                                      # characters a line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, every=EVERY, kill_step=KILL_STEP, kill_rank=KILL_RANK,
                             batch=BATCH, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
     a = ap.parse_args(argv)
-    if not 0 <= a.kill_step < a.steps or a.kill_rank not in (0, 1):
-        ap.error("need 0 <= --kill-step < --steps and --kill-rank 0 or 1 (2 ranks)")
+    if a.kill_step >= a.steps or a.batch % 2:
+        ap.error("need --kill-step < --steps and an even --batch (2 ranks)")
     return a
+
+
+def command(argv: list[str]) -> str:
+    """`$ python -m minidist ...` as a user types it, in lines of at most WIDTH characters
+    that end in a backslash, as a shell continues them; an option keeps its value."""
+    units: list[str] = []
+    for word in ["$", "python", "-m", "minidist", *argv]:
+        if units and units[-1].startswith("--") and " " not in units[-1] \
+                and not word.startswith("--"):
+            units[-1] += " " + word
+        else:
+            units.append(word)
+    lines = [units[0]]
+    for unit in units[1:]:
+        if len(lines[-1] + " " + unit) <= WIDTH - 2:
+            lines[-1] += " " + unit
+        else:
+            lines.append("    " + unit)
+    return " \\\n".join(lines)
+
+
+def echo(line: str) -> str:
+    """A line of train's output as shown here, after "  | ": a step line cut to its first
+    fields, `step N | loss X | T s` (the rest is train's progress display), any other line
+    wrapped at WIDTH."""
+    if line.startswith("step "):
+        line = " | ".join(line.split(" | ")[:3])
+    return textwrap.fill(line, WIDTH, initial_indent="  | ", subsequent_indent="  |     ")
+
 
 
 def train(a, cwd: str, *options: str) -> tuple[int, list[str]]:
@@ -45,11 +81,11 @@ def train(a, cwd: str, *options: str) -> tuple[int, list[str]]:
     start with one of SHOW; return (exit code, those lines)."""
     argv = ["train", "--dp", "2", "--zero", "1", "--steps", str(a.steps), "--batch",
             str(a.batch), "--seed", str(a.seed), "--every", "1", *options]
-    print("$ python -m minidist " + " ".join(argv))
+    print(command(argv))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     lines = [line for line in done.stdout.splitlines() if line.startswith(SHOW)]
-    print("\n".join(f"  | {line}" for line in lines))
+    print("\n".join(map(echo, lines)))
     return done.returncode, lines
 
 
@@ -63,7 +99,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     saved = a.kill_step // a.every * a.every          # steps done at the latest checkpoint
     print(f"demo 15 · failure recovery · dp=2 ZeRO-1, {a.steps} steps: rank {a.kill_rank} "
-          f"SIGKILLed at step {a.kill_step}, a checkpoint every {a.every}, --max-restarts 2")
+          f"SIGKILLed at step {a.kill_step}\na checkpoint every {a.every}, --max-restarts 2 · "
+          "train's lines after '  | ', step lines cut")
     with tempfile.TemporaryDirectory(prefix="minidist-demo15-") as tmp:
         print("\n== 1. the uninterrupted run (no checkpoints, no faults): the reference ==")
         rc_ref, ref = train(a, tmp)
@@ -74,22 +111,23 @@ def main(argv=None) -> int:
                             "--inject", f"sigkill:rank={a.kill_rank}:step={a.kill_step}")
     log = [line for line in rec if line.startswith("recovery:")]
     print("\nthe launcher's recovery lines, read:")
-    print(f"  what failed:  rank {a.kill_rank} of 2; its process died without a word, the "
-          "launcher saw it and stopped the other rank")
+    print(f"  what failed:  rank {a.kill_rank} of 2; its process died without a word,\n"
+          "                the launcher saw it and stopped the other rank")
     if saved:
         print(f"  resumed from: ck/step{saved:08d}, the latest complete checkpoint ({saved} "
-              f"steps done), on all ranks, after a 0.5 s backoff")
+              f"steps done),\n                on all ranks, after a 0.5 s backoff")
     else:
         print("  resumed from: step 0: no checkpoint had been written yet")
     lost = f"steps {saved}..{a.kill_step - 1}" if a.kill_step > saved else "none"
-    print(f"  lost:         {lost}: done since that point, gone with the processes' memory, "
-          f"run again (at most {a.every}: --checkpoint-every)")
+    print(f"  lost:         {lost}: done since that point, gone with the processes' memory,\n"
+          f"                run again (at most {a.every}: --checkpoint-every)")
     seen: dict[int, list[str]] = {}
     for s, x in losses(rec):
         seen.setdefault(s, []).append(x)
     redo = {s: xs for s, xs in seen.items() if len(xs) == 2}
-    print("steps run twice, losses before | after the restart: " + (", ".join(
-        f"step {s}: {x} | {y}" for s, (x, y) in redo.items()) or "none"))
+    print(textwrap.fill("steps run twice, losses before | after the restart: " + (", ".join(
+        f"step {s}: {x} | {y}" for s, (x, y) in redo.items()) or "none"), WIDTH,
+        subsequent_indent="  "))
     want = (f"steps {saved}..{a.kill_step - 1} are lost and run again" if a.kill_step > saved
             else "")
     d_ref, d_rec = (next((x.split()[-1] for x in out if x.startswith("params sha256")), "none")
@@ -102,7 +140,7 @@ def main(argv=None) -> int:
               f"{d_ref != d_rec}")
         return 1
     print(f"OK: rank {a.kill_rank} SIGKILLed at step {a.kill_step}, resumed from step {saved} "
-          f"after 1 restart; the recovered run's params sha256 equals the uninterrupted run's")
+          "after 1 restart; same params sha256 as run 1")
     return 0
 
 

@@ -20,24 +20,59 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, between
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, EVERY, KILL_STEP, KILL_RANK, REJOIN_AFTER, BATCH, SEED = 12, 2, 5, 3, 3, 12, 0
 SHOW = ("no checkpoint", "[rank", "recovery:", "elastic:", "resuming", "OK:", "MISMATCH")
+# each number option's (low, high): the demo stays small (--kill-rank: 4 ranks)
+LIMITS = dict(steps=(1, 99), every=(1, 99), kill_step=(0, 98), kill_rank=(0, 3),
+              rejoin_after=(1, 99), batch=(12, 96), seed=(0, 2 ** 32))
+WIDTH = 100                                    # characters a line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, every=EVERY, kill_step=KILL_STEP, kill_rank=KILL_RANK,
                             rejoin_after=REJOIN_AFTER, batch=BATCH, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
     a = ap.parse_args(argv)
-    if not 0 <= a.kill_step < a.steps or a.kill_rank not in range(4) or a.batch % 12:
-        ap.error("need 0 <= --kill-step < --steps, --kill-rank 0..3 and --batch a multiple of "
-                 "12 (split over dp=4 and dp=3)")
+    if a.kill_step >= a.steps or a.batch % 12:
+        ap.error("need --kill-step < --steps and --batch a multiple of 12 (split over dp=4 and "
+                 "dp=3)")
     return a
+
+
+def command(argv: list[str]) -> str:
+    """`$ python -m minidist ...` as a user types it, in lines of at most WIDTH characters
+    that end in a backslash, as a shell continues them; an option keeps its value."""
+    units: list[str] = []
+    for word in ["$", "python", "-m", "minidist", *argv]:
+        if units and units[-1].startswith("--") and " " not in units[-1] \
+                and not word.startswith("--"):
+            units[-1] += " " + word
+        else:
+            units.append(word)
+    lines = [units[0]]
+    for unit in units[1:]:
+        if len(lines[-1] + " " + unit) <= WIDTH - 2:
+            lines[-1] += " " + unit
+        else:
+            lines.append("    " + unit)
+    return " \\\n".join(lines)
+
+
+def echo(line: str) -> str:
+    """A line of train's output as shown here, after "  | ": a step line cut to its first
+    fields, `step N | loss X | T s` (the rest is train's progress display), any other line
+    wrapped at WIDTH."""
+    if line.startswith("step "):
+        line = " | ".join(line.split(" | ")[:3])
+    return textwrap.fill(line, WIDTH, initial_indent="  | ", subsequent_indent="  |     ")
 
 
 def train(a, cwd: str) -> tuple[int, list[str]]:
@@ -48,11 +83,11 @@ def train(a, cwd: str) -> tuple[int, list[str]]:
             str(a.seed), "--checkpoint-dir", "ck", "--checkpoint-every", str(a.every),
             "--max-restarts", "2", "--elastic", "--rejoin-after", str(a.rejoin_after),
             "--inject", f"sigkill:rank={a.kill_rank}:step={a.kill_step}", "--check"]
-    print("$ python -m minidist " + " ".join(argv))
+    print(command(argv))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     lines = [line for line in done.stdout.splitlines() if line.startswith(SHOW)]
-    print("\n".join(f"  | {line}" for line in lines))
+    print("\n".join(map(echo, lines)))
     return done.returncode, lines
 
 
@@ -60,7 +95,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     saved = a.kill_step // a.every * a.every          # steps done at the latest checkpoint
     print(f"demo 16 · elastic · dp=4 float64, {a.steps} steps: rank {a.kill_rank} SIGKILLed at "
-          f"step {a.kill_step}, --elastic --rejoin-after {a.rejoin_after}, checked vs 1 process")
+          f"step {a.kill_step}\n--elastic --rejoin-after {a.rejoin_after}, checked vs 1 process "
+          "· train's lines after '  | '")
     with tempfile.TemporaryDirectory(prefix="minidist-demo16-") as tmp:
         print(f"\n== 1. dp=4, rank {a.kill_rank} killed at step {a.kill_step}; its machine "
               f"does not come back for {a.rejoin_after} steps ==")
@@ -82,18 +118,20 @@ def main(argv=None) -> int:
 
     print("\n== 3. the --check verdict: the whole run vs the single-process run ==")
     m = re.search(r"final params max \|Δ\| = (\S+?)\)", verdict)
-    print(f"  final params max |Δ| = {m[1] if m else 'none'}: equal within rounding, not "
-          "bitwise.")
+    bitwise = m is not None and float(m[1]) == 0.0
+    print(f"  final params max |Δ| = {m[1] if m else 'none'}: equal within rounding, "
+          f"{'and even bitwise' if bitwise else 'not bitwise'}.")
     print("  Each step still sums the same per-token gradient terms over the same global batch;")
-    print("  on dp=3 they are grouped into other per-rank partial sums, so the last bits differ.")
+    print("  on dp=3 they are grouped into other per-rank partial sums, so the last bits can "
+          "differ.")
 
     ok = rc == 0 and shrink is not None and grow is not None and verdict.startswith("OK:")
     if not ok:
         print(f"MISMATCH: exit code {rc}; shrink line {shrink is not None}, grow line "
               f"{grow is not None}; verdict {verdict!r}")
         return 1
-    print(f"OK: rank {a.kill_rank} lost, dp=4 -> 3 -> 4 with the global batch kept; the run "
-          f"matches the single-process run (final params max |Δ| = {m[1] if m else '?'})")
+    print(f"OK: rank {a.kill_rank} lost, dp=4 -> 3 -> 4 with the global batch kept; matches 1 "
+          f"process (max |Δ| = {m[1] if m else '?'})")
     return 0
 
 

@@ -21,8 +21,9 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, between
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, NAN_STEP, CKPT_EVERY, BATCH, SEED = 24, 15, 4, 8, 0
@@ -35,14 +36,49 @@ POLICIES = {  # policy: what it does, in one line
 }
 
 
+# each number option's (low, high): the demo stays small (a checkpoint before the NaN)
+LIMITS = dict(steps=(6, 99), nan_step=(CKPT_EVERY, 97), batch=(2, 64), seed=(0, 2 ** 32))
+WIDTH = 100                                    # characters a line
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, nan_step=NAN_STEP, batch=BATCH, seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
     a = ap.parse_args(argv)
-    if not CKPT_EVERY <= a.nan_step < a.steps - 1:
-        ap.error(f"need {CKPT_EVERY} <= --nan-step < --steps - 1 (a checkpoint before it)")
+    if a.nan_step >= a.steps - 1 or a.batch % 2:
+        ap.error("need --nan-step < --steps - 1 and an even --batch (2 ranks)")
     return a
+
+
+def command(argv: list[str]) -> str:
+    """`$ python -m minidist ...` as a user types it, in lines of at most WIDTH characters
+    that end in a backslash, as a shell continues them; an option keeps its value."""
+    units: list[str] = []
+    for word in ["$", "python", "-m", "minidist", *argv]:
+        if units and units[-1].startswith("--") and " " not in units[-1] \
+                and not word.startswith("--"):
+            units[-1] += " " + word
+        else:
+            units.append(word)
+    lines = [units[0]]
+    for unit in units[1:]:
+        if len(lines[-1] + " " + unit) <= WIDTH - 2:
+            lines[-1] += " " + unit
+        else:
+            lines.append("    " + unit)
+    return " \\\n".join(lines)
+
+
+def echo(line: str) -> str:
+    """A line of train's output as shown here, after "  | ": a step line cut to its first
+    fields, `step N | loss X | T s` (the rest is train's progress display), any other line
+    wrapped at WIDTH."""
+    if line.startswith("step "):
+        line = " | ".join(line.split(" | ")[:3])
+    return textwrap.fill(line, WIDTH, initial_indent="  | ", subsequent_indent="  |     ")
 
 
 def train(a, cwd: str, *options: str) -> tuple[int, list[str], dict[int, str]]:
@@ -52,7 +88,7 @@ def train(a, cwd: str, *options: str) -> tuple[int, list[str], dict[int, str]]:
     argv = ["train", "--dp", "2", "--dtype", "float64", "--n-layer", "1", "--n-embd", "16",
             "--n-head", "2", "--batch", str(a.batch), "--steps", str(a.steps), "--seed",
             str(a.seed), "--every", "1", *options]
-    print("$ python -m minidist " + " ".join(argv))
+    print(command(argv))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     out = done.stdout.splitlines()
@@ -61,7 +97,7 @@ def train(a, cwd: str, *options: str) -> tuple[int, list[str], dict[int, str]]:
     shown = lines if len(spikes) <= 3 else lines[:2] + [
         f"... and {len(spikes) - 2} more 'spike at step s: loss is nan' lines, one per step"
     ] + lines[len(spikes):]
-    print("\n".join(f"  | {line}" for line in shown))
+    print("\n".join(map(echo, shown)))
     loss = {int(m[1]): m[2] for m in (re.match(r"step +(\d+) \| loss (\S+)", x) for x in out)
             if m}
     return done.returncode, lines, loss
@@ -72,7 +108,7 @@ def main(argv=None) -> int:
     inject = ["--inject", f"nan:rank=0:step={a.nan_step}"]
     saved = a.nan_step // CKPT_EVERY * CKPT_EVERY             # the checkpoint rolled back to
     print(f"demo 17 · loss spike · dp=2, {a.steps} steps, float64, a NaN in rank 0's "
-          f"gradients at step {a.nan_step}")
+          f"gradients at step {a.nan_step}\ntrain's lines after '  | '")
     runs = {}
     with tempfile.TemporaryDirectory(prefix="minidist-demo17-") as tmp:
         print("\n== 0. the clean run (no fault): the reference ==")

@@ -6,9 +6,12 @@ device from step 2 on: it sleeps X seconds per row of its batch as every forward
 detect, rank 0 names rank 1 after 3 slow steps (compute, not wall time: rank 0's wall time
 includes waiting for rank 1). With --straggler rebalance, every 5 steps the rows of the
 global batch move towards the faster replica, rank 1 ends with few rows and the step gets
-shorter again (the wall times are printed as information, never checked). Both runs use
---check: moving rows changes only how the gradient sum is grouped, so each run matches the
-single-process run within rounding, not bitwise.
+shorter again. Both runs use --check: moving rows changes only how the gradient sum is
+grouped, so each run matches the single-process run within rounding, not bitwise.
+
+What is timed (compute per rank, seconds per step) depends on the machine and its load: the
+demo prints what it measured. Its verdict needs rank 1 named in both runs, its rows moved
+away and both --check verdicts OK; the seconds per step are information, never checked.
 
 Run:       python demos/18_straggler.py [--steps 15 --per-row 0.004 --batch 64]
 Read with: minidist/reliability/straggler.py, minidist/reliability/faults.py
@@ -21,24 +24,62 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, between
+from minidist.reliability.straggler import FACTOR, MIN_GAIN, PATIENCE
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, PER_ROW, SLOW_STEP, BATCH, SEED = 15, 0.004, 2, 64, 0
 SHOW = ("step", "[rank", "straggler:", "OK:", "MISMATCH")
+# each number option's (low, high): the demo stays small
+LIMITS = dict(steps=(10, 99), per_row=(0.0001, 0.1), slow_step=(0, 89), batch=(4, 128),
+              seed=(0, 2 ** 32))
+WIDTH = 100                                    # characters a line
+STEP = re.compile(r"step +(\d+) \| loss \S+ \| +([\d.]+) s \|")   # progress.py's line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(steps=STEPS, per_row=PER_ROW, slow_step=SLOW_STEP, batch=BATCH,
                             seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
     a = ap.parse_args(argv)
-    if a.steps < a.slow_step + 10 or a.per_row <= 0 or a.batch % 2 or a.batch < 4:
-        ap.error("need --steps >= --slow-step + 10 (3 steps to detect, 5 per rebalance), "
-                 "--per-row > 0 and an even --batch >= 4")
+    if a.steps < a.slow_step + 10 or a.batch % 2:
+        ap.error("need --steps >= --slow-step + 10 (3 steps to detect, 5 per rebalance) and "
+                 "an even --batch")
     return a
+
+
+def command(argv: list[str]) -> str:
+    """`$ python -m minidist ...` as a user types it, in lines of at most WIDTH characters
+    that end in a backslash, as a shell continues them; an option keeps its value."""
+    units: list[str] = []
+    for word in ["$", "python", "-m", "minidist", *argv]:
+        if units and units[-1].startswith("--") and " " not in units[-1] \
+                and not word.startswith("--"):
+            units[-1] += " " + word
+        else:
+            units.append(word)
+    lines = [units[0]]
+    for unit in units[1:]:
+        if len(lines[-1] + " " + unit) <= WIDTH - 2:
+            lines[-1] += " " + unit
+        else:
+            lines.append("    " + unit)
+    return " \\\n".join(lines)
+
+
+def echo(line: str) -> str:
+    """A line of train's output as shown here, after "  | ": a step line cut to `step N |
+    loss X | T s | comm C%` (T: seconds since the start; comm: the share of the step the
+    ranks spent waiting for each other), any other line wrapped at WIDTH."""
+    if line.startswith("step "):
+        fields = line.split(" | ")
+        line = " | ".join(fields[:3] + [f for f in fields if f.startswith("comm ")])
+    return textwrap.fill(line, WIDTH, initial_indent="  | ", subsequent_indent="  |     ")
 
 
 def train(a, mode: str, cwd: str) -> tuple[int, list[str]]:
@@ -49,32 +90,42 @@ def train(a, mode: str, cwd: str) -> tuple[int, list[str]]:
             "--seed", str(a.seed), "--inject",
             f"slow:rank=1:step={a.slow_step}:per_row={a.per_row:g}", "--straggler", mode,
             "--check"]
-    print("$ python -m minidist " + " ".join(argv))
+    print(command(argv))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     lines = [line for line in done.stdout.splitlines() if line.startswith(SHOW)]
-    print("\n".join(f"  | {line}" for line in lines))
+    print("\n".join(map(echo, lines)))
     return done.returncode, lines
 
 
 def read(out: list[str]) -> dict:
-    """What a run's lines say: the rank named a straggler, the rows of each dp rank before
-    the first and after the last move, the --check verdict, the last step line's seconds."""
-    named = [int(m[1]) for x in out if (m := re.match(r"straggler: rank (\d+) computes", x))]
+    """What a run's lines say: the ranks named stragglers and their measured compute ("2.7x
+    the median (195 ms vs 72 ms)"), the moves of rows, the seconds per step between the last
+    two step lines (their `T s` fields: seconds since the start), the last comm share and
+    the --check verdict."""
+    named = []
+    for x in out:
+        m = re.match(r"straggler: rank (\d+) computes (\S+) the median .*\(compute (.*)\)$", x)
+        if m:
+            named.append((int(m[1]), f"{m[2]} the others' median ({m[3]})"))
     moves = [re.match(r"straggler: rows per dp rank \(([\d, ]+)\) -> \(([\d, ]+)\)", x)
              for x in out]
     moves = [[tuple(int(v) for v in m[i].split(",")) for i in (1, 2)] for m in moves if m]
-    wall = [float(m[1]) for x in out      # observe/progress.py: "step N | loss L | S s | ..."
-            if (m := re.match(r"step +\d+ \| loss \S+ \|\s+([\d.]+) s \|", x))]
-    return dict(named=named, first=moves[0][0] if moves else None,
-                last=moves[-1][1] if moves else None, wall=wall[-1] if wall else float("nan"),
+    steps = [(int(m[1]), float(m[2])) for x in out if (m := STEP.match(x))]
+    (s0, t0), (s1, t1) = steps[-2:] if len(steps) > 1 else [(0, 0.0), (0, 0.0)]
+    comm = [m[1] for x in out if x.startswith("step ") and (m := re.search(r"comm (\d+)%", x))]
+    return dict(named=named, moves=len(moves), first=moves[0][0] if moves else None,
+                last=moves[-1][1] if moves else None, window=(s0, s1),
+                per_step=(t1 - t0) / (s1 - s0) if s1 > s0 else None,
+                comm=comm[-1] if comm else None,
                 verdict=next((x for x in out if x.startswith(("OK:", "MISMATCH"))), "none"))
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     print(f"demo 18 · straggler · dp=2 float64, {a.steps} steps, rank 1 slow by {a.per_row:g} s "
-          f"per row from step {a.slow_step}: detect, rebalance")
+          f"per row from step {a.slow_step}\n--straggler detect, then rebalance · train's lines "
+          "after '  | ', step lines cut")
     runs = {}
     with tempfile.TemporaryDirectory(prefix="minidist-demo18-") as tmp:
         for i, mode in enumerate(("detect", "rebalance"), start=1):
@@ -83,19 +134,32 @@ def main(argv=None) -> int:
             runs[mode] = dict(rc=rc, **read(out))
     det, reb = runs["detect"], runs["rebalance"]
 
-    print("\n== 3. the lines, read ==")
-    print(f"  detect:    rank(s) named {det['named']}: rank 1's compute (forward + backward) is"
-          " many times")
-    print("             rank 0's; rank 0's wall time is as long, but it is spent waiting")
-    print(f"  rebalance: rows per dp rank {reb['first']} -> {reb['last']}: rows go where they "
-          "are processed fastest,")
-    print("             in several moves, each made only while it predicts a step >= 10 % "
-          "faster")
-    print(f"  wall time of the run (last step line, information only): detect "
-          f"{det['wall']:.1f} s, rebalance {reb['wall']:.1f} s")
-    print("             the slow device's delay is per row, so the fewer rows it gets, the "
-          "shorter")
-    print("             its steps (a fixed delay per step, seconds=, no rebalancing wins back)")
+    print("\n== 3. the lines, read: what was timed on this machine (it varies with its load) ==")
+    para = dict(width=WIDTH, subsequent_indent=" " * 13)
+    for r, what in det["named"] or [(None, None)]:
+        print(f"  detect:    rank {r} named: its compute was {what}" if r is not None else
+              f"  detect:    no rank named: no rank's compute stayed {FACTOR}x the others' for "
+              f"{PATIENCE} steps")
+    print(textwrap.fill("             a fast rank waits for the slow one in every all-reduce: "
+                        "the comm column (the ranks' mean share of a step spent waiting) read "
+                        f"{det['comm']}% at step {det['window'][1]}", **para))
+    if reb["moves"]:
+        print(textwrap.fill(f"  rebalance: rows per dp rank {reb['first']} -> {reb['last']} in "
+                            f"{reb['moves']} move(s): rows go where they are processed fastest,"
+                            " each move made only while it predicts a step >= "
+                            f"{MIN_GAIN:.0%} faster",
+                            **para))
+    else:
+        print(f"  rebalance: no move: the timings never predicted a step >= {MIN_GAIN:.0%} "
+              "faster")
+    x, y, (s0, s1) = det["per_step"], reb["per_step"], det["window"]
+    if x is not None and y is not None:
+        print(textwrap.fill(
+            f"  per step:  {x:.3f} s with detect, {y:.3f} s with rebalance, from step {s0} to "
+            f"step {s1} (the step lines' seconds): rebalance's steps were "
+            f"{'shorter' if y < x else 'not shorter'} on this run. The slow device's delay is "
+            "per row, so the fewer rows it gets, the shorter its steps (a fixed delay per step, "
+            "seconds=, no rebalancing wins back)", **para))
 
     print("\n== 4. the --check verdicts: each run vs the single-process run ==")
     for mode, run in runs.items():
@@ -104,13 +168,14 @@ def main(argv=None) -> int:
     print("  Every micro-batch loss is divided by the global token count, so any split of the")
     print("  rows sums to the same gradient, grouped differently: equal within rounding.")
 
-    moved = reb["first"] is not None and reb["last"][1] < reb["first"][1]
-    ok = (det["rc"] == 0 and reb["rc"] == 0 and 1 in det["named"] and 1 in reb["named"]
-          and moved and det["verdict"].startswith("OK:") and reb["verdict"].startswith("OK:"))
+    named = [sorted({r for r, _ in run["named"]}) for run in (det, reb)]
+    moved = reb["moves"] > 0 and reb["last"][1] < reb["first"][1]
+    ok = (det["rc"] == 0 and reb["rc"] == 0 and all(1 in n for n in named) and moved
+          and det["verdict"].startswith("OK:") and reb["verdict"].startswith("OK:"))
     if not ok:
-        print(f"MISMATCH: exit codes {det['rc']}, {reb['rc']}; named {det['named']}, "
-              f"{reb['named']}; rows {reb['first']} -> {reb['last']}; verdicts "
-              f"{det['verdict']!r}, {reb['verdict']!r}")
+        print(f"MISMATCH: exit codes {det['rc']}, {reb['rc']}; named {named[0]}, {named[1]}; "
+              f"rows {reb['first']} -> {reb['last']}; --check verdicts {det['verdict']!r}, "
+              f"{reb['verdict']!r}")
         return 1
     print(f"OK: rank 1 named in both runs; rebalance moved rows {reb['first']} -> "
           f"{reb['last']}; both match 1 process")

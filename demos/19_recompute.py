@@ -30,7 +30,7 @@ import time                                    # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.autograd.saved import saved_bytes                        # noqa: E402
-from minidist.cli import CliParser, like                               # noqa: E402
+from minidist.cli import CliParser, between                           # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for  # noqa: E402
 from minidist.memory import recompute as rc                            # noqa: E402
 from minidist.nn import GPT, DropoutKey                                # noqa: E402
@@ -38,6 +38,9 @@ from minidist.nn import GPT, DropoutKey                                # noqa: E
 # --- settings (each can be overridden on the command line) ---
 N_LAYER, N_EMBD, N_HEAD, LENGTH, BATCH, DROPOUT, MOE_EVERY, SEED = 4, 32, 4, 8, 8, 0.1, 2, 0
 REPEATS = 5
+# each number option's (low, high): the demo stays small
+LIMITS = dict(n_layer=(1, 8), n_embd=(1, 256), n_head=(1, 64), length=(1, 16), batch=(1, 64),
+              dropout=(0.0, 0.99), moe_every=(0, 8), seed=(0, 2 ** 32), repeats=(1, 100))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,8 +48,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
                             batch=BATCH, dropout=DROPOUT, moe_every=MOE_EVERY, seed=SEED,
                             repeats=REPEATS).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
-    return ap.parse_args(argv)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
+    a = ap.parse_args(argv)
+    if a.n_embd % a.n_head:
+        ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")
+    if a.moe_every == 1:
+        ap.error("--moe-every 1 leaves no dense block to measure; use 0 (no MoE) or >= 2")
+    return a
 
 
 def one_step(cfg, idx, targets, key, seed):
@@ -89,7 +99,7 @@ def main(argv=None) -> int:
     key = DropoutKey(a.seed, 0, tuple(range(a.batch)))
     moe = [j for j in range(base.n_layer) if base.is_moe(j)]
     print(f"demo 19 · activation recomputation · GPT {base.n_layer} layers (MoE: blocks "
-          f"{moe or 'none'}), C={base.n_embd}, H={base.n_head}, T={base.block_size}, batch "
+          f"{moe or 'none'})\nC={base.n_embd}, H={base.n_head}, T={base.block_size}, batch "
           f"{a.batch}, dropout {base.dropout}, {base.dtype}")
     runs = {m: one_step(cfg, idx, targets, key, a.seed) for m, cfg in cfgs.items()}
 
@@ -108,8 +118,9 @@ def main(argv=None) -> int:
     formula = {m: rc.kept_bytes(m, a.batch, base.block_size, base.n_embd, base.n_head,
                                 base.mlp_ratio * base.n_embd, dropout=base.dropout > 0)
                for m in rc.MODES}
-    print(f"\nbytes dense block {dense} adds, measured = formula (recompute.kept_bytes):\n  " +
-          "; ".join(f"{m} {kept[m]:,} = {formula[m]:,}" for m in rc.MODES))
+    print(f"\nbytes dense block {dense} adds, measured vs formula (recompute.kept_bytes):\n  " +
+          "; ".join(f"{m} {kept[m]:,} {'=' if kept[m] == formula[m] else '!='} {formula[m]:,}"
+                    for m in rc.MODES))
     times = {m: statistics.median(step_time(cfgs[m], idx, targets, key, a.seed)
                                   for _ in range(a.repeats)) for m in rc.MODES}
     print(f"step time, median of {a.repeats} (information only):\n  " + "; ".join(
@@ -124,10 +135,11 @@ def main(argv=None) -> int:
         np.array_equal(g, r) for g, r in zip(runs[m][1], runs["none"][1])) for m in rc.MODES)
     once = all(np.array_equal(t, r) for m in rc.MODES for t, r in zip(runs[m][3],
                                                                       runs["none"][3]))
+    print(f"selective and full vs the plain backward: max |Δ| = {worst:.1e} over {n} gradients "
+          "and the loss")
     if exact and once and kept == formula:
-        print(f"OK: recomputed gradients match (bitwise) the plain backward for selective and "
-              f"full (max |Δ| = {worst:.1e} over {n} gradients and the loss); MoE routing "
-              "counted once; kept bytes per layer = formula")
+        print("OK: recomputed gradients = the plain backward's, bitwise; MoE routed once; "
+              "kept bytes = formula")
         return 0
     print(f"MISMATCH: bitwise {exact} (max |Δ| = {worst:.1e}), MoE counted once {once}, "
           f"kept {kept} vs formula {formula}")

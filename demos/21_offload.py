@@ -26,7 +26,7 @@ import tempfile                                # noqa: E402
 
 import numpy as np                             # noqa: E402
 
-from minidist.cli import CliParser, like                               # noqa: E402
+from minidist.cli import CliParser, between                           # noqa: E402
 from minidist.data import DataConfig, model_config_for                 # noqa: E402
 from minidist.memory.ledger import format_bytes                        # noqa: E402
 from minidist.memory.offload import PREFIX, TIERS                      # noqa: E402
@@ -37,13 +37,33 @@ from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on
 WORLD_SIZE, ZERO, STEPS, N_LAYER, N_EMBD, N_HEAD, LENGTH, BATCH, SEED = 2, 3, 4, 2, 32, 4, 6, 16, 0
 
 
+# each number option's (low, high): the demo stays small
+LIMITS = dict(world_size=(1, 8), zero=(0, 3), steps=(1, 1000), n_layer=(1, 8),
+              n_embd=(1, 256), n_head=(1, 64), length=(1, 16), batch=(1, 512),
+              seed=(0, 2 ** 32))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(world_size=WORLD_SIZE, zero=ZERO, steps=STEPS, n_layer=N_LAYER,
                             n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH, batch=BATCH,
                             seed=SEED).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
-    return ap.parse_args(argv)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
+    a = ap.parse_args(argv)
+    if a.n_embd % a.n_head:
+        ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")
+    if a.batch % a.world_size:
+        ap.error(f"--batch {a.batch} must be a multiple of --world-size {a.world_size}")
+    data_cfg = DataConfig(task="sort", length=a.length, seed=a.seed)
+    cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head)
+    try:
+        Plan(dp=a.world_size, zero=a.zero, offload="host").validate(cfg, a.batch,
+                                                                    data_cfg.block_size)
+    except ValueError as e:
+        ap.error(str(e))
+    return a
 
 
 def where(opt) -> dict:
@@ -121,11 +141,10 @@ def main(argv=None) -> int:
     same = all(_equal(runs[t][r][0], runs["none"][r][0]) for t in TIERS[1:]
                for r in range(a.world_size))
     ok = same and not left and all(d == moved for d in drops.values())
-    print(f"\n{'OK' if ok else 'MISMATCH'}: offloaded runs (host, disk) "
-          f"{'equal' if same else 'DIFFER from'} the plain run bit for bit; device peak "
-          f"-{format_bytes(drops['disk'])} (= the bytes moved: "
-          f"{'yes' if all(d == moved for d in drops.values()) else 'NO'}); "
-          f"{len(left)} offload directories left")
+    print(f"\n{'OK' if ok else 'MISMATCH'}: host and disk runs {'=' if same else '!='} the "
+          f"plain run, bitwise; device peak -{format_bytes(drops['disk'])} "
+          f"{'=' if all(d == moved for d in drops.values()) else '!='} the bytes moved; "
+          f"{len(left)} dirs left")
     return 0 if ok else 1
 
 

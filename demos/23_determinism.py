@@ -25,9 +25,10 @@ Paper:     Demmel & Nguyen 2013, "Fast reproducible floating-point summation" (t
 import argparse
 import time
 
+import numpy as np
 
 from minidist.baseline import train_single_process
-from minidist.cli import CliParser, at_least, like
+from minidist.cli import CliParser, at_least
 from minidist.data import DataConfig
 from minidist.deterministic.digest import params_digest
 from minidist.nn import GPTConfig
@@ -59,13 +60,15 @@ TOKEN_TILES = 8      # --deterministic: sums over positions in runs of T / 8 (cp
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=like(STEPS), default=STEPS)
-    ap.add_argument("--batch", type=like(BATCH), default=BATCH, help="divisible by 2, 3 and 4")
+    ap.add_argument("--steps", type=at_least(1), default=STEPS, help="1..100")
+    ap.add_argument("--batch", type=at_least(12), default=BATCH,
+                    help="a multiple of 12 (dp = 2 and 3, M = 2), at most 96")
     ap.add_argument("--dtype", default=DTYPE, choices=["float64", "float32"])
     ap.add_argument("--seed", type=at_least(0), default=SEED)
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.batch < 12 or a.batch % 12:
-        ap.error("need --steps >= 1 and --batch a multiple of 12 (dp = 2 and 3, M = 2)")
+    if a.steps > 100 or a.batch > 96 or a.batch % 12 or a.seed >= 2 ** 32:
+        ap.error("need --steps <= 100, --batch a multiple of 12 (dp = 2 and 3, M = 2) up to 96 "
+                 "and --seed < 2^32")
     return a
 
 
@@ -78,19 +81,22 @@ def rank_main(ctx, cfg, data, plan, a, deterministic):
 
 
 def run(name, cfg, data, a, deterministic, kwargs=None):
-    """(name, params sha256, seconds per step): the single process if kwargs is None."""
+    """(name, params sha256, seconds per step, params): the single process if kwargs is
+    None; raises SystemExit (exit code 1) if the ranks of a layout hold different params."""
     t0 = time.perf_counter()
     if kwargs is None:
         res = train_single_process(cfg, data, steps=a.steps, global_batch=a.batch, lr=1e-2,
                                    seed=a.seed, clip_grad=0.5, deterministic=deterministic,
                                    token_tiles=TOKEN_TILES if deterministic else None)
-        digests = {params_digest(res.params)}
+        digests, params = {params_digest(res.params)}, res.params
     else:
         plan = Plan(**kwargs)
         results = spawn(plan.world_size, rank_main, cfg, data, plan, a, deterministic)
         digests = {params_digest(r.params) for r in results}       # every rank's view
-    assert len(digests) == 1, f"{name}: the ranks disagree"
-    return name, digests.pop(), (time.perf_counter() - t0) / a.steps
+        params = results[0].params
+    if len(digests) != 1:
+        raise SystemExit(f"MISMATCH: {name}: the ranks hold different parameters")
+    return name, digests.pop(), (time.perf_counter() - t0) / a.steps, params
 
 
 def main(argv=None) -> int:
@@ -112,19 +118,23 @@ def main(argv=None) -> int:
             table[det] = rows
             print(f"\n== {title}, {'--deterministic' if det else 'as usual'} ==")
             print(f"  {'layout':<26} {'params sha256':<20} {'s per step (information)':>24}")
-            for name, digest, sec in rows:
+            for name, digest, sec, _ in rows:
                 mark = "=" if digest == rows[0][1] else "≠"
                 print(f"  {name:<26} {digest[:16]}... {mark} {sec:>12.3f}")
-        usual = {d for _, d, _ in table[False]}
-        hashes = {d for _, d, _ in table[True]}
-        print(f"\n  as usual: {len(usual)} different hashes over {len(table[False])} runs "
-              f"(the same numbers to ~1e-15, summed in other orders)")
+        usual = {d for _, d, _, _ in table[False]}
+        hashes = {d for _, d, _, _ in table[True]}
+        one = table[False][0][3]                          # the single process's parameters
+        gap = max(float(np.max(np.abs(p[k] - v))) for *_, p in table[False]
+                  for k, v in one.items())
+        print(f"\n  as usual: {len(usual)} different hashes over {len(table[False])} runs, "
+              f"the parameters within {gap:.1e}\n  of the single process's: the same numbers,"
+              " summed in other orders")
         print(f"  deterministic: {len(hashes)} hash over {len(table[True])} runs")
         if len(hashes) != 1:
             print(f"MISMATCH: --deterministic gave {len(hashes)} different parameter hashes "
                   f"for the {title}")
             return 1
-        runs, same = runs + len(table[True]), same + 1
+        runs, same = runs + len(layouts), same + 1
     print(f"OK: {runs} layouts' parameters match their deterministic single process bit "
           f"for bit ({same} models)")
     return 0

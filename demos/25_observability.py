@@ -1,7 +1,9 @@
 """Observability: a run directory, its merged trace and its report, for a dp=2 x tp=2 run.
 
-What you will see: a tiny GPT trained on 4 ranks (dp=2 x tp=2) with a run directory in a
-temporary folder, deleted at the end (--keep DIR writes it to DIR/run instead): its files; per rank, what the trace holds for the traced step (ops by
+What you will see: a tiny GPT trained on 4 ranks (dp=2 x tp=2) with a run directory,
+written where `python -m minidist train` writes its own (runs/<UTC time>-dp2-tp2 in the
+current folder, or in $MINIDIST_RUN_DIR; --run-dir DIR to choose) and kept, so that you
+can open its trace: its files; per rank, what the trace holds for the traced step (ops by
 phase, collectives by group) and its first few collective bars with their times; the
 report `python -m minidist report RUN_DIR` prints. The check: every collective call and
 send/recv a rank made in the traced step is a bar in the trace. The reference is each
@@ -10,7 +12,7 @@ step, read by the rank itself; and the sequence numbers on every group have no g
 the same on every member.
 
 Run:       python demos/25_observability.py [--dp 2 --tp 2 --steps 3 --trace-step 1]
-           then open RUN_DIR/trace.json in https://ui.perfetto.dev (--keep DIR keeps it)
+           [--run-dir DIR], then open RUN_DIR/trace.json in https://ui.perfetto.dev
 Read with: minidist/observe/run_dir.py, minidist/observe/metrics.py,
            minidist/observe/report.py, minidist/observe/trace.py, minidist/runtime/flight.py
 Paper:     PyTorch's profiler traces and NCCL's flight recorder (the same two ideas);
@@ -20,10 +22,10 @@ Paper:     PyTorch's profiler traces and NCCL's flight recorder (the same two id
 import argparse
 import collections
 import json
-import tempfile
+import textwrap
 from pathlib import Path
 
-from minidist.cli import CliParser, like
+from minidist.cli import CliParser, between
 from minidist.data import DataConfig, model_config_for
 from minidist.observe import report, run_dir
 from minidist.runtime.launch import spawn
@@ -32,17 +34,39 @@ from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on
 # --- settings (each can be overridden on the command line) ---
 DP, TP, STEPS, TRACE_STEP, BATCH, N_LAYER, N_EMBD, N_HEAD, LR = 2, 2, 3, 1, 8, 2, 16, 2, 1e-2
 SHOW = 4                                           # collective bars shown per rank
+# each number option's (low, high): the demo stays small
+LIMITS = dict(dp=(1, 8), tp=(1, 8), steps=(2, 100), trace_step=(1, 99), batch=(1, 256),
+              n_layer=(1, 8), n_embd=(1, 256), n_head=(1, 64))
+WIDTH = 100                                        # characters a line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(dp=DP, tp=TP, steps=STEPS, trace_step=TRACE_STEP, batch=BATCH,
                             n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=like(value, name), default=value)
-    ap.add_argument("--keep", default=None, help="write the run directory here and keep it")
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
+                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_argument("--run-dir", default=None, metavar="DIR",
+                    help="the run directory, kept (default: <UTC time>-<layout> in "
+                         "$MINIDIST_RUN_DIR, else in ./runs, as train's)")
     a = ap.parse_args(argv)
-    if not 1 <= a.trace_step < a.steps:
-        ap.error("need 1 <= --trace-step < --steps (the step before it is the reference)")
+    if a.dp * a.tp > 8:
+        ap.error(f"--dp {a.dp} x --tp {a.tp} = {a.dp * a.tp} ranks; the demo runs at most 8")
+    if a.trace_step >= a.steps:
+        ap.error("need --trace-step < --steps (the step before it is the reference)")
+    if a.n_embd % a.n_head or a.n_head % a.tp or a.batch % a.dp:
+        ap.error(f"need --n-embd a multiple of --n-head, --n-head of --tp and --batch of --dp; "
+                 f"got {a.n_embd}, {a.n_head}, {a.tp}, {a.batch}, {a.dp}")
+    data = DataConfig(task="reverse", length=3)
+    cfg = model_config_for(data, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head)
+    try:
+        Plan(dp=a.dp, tp=a.tp).validate(cfg, a.batch, data.block_size)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.run_dir is not None and Path(a.run_dir).exists() and any(Path(a.run_dir).iterdir()):
+        ap.error(f"--run-dir {a.run_dir} is not empty; give a new directory (the demo writes a "
+                 "fresh run there)")
     return a
 
 
@@ -70,6 +94,13 @@ def show_tree(path: Path) -> None:
             print(f"  {'  ' * (q != p)}{q.name}{'/' if q.is_dir() else f'  ({what})'}")
 
 
+def show_report(lines: list[str]) -> None:
+    """report.text's lines (its per-rank tables already fit), any longer line wrapped."""
+    for line in lines:
+        print(textwrap.fill(line, WIDTH, subsequent_indent="    ") if len(line) > WIDTH
+              else line)
+
+
 def show_trace(trace: dict, ranks: int) -> dict[int, list[dict]]:
     """Per rank: ops by phase, collectives by (op, group), the first SHOW collective bars."""
     print("\n== trace.json: the traced step, rank by rank (times from the first bar) ==")
@@ -81,11 +112,13 @@ def show_trace(trace: dict, ranks: int) -> dict[int, list[dict]]:
                                   and e["cat"] in ("forward", "backward"))
         groups = collections.Counter(f"{e['name'].split(' #')[0]} on {e['args']['group']}"
                                      for e in calls[r])
-        print(f"rank {r}: {ops['forward']} forward + {ops['backward']} backward ops; calls:")
-        print("  " + ", ".join(f"{n} {k}" for k, n in sorted(groups.items())))
+        print(textwrap.fill(f"rank {r}: {ops['forward']} forward + {ops['backward']} backward "
+                            "ops; " + ", ".join(f"{n} {k}" for k, n in sorted(groups.items())),
+                            WIDTH, subsequent_indent="    "))
         for e in calls[r][:SHOW]:
-            print(f"  {e['ts'] / 1e3:7.2f} ms  {e['dur'] / 1e3:6.2f} ms  track {e['tid']}  "
-                  f"{e['args']['call']}")
+            print(textwrap.fill(f"  {e['ts'] / 1e3:7.2f} ms  {e['dur'] / 1e3:6.2f} ms  track "
+                                f"{e['tid']}  {e['args']['call']}", WIDTH,
+                                subsequent_indent=" " * 10))
     return calls
 
 
@@ -97,16 +130,18 @@ def main(argv=None) -> int:
     plan = Plan(dp=a.dp, tp=a.tp)
     print(f"demo 25 · observability · {plan.describe()} = {plan.world_size} ranks · GPT "
           f"{a.n_layer} layers, C={a.n_embd} · {a.steps} steps, step {a.trace_step} traced")
-    with tempfile.TemporaryDirectory(prefix="minidist-demo25-") as tmp:
-        path = Path(a.keep or tmp) / "run"
-        run_dir.create(path, run_dir.config(cfg, data, plan, global_batch=a.batch,
-                                            command=["python", "demos/25_observability.py"]))
-        made = spawn(plan.world_size, rank_main, cfg, data, plan, a, path)
-        run_dir.finish(path)
-        show_tree(path)
-        calls = show_trace(json.loads((path / "trace.json").read_text()), plan.world_size)
-        print("\n== python -m minidist report RUN_DIR --no-plots ==")
-        print("\n".join(report.text(path)))
+    path = Path(a.run_dir) if a.run_dir is not None else run_dir.default_path(plan)
+    run_dir.create(path, run_dir.config(cfg, data, plan, global_batch=a.batch,
+                                        command=["python", "demos/25_observability.py"]))
+    made = spawn(plan.world_size, rank_main, cfg, data, plan, a, path)
+    run_dir.finish(path)
+    show_tree(path)
+    calls = show_trace(json.loads((path / "trace.json").read_text()), plan.world_size)
+    print("\n== python -m minidist report RUN_DIR --no-plots ==")
+    show_report(report.text(path))
+    print(f"\nthe run directory is kept:\n  {path}\nopen its trace.json in "
+          "https://ui.perfetto.dev; `python -m minidist report DIR` prints the report\n"
+          "above again (and draws plots with matplotlib)")
     traced = [len(calls[r]) for r in range(plan.world_size)]
     by_group = collections.defaultdict(dict)             # group -> rank -> sorted seqs
     for r, mine in calls.items():
@@ -120,12 +155,11 @@ def main(argv=None) -> int:
         print(f"MISMATCH: calls in the trace {traced}, by the flight recorder {made}; groups "
               f"with a gap {gaps}; groups whose members differ {differ}")
         return 1
-    print(f"open in https://ui.perfetto.dev:\n  {Path(a.keep) / 'run' / 'trace.json'}" if a.keep
-          else "the run directory was in a temporary folder, now deleted: --keep DIR keeps\n"
-               "  it (then open DIR/run/trace.json in https://ui.perfetto.dev)")
-    print(f"calls in the trace {', '.join(map(str, traced))} = the flight recorder's counts; "
-          f"sequence numbers\n  contiguous and equal on every group ({len(by_group)})")
-    print(f"OK: the trace has every collective of the traced steps ({plan.world_size} ranks)")
+    print(f"calls per rank of the traced step, in the trace: {', '.join(map(str, traced))}; by "
+          f"the flight recorder:\n  {', '.join(map(str, made))}; sequence numbers contiguous "
+          f"and equal on every group ({len(by_group)})")
+    print(f"OK: the trace has every collective call of the traced step, on all {plan.world_size}"
+          " ranks")
     return 0
 
 

@@ -28,26 +28,38 @@ import textwrap                                # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minidist.cli import CliParser, like            # noqa: E402
+from minidist.cli import CliParser, at_least        # noqa: E402
 from minidist.hardware import roofline_cli as cli   # noqa: E402
 from minidist.hardware.roofline import PRECISIONS, gpt_ops, h200  # noqa: E402
+from minidist.memory.budget_models import GPT3_SHAPES              # noqa: E402
 
 # --- settings (each can be overridden on the command line) ---
 MODEL, BATCH, PRECISION, ELEMENTS, REPEATS = "tiny", 32, "float32", 1 << 24, 2
+MAX_BATCH, MAX_ELEMENTS, MAX_REPEATS = 1 << 20, 1 << 26, 100   # the largest arrays: 512 MB
+WIDTH = 100                                    # characters a line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=MODEL, help="'tiny' or a GPT-3 size, e.g. gpt3-125m")
-    ap.add_argument("--batch", type=like(BATCH), default=BATCH)
+    ap.add_argument("--model", default=MODEL, choices=["tiny", *GPT3_SHAPES],
+                    help="'tiny' or a GPT-3 size, e.g. gpt3-125m")
+    ap.add_argument("--batch", type=at_least(1), default=BATCH, help=f"1..{MAX_BATCH}")
     ap.add_argument("--precision", default=PRECISION, choices=list(PRECISIONS))
-    ap.add_argument("--elements", type=like(ELEMENTS), default=ELEMENTS,
-                    help="elements per array of the timed NumPy ops (keep it past the cache)")
-    ap.add_argument("--repeats", type=like(REPEATS), default=REPEATS)
+    ap.add_argument("--elements", type=at_least(1), default=ELEMENTS,
+                    help=f"elements per array of the timed NumPy ops (keep it past the cache; "
+                         f"at most {MAX_ELEMENTS:,})")
+    ap.add_argument("--repeats", type=at_least(1), default=REPEATS, help=f"1..{MAX_REPEATS}")
     a = ap.parse_args(argv)
-    if min(a.batch, a.elements, a.repeats) < 1:
-        ap.error("--batch, --elements and --repeats must be >= 1")
+    if a.batch > MAX_BATCH or a.elements > MAX_ELEMENTS or a.repeats > MAX_REPEATS:
+        ap.error(f"need --batch <= {MAX_BATCH}, --elements <= {MAX_ELEMENTS} and --repeats "
+                 f"<= {MAX_REPEATS}")
     return a
+
+
+def fit(lines: list[str]) -> str:
+    """Table lines as they are; a longer line wrapped at WIDTH, the rest indented."""
+    return "\n".join(textwrap.fill(line, WIDTH, subsequent_indent="    ")
+                     if len(line) > WIDTH else line for line in lines)
 
 
 def model(a):
@@ -69,12 +81,12 @@ def main() -> None:
     print(f"demo 27 · roofline · {name}, T={cfg.block_size}, V={cfg.vocab_size} · batch "
           f"{a.batch} · {a.precision}")
     print("\none training step, op by op (fused = compulsory bytes; unfused = NumPy passes):")
-    print("\n".join(cli.counts_table(ops)))
+    print(fit(cli.counts_table(ops)))
 
     timed, cpu = cli.time_numpy_ops(cpu_dtype, a.elements, a.repeats)    # ~5 s: roofs too
     roofs = [h200(a.precision), cpu]
     print("\nlower bound of each op, max(FLOPs / peak, bytes / bandwidth) per kernel:")
-    print("\n".join(cli.roofs_table(ops, roofs)))
+    print(fit(cli.roofs_table(ops, roofs)))
     for i, r in enumerate(roofs, start=1):
         bound = sorted({o.name for o in ops if o.fused and r.limit(o) == "compute"})
         print(textwrap.fill(f"[{i}] compute-bound (the rest memory-bound): "
@@ -94,11 +106,12 @@ def main() -> None:
     fast = cli.beats_roof(timed, cpu)
     low, high = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
     if not fast:
-        print(f"OK: no NumPy op beats this CPU's roof ({len(timed)} ops; measured/bound "
-              f"{ratios[low]:.2f}x {low} .. {ratios[high]:.2f}x {high}; rates x{cli.SLACK})")
+        print(f"(the check's roofs: the best rates measured here, x{cli.SLACK})\n"
+              f"OK: no NumPy op beats this CPU's roof ({len(timed)} ops; measured/bound "
+              f"{ratios[low]:.2f}x {low} .. {ratios[high]:.2f}x {high})")
     else:
         print(f"MISMATCH: {', '.join(t.name for t in fast)} ran faster than the roof "
-              f"allows: their FLOP or byte counts are too high")
+              f"allows:\n  their FLOP or byte counts are too high")
     raise SystemExit(bool(fast))
 
 

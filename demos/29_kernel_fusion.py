@@ -17,13 +17,14 @@ Paper:     Dao et al. 2022, "FlashAttention", arXiv:2205.14135, Sec. 3 (IO-aware
 import argparse
 import os
 import sys
+import textwrap
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from minidist.cli import CliParser, like      # noqa: E402
+from minidist.cli import CliParser, between  # noqa: E402
 from minidist.hardware import op_costs as oc  # noqa: E402
 from minidist.hardware.roofline import Op, h200, parameter_sizes  # noqa: E402
 from minidist.hardware.roofline_cli import si  # noqa: E402
@@ -33,14 +34,21 @@ from minidist.nn import GPTConfig  # noqa: E402
 TOKENS, WIDTH, HEADS, SEQ, VOCAB, SEED = 8192, 768, 12, 1024, 50257, 0
 
 
+# each number option's (low, high): the demo stays small
+LIMITS = dict(tokens=(1, 1 << 24), width=(1, 1 << 16), heads=(1, 1024), seq=(1, 1 << 20),
+              vocab=(1, 1 << 20), seed=(0, 2 ** 32))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     for name, value in dict(tokens=TOKENS, width=WIDTH, heads=HEADS, seq=SEQ, vocab=VOCAB,
                             seed=SEED).items():
-        ap.add_argument("--" + name, type=like(value, name), default=value)
+        low, high = LIMITS[name]
+        ap.add_argument("--" + name, type=between(low, high), default=value,
+                        help=f"{low}..{high} (default {value})")
     a = ap.parse_args(argv)
-    if min(a.tokens, a.width, a.heads, a.seq, a.vocab) < 1 or a.width % a.heads:
-        ap.error("sizes must be >= 1 and --width a multiple of --heads")
+    if a.width % a.heads:
+        ap.error(f"--width {a.width} is not a multiple of --heads {a.heads}")
     return a
 
 
@@ -141,9 +149,10 @@ def main() -> None:
               f"{op.launches('fused'):>6}/{op.launches('unfused'):<5}{si(sf, 's'):>12}"
               f"{roof.seconds(op, 'unfused') / sf:>8.1f}x")
     total = sum(o.bytes("unfused") for o in ops) / sum(o.bytes("fused") for o in ops)
+    bound = [o.name for o in ops if roof.limit(o) == "compute"]
     print(f"  fusion moves {total:.1f}x fewer bytes over these ops; speedup: the ratio of the "
-          "two bounds\n  on the H200 (the byte ratio where memory-bound; attention is "
-          "compute-bound fused)")
+          "two bounds\n  on the H200 (the byte ratio where memory-bound; compute-bound fused: "
+          f"{', '.join(bound) or 'none'})")
 
     from minidist.gpu.emulate.build import compiler_missing
     if compiler_missing() is None:
@@ -159,15 +168,17 @@ def main() -> None:
     from minidist.gpu.check import Rig, find_gpu, fusion
     cp, why = find_gpu()
     if cp is None:
-        print(f"\n(3) timings: none here ({why}); `python -m minidist gpu check --parts "
+        print(f"\n(3) timings: none here ({why});\n  `python -m minidist gpu check --parts "
               "fusion` times them on a GPU")
     else:
         from minidist.gpu.fused import CupyDevice
-        print("\n(3) timings on this GPU:\n" + "\n".join(fusion(Rig(cp, CupyDevice())).rows))
+        print("\n(3) timings on this GPU:\n" + "\n".join(
+            textwrap.fill(row, 100, subsequent_indent="    ")
+            for row in fusion(Rig(cp, CupyDevice())).rows))
 
     if worst <= 1 and not wrong:
-        print(f"OK: fused and unfused kernels match their float64 twins (worst error "
-              f"{worst:.2f} x tolerance); fused launches = the roofline's; fusion moves "
+        print(f"worst error {worst:.2f} x tolerance; fused launches = the roofline's\n"
+              "OK: fused and unfused kernels match their float64 twins; fusion moves "
               f"{total:.1f}x fewer bytes")
     else:
         print(f"MISMATCH: worst error {worst:.2f} x tolerance; launches differ: {wrong}")

@@ -29,32 +29,26 @@ def cli_error(message: object) -> int:
     return 2
 
 
-def at_least(low: float, kind: type = int) -> Callable[[str], float]:
-    """An argparse type: `kind(text)`, refused unless it is finite and >= low."""
+def between(low: float, high: float, kind: type = int) -> Callable[[str], float]:
+    """An argparse type: `kind(text)`, refused unless it is finite and low <= it <= high
+    (the demos keep their sizes small this way: `--steps 10..10000`)."""
+    what = "an int" if kind is int else "a finite number"
+    rule = f">= {low}" if high == math.inf else f"in {low}..{high}"
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not low <= value < math.inf:
-            raise argparse.ArgumentTypeError(f"must be {'an int' if kind is int else 'a finite number'}"
-                                             f" >= {low}, got {text!r}")
+        if value is None or not (low <= value <= high and value < math.inf):
+            raise argparse.ArgumentTypeError(f"must be {what} {rule}, got {text!r}")
         return value
     return parse
 
 
-def like(default, name: str = "") -> Callable[[str], object]:
-    """The argparse type of the demos' option `name` that defaults to `default`: a finite
-    number >= 0, an int >= 1, or >= 0 where 0 means something (a default of 0, a seed, a
-    ZeRO stage, moe_every, a *_rank or a *_step), or the text as given. Each demo checks
-    its own ranges on top (a rank that exists, a step before the last)."""
-    if isinstance(default, bool) or not isinstance(default, (int, float)):
-        return str
-    if isinstance(default, float):
-        return at_least(0.0, float)
-    zero = default == 0 or name in ("seed", "zero", "moe_every") or \
-        name.endswith(("_rank", "_step"))
-    return at_least(0 if zero else 1)
+def at_least(low: float, kind: type = int) -> Callable[[str], float]:
+    """An argparse type: `kind(text)`, refused unless it is finite and >= low."""
+    return between(low, math.inf, kind)
 
 
 def directory(text: str) -> str:

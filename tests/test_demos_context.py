@@ -68,7 +68,7 @@ def test_ulysses_demo_default_is_deterministic_and_shows_both_all_to_alls():
     out = _ok(ULYSSES, 2)
     assert run_demo(ULYSSES) == (0, out)
     text = "\n".join(out)
-    assert "after it                  q, k, v (3, 1, 2, 8, 4)   heads 2-3" in text
+    assert "after it            q, k, v (3, 1, 2, 8, 4)   heads 2-3" in text
     assert "pos 0 1 6 7 | 2 3 4 5" in text                  # source-rank order, zig-zag
     assert "measured, the same on every rank: True" in text
 

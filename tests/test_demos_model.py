@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import assert_lines_fit
+
 DEMOS = Path(__file__).resolve().parent.parent / "demos"
 
 
@@ -18,6 +20,7 @@ def test_demo_ends_with_ok(demo):
     run = subprocess.run([sys.executable, str(DEMOS / demo)], capture_output=True, text=True,
                          timeout=60, env=env)
     lines = run.stdout.strip().splitlines()
+    assert_lines_fit(lines + run.stderr.splitlines(), f"demos/{demo}")
     assert run.returncode == 0, run.stdout + run.stderr
     assert lines and lines[-1].startswith("OK: "), run.stdout + run.stderr
     assert "(max |Δ| = " in lines[-1] if demo.startswith("04") else "held-out" in lines[-1]
@@ -27,4 +30,5 @@ def test_demo_04_reports_mismatch_when_eps_is_absurd():
     """The verdict can fail: eps = 1 makes finite differences wrong by far more than 1e-8."""
     run = subprocess.run([sys.executable, str(DEMOS / "04_autograd.py"), "--eps", "1.0"],
                          capture_output=True, text=True, timeout=60)
+    assert_lines_fit(run.stdout.splitlines() + run.stderr.splitlines(), "demos/04 --eps 1.0")
     assert run.returncode == 1 and run.stdout.strip().splitlines()[-1].startswith("MISMATCH:")

@@ -1,5 +1,6 @@
 """The pipeline demo runs as a user runs it: four schedules drawn with their bubbles and peaks
-equal to the closed forms, real pp=2 runs whose losses equal the 1-process run, an OK line."""
+equal to the closed forms, real pp=2 runs whose losses equal the 1-process run, an OK line
+(nothing here depends on time: the measured drawings are checked for their shape only)."""
 
 import pytest
 
@@ -11,19 +12,31 @@ DEMO = "12_pipeline.py"
 
 def _ok(*args: str) -> list[str]:
     rc, out = run_demo(DEMO, *args)
-    assert rc == 0 and out[-1].startswith("OK: 4 schedules valid, "), "\n".join(out)
+    assert rc == 0 and out[-1].startswith("OK: 4 schedules valid, bubbles and peaks as stated; "
+                                          "pp=2 losses = 1 process"), "\n".join(out)
     assert out[0].startswith("demo 12 · pipeline parallel · "), out[0]
     return out
 
 
-def _rows(out: list[str], header: str) -> list[str]:
-    """The stage rows drawn under the line that starts with `header`."""
-    i = next(i for i, line in enumerate(out) if line.startswith(header))
-    rows = []
+def _rows(out: list[str], header: str | int) -> list[str]:
+    """The stage rows drawn under the line that starts with `header` (or under out[header]),
+    each joined again from the blocks of at most 30 cells it is drawn in ("  ... from cell
+    30:" between them; a row that goes on lost its trailing blanks)."""
+    i = header if isinstance(header, int) else next(
+        i for i, line in enumerate(out) if line.startswith(header))
+    rows: list[str] = []
+    part, stage = 0, 0
     for line in out[i + 1:]:
-        if not line.startswith("stage "):
+        if line.startswith("  ... from cell "):
+            part, stage = part + 1, 0
+        elif not line.startswith("stage "):
             return rows
-        rows.append(line)
+        elif part == 0:
+            rows.append(line)
+        else:
+            head = line[:line.index("|") + 1]
+            rows[stage] = rows[stage].ljust(len(head) + 3 * 30 * part) + line[len(head):]
+            stage += 1
     return rows
 
 
@@ -36,6 +49,7 @@ def test_pipeline_demo_default_draws_four_schedules_and_matches_one_process():
     assert len(gpipe) == 4, gpipe
     assert gpipe[0] == "stage 0 |F0 F1 F2 F3 F4 F5 F6 F7 " + ".  " * 9 + "".join(
         f"B{m} B{m} " for m in range(8)).rstrip() + " |"
+    assert "  ... from cell 30:" in out                      # 33 cells: a second block
     assert len(_rows(out, "zb-h1: P=4, M=8, bubble 11.1%")) == 4
     for line in ("  bubble 3/11 = 27.3% | closed form (P-1)/(M+P-1) = 27.3%, equal: True",
                  "  bubble 3/19 = 15.8% | closed form (P-1)/(V M+P-1) = 15.8%, equal: True",
@@ -45,7 +59,11 @@ def test_pipeline_demo_default_draws_four_schedules_and_matches_one_process():
                  "peak activations held per stage: measured [2, 1], peak_activations [2, 1]",
                  "peak activations held per stage: measured [2, 2], peak_activations [2, 2]"):
         assert line in out, f"missing {line!r}\n{text}"
-    assert text.count("== measured ==") == 2
+    for title in ("== simulated with these costs ==", "== measured =="):
+        drawn = [i for i, line in enumerate(out) if line == title]
+        assert len(drawn) == 2, text                       # one per real schedule
+        for i in drawn:                                    # its header, then one row a stage
+            assert len(_rows(out, i + 1)) == 2, out[i:i + 4]
     for name in ("1f1b", "zb-h1"):
         assert sum(line.startswith("step ") and f"| loss pp=2 {name} " in line
                    for line in out) == 3
@@ -55,7 +73,7 @@ def test_pipeline_demo_default_draws_four_schedules_and_matches_one_process():
 def test_pipeline_demo_with_fewer_micro_batches_than_stages_and_a_real_interleaved_run():
     out = _ok("--M", "2", "--run", "interleaved", "--run-m", "2", "--steps", "2")
     text = "\n".join(out)
-    assert "holds for M >= P only: M=2 < P=4, the pipeline never fills" in text
+    assert "  M=2 < P=4, the pipeline never fills" in out
     assert "(M not a multiple of P: not checked)" in text
     assert "peak activations held per stage: measured [4, 3], peak_activations [4, 3]" in out
     assert sum("| loss pp=2 interleaved " in line for line in out) == 2

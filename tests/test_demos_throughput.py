@@ -21,6 +21,7 @@ def test_throughput_demo_prints_ledger_formula_peak_and_ends_ok(tmp_path):
     assert any(line.startswith("AdamW           optimizer") for line in out), text
     start = out.index(f"{'step':>4}{'ms':>9}{'tokens/s':>10}{'MFU':>8}{'HFU':>8}")
     assert [line.split()[0] for line in out[start + 1:start + 4]] == ["1", "2", "3"]
-    assert out[-1].startswith("OK: FLOP ledger matches 6N + 12LHQT (- 6 x 1,792 vectors + "
-                              "6 x 704 head = 643,200 FLOPs/token, exactly; median MFU "), text
+    assert out[-2].startswith("median of the 3 timed steps: MFU "), text
+    assert out[-1] == ("OK: FLOP ledger = 6N' + 12LHQT - 6 x 1,792 vectors + 6 x 704 head = "
+                       "643,200 FLOPs/token, exactly"), text
     assert len(json.loads(cache.read_text())) == 1             # the peak, cached here only

@@ -6,9 +6,9 @@ micro-batches: each proven deadlock-free, played with unit costs, drawn one row 
 form, its peak held activations per stage. Then a tiny float64 GPT on pp=2 ranks (M=4),
 1F1B and ZB-H1: the last step's measured timeline under one simulated with the run's own
 mean costs, both bubbles, the measured peaks, and the loss of every step next to the
-1-process run. In those two drawings a cell shows the action that fills most of it; an
-action too short to win a cell takes the cell of its midpoint where it can, so each is
-drawn (schedule_render.py).
+1-process run. In those two drawings a cell shows the action that fills most of it, and
+an action too short to win a cell still gets one near its midpoint: every action of the
+step shows, in the order it ran (schedule_render.py).
 
 Run:       python demos/12_pipeline.py [--P 4 --M 8 --V 2] [--run 1f1b,zb-h1 --pp 2 --run-m 4]
            (or python -m minidist demo pipeline)

@@ -1,6 +1,7 @@
 """The pipeline demo runs as a user runs it: four schedules drawn with their bubbles and peaks
-equal to the closed forms, real pp=2 runs whose losses equal the 1-process run, an OK line
-(nothing here depends on time: the measured drawings are checked for their shape only)."""
+equal to the closed forms, real pp=2 runs whose losses equal the 1-process run, an OK line.
+Its measured timelines draw every action the stage ran, whatever the machine's load made of
+their durations (nothing here depends on time)."""
 
 import pytest
 
@@ -40,6 +41,12 @@ def _rows(out: list[str], header: str | int) -> list[str]:
     return rows
 
 
+def _actions(row: str) -> list[str]:
+    """The actions a drawn row shows, in order: each cell's label, repeats merged."""
+    cells = [row[i:i + 3].strip() for i in range(row.index("|") + 1, len(row) - 1, 3)]
+    return [c for k, c in enumerate(cells) if c != "." and (k == 0 or c != cells[k - 1])]
+
+
 # both slow (~1-2 s each): the default run keeps only the cheapest demos
 @pytest.mark.slow
 def test_pipeline_demo_default_draws_four_schedules_and_matches_one_process():
@@ -62,8 +69,12 @@ def test_pipeline_demo_default_draws_four_schedules_and_matches_one_process():
     for title in ("== simulated with these costs ==", "== measured =="):
         drawn = [i for i, line in enumerate(out) if line == title]
         assert len(drawn) == 2, text                       # one per real schedule
-        for i in drawn:                                    # its header, then one row a stage
-            assert len(_rows(out, i + 1)) == 2, out[i:i + 4]
+        for i, kinds in zip(drawn, ("FB", "FBW")):        # every action of the step, in
+            rows = _rows(out, i + 1)                       # order, whatever the load made
+            assert len(rows) == 2, out[i:i + 4]            # of their durations
+            for s, row in enumerate(rows):
+                want = sorted(f"{k}{m}" for k in kinds for m in range(4))
+                assert sorted(_actions(row)) == want, f"stage {s}: {row}"
     for name in ("1f1b", "zb-h1"):
         assert sum(line.startswith("step ") and f"| loss pp=2 {name} " in line
                    for line in out) == 3

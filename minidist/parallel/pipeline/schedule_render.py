@@ -11,7 +11,9 @@ ASCII, step by step (`ascii`):
        otherwise cut the makespan into `columns` equal cells (default 60)
     2. in each cell of each stage write the action occupying most of it (idle counts as a
        candidate and is drawn "."), 3 characters: kind and micro-batch, upper case F B W
-       for chunk 0, lower case f b w for chunks >= 1 (interleaved schedules)
+       for chunk 0, lower case f b w for chunks >= 1 (interleaved schedules); an action
+       too short to win a cell still gets one near its midpoint, so that every action
+       of a row shows, in the order it ran (`_cells`)
     3. a header with the schedule name, P, M and the bubble; a legend line below
 
 1F1B, P=3, M=4, default costs (F = 1, B = 2: a backward costs two forwards), drawn by
@@ -76,27 +78,48 @@ def _grain(timeline: Timeline) -> int | None:
 
 def _cells(row: list[Slot], t0: float, dt: float, n: int) -> list[Action | None]:
     """For each of n cells [t0 + i dt, t0 + (i+1) dt): the action occupying most of it, or
-    None where idle time is the largest share. Ties go to the earlier action. An action
-    too short to win a cell (a measured timeline's quick F or W next to a long wait) then
-    takes the cell of its midpoint, if that cell is idle or its action is shown in another
-    cell too: every action of the row is drawn at least once where it can be."""
-    out: list[Slot | None] = []
+    None where idle time is the largest share (ties go to the earlier action); then every
+    action of the row is drawn, at least once and in order, when the row has n or fewer:
+
+        1. each action (of nonzero length) gets an anchor cell, the cell of its midpoint,
+           moved right past the previous action's anchor and left of the next one's
+           (a measured timeline's quick F or W next to a long wait wins no cell by
+           majority; under load, several can fall into one cell);
+        2. an anchor shows its action; any other cell shows its majority action only if
+           that lies between the anchors of the actions before and after it, else idle.
+
+    Exact timelines (whole cells, unit costs) are drawn unchanged: there each midpoint
+    cell is the action's own and already in order."""
+    majority: list[int | None] = []
     for i in range(n):
         lo, hi = t0 + i * dt, t0 + (i + 1) * dt
         best, best_len, used = None, 0.0, 0.0
-        for sl in row:
+        for k, sl in enumerate(row):
             share = min(hi, sl.end) - max(lo, sl.start)
             if share > 0:
                 used += share
                 if share > best_len:
-                    best, best_len = sl, share
-        out.append(best if best_len >= dt - used else None)
-    for sl in row:
-        if n and all(c is not sl for c in out):
-            i = min(n - 1, max(0, int(((sl.start + sl.end) / 2 - t0) // dt)))
-            if out[i] is None or sum(c is out[i] for c in out) > 1:
-                out[i] = sl
-    return [None if sl is None else sl.action for sl in out]
+                    best, best_len = k, share
+        majority.append(best if best_len >= dt - used else None)
+    drawn = [k for k, sl in enumerate(row) if sl.end > sl.start]     # in time order
+    if not 0 < len(drawn) <= n:                    # nothing to anchor, or too many to fit
+        return [None if k is None else row[k].action for k in majority]
+    cells = []                                     # 1. midpoint cells, pushed right ...
+    for k in drawn:
+        mid = int(((row[k].start + row[k].end) / 2 - t0) // dt)
+        cells.append(max(min(n - 1, max(0, mid)), cells[-1] + 1 if cells else 0))
+    for pos in range(len(cells) - 1, -1, -1):      # ... and pulled left to fit in n cells
+        cells[pos] = min(cells[pos], n - 1 if pos == len(cells) - 1 else cells[pos + 1] - 1)
+    anchor = dict(zip(drawn, cells))
+    at = {cell: k for k, cell in anchor.items()}
+
+    def in_order(k: int | None, cell: int) -> bool:
+        """Action k may show in `cell`: right of the anchors before it, left of those after."""
+        return k is not None and all(c < cell for d, c in anchor.items() if d < k) and \
+            all(cell < c for d, c in anchor.items() if d > k)
+
+    return [row[at[cell]].action if cell in at else      # 2. anchors, then majority
+            row[k].action if in_order(k, cell) else None for cell, k in enumerate(majority)]
 
 
 def _layout(timeline: Timeline, columns: int | None) -> tuple[float, int, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from minidist.observe.trace import Trace
@@ -353,3 +354,26 @@ def test_a_measured_action_too_short_for_a_cell_is_still_drawn():
                 (Action("B", 0, 0), 9.0, 10.0)]]
     row = R.ascii(Timeline.from_records(records, "1f1b"), columns=10).splitlines()[1]
     assert "F0" in row and "F1" in row and "B0" in row, row
+
+
+def _shown(row: str) -> list[str]:
+    """The actions a drawn row shows, in order, repeats merged."""
+    cells = [row[i:i + 3].strip() for i in range(row.index("|") + 1, len(row) - 1, 3)]
+    return [c for k, c in enumerate(cells) if c != "." and (k == 0 or c != cells[k - 1])]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_measured_action_is_drawn_once_in_order_whatever_its_length(seed):
+    """Random measured rows (durations over four orders of magnitude, gaps between them),
+    drawn in as few as len(row) cells: each action shows, and in the order it ran."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 12))
+    t, records = 0.0, []
+    for m in range(k):
+        t += float(rng.choice([0.0, 10 ** rng.uniform(-3, 1)]))          # a gap, or none
+        length = 10 ** rng.uniform(-4, 0)
+        records.append((Action("F" if m % 2 == 0 else "B", m, 0), t, t + length))
+        t += length
+    for columns in (k, k + 3, 30):
+        row = R.ascii(Timeline.from_records([records]), columns=columns).splitlines()[1]
+        assert _shown(row) == [f"{a.kind}{a.micro_batch}" for a, _, _ in records], row

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser, between, shell_command
 from minidist.reliability import checkpoint as ckpt
 from minidist.reliability.async_checkpoint import AsyncCheckpointer
 
@@ -53,25 +53,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def command(argv: list[str]) -> str:
-    """`$ python -m minidist ...` as a user types it, in lines of at most WIDTH characters
-    that end in a backslash, as a shell continues them; an option keeps its value."""
-    units: list[str] = []
-    for word in ["$", "python", "-m", "minidist", *argv]:
-        if units and units[-1].startswith("--") and " " not in units[-1] \
-                and not word.startswith("--"):
-            units[-1] += " " + word
-        else:
-            units.append(word)
-    lines = [units[0]]
-    for unit in units[1:]:
-        if len(lines[-1] + " " + unit) <= WIDTH - 2:
-            lines[-1] += " " + unit
-        else:
-            lines.append("    " + unit)
-    return " \\\n".join(lines)
-
-
 def echo(line: str) -> str:
     """A line of train's output as shown here, after "  | ": a step line cut to its first
     fields, `step N | loss X | T s` (the rest is train's progress display), any other line
@@ -87,7 +68,7 @@ def train(a, cwd: Path, *options: str, show=SHOW) -> int:
     argv = ["train", "--zero", "1", "--steps", str(a.steps), "--batch", str(a.batch), "--dtype",
             "float64", "--seed", str(a.seed), "--every", "1", "--checkpoint-every", str(a.every),
             *options]
-    print(command(argv))
+    print(shell_command(argv, WIDTH))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     print("\n".join(echo(line) for line in done.stdout.splitlines() if line.startswith(show)))

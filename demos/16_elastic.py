@@ -22,7 +22,7 @@ import sys
 import tempfile
 import textwrap
 
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser, between, shell_command
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, EVERY, KILL_STEP, KILL_RANK, REJOIN_AFTER, BATCH, SEED = 12, 2, 5, 3, 3, 12, 0
@@ -47,25 +47,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def command(argv: list[str]) -> str:
-    """`$ python -m minidist ...` as a user types it, in lines of at most WIDTH characters
-    that end in a backslash, as a shell continues them; an option keeps its value."""
-    units: list[str] = []
-    for word in ["$", "python", "-m", "minidist", *argv]:
-        if units and units[-1].startswith("--") and " " not in units[-1] \
-                and not word.startswith("--"):
-            units[-1] += " " + word
-        else:
-            units.append(word)
-    lines = [units[0]]
-    for unit in units[1:]:
-        if len(lines[-1] + " " + unit) <= WIDTH - 2:
-            lines[-1] += " " + unit
-        else:
-            lines.append("    " + unit)
-    return " \\\n".join(lines)
-
-
 def echo(line: str) -> str:
     """A line of train's output as shown here, after "  | ": a step line cut to its first
     fields, `step N | loss X | T s` (the rest is train's progress display), any other line
@@ -83,7 +64,7 @@ def train(a, cwd: str) -> tuple[int, list[str]]:
             str(a.seed), "--checkpoint-dir", "ck", "--checkpoint-every", str(a.every),
             "--max-restarts", "2", "--elastic", "--rejoin-after", str(a.rejoin_after),
             "--inject", f"sigkill:rank={a.kill_rank}:step={a.kill_step}", "--check"]
-    print(command(argv))
+    print(shell_command(argv, WIDTH))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     lines = [line for line in done.stdout.splitlines() if line.startswith(SHOW)]

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import textwrap
 
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser, between, shell_command
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, NAN_STEP, CKPT_EVERY, BATCH, SEED = 24, 15, 4, 8, 0
@@ -53,25 +53,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def command(argv: list[str]) -> str:
-    """`$ python -m minidist ...` as a user types it, in lines of at most WIDTH characters
-    that end in a backslash, as a shell continues them; an option keeps its value."""
-    units: list[str] = []
-    for word in ["$", "python", "-m", "minidist", *argv]:
-        if units and units[-1].startswith("--") and " " not in units[-1] \
-                and not word.startswith("--"):
-            units[-1] += " " + word
-        else:
-            units.append(word)
-    lines = [units[0]]
-    for unit in units[1:]:
-        if len(lines[-1] + " " + unit) <= WIDTH - 2:
-            lines[-1] += " " + unit
-        else:
-            lines.append("    " + unit)
-    return " \\\n".join(lines)
-
-
 def echo(line: str) -> str:
     """A line of train's output as shown here, after "  | ": a step line cut to its first
     fields, `step N | loss X | T s` (the rest is train's progress display), any other line
@@ -88,7 +69,7 @@ def train(a, cwd: str, *options: str) -> tuple[int, list[str], dict[int, str]]:
     argv = ["train", "--dp", "2", "--dtype", "float64", "--n-layer", "1", "--n-embd", "16",
             "--n-head", "2", "--batch", str(a.batch), "--steps", str(a.steps), "--seed",
             str(a.seed), "--every", "1", *options]
-    print(command(argv))
+    print(shell_command(argv, WIDTH))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     out = done.stdout.splitlines()

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import textwrap
 
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser, between, shell_command
 from minidist.reliability.straggler import FACTOR, MIN_GAIN, PATIENCE
 
 # --- settings (each can be overridden on the command line) ---
@@ -53,25 +53,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def command(argv: list[str]) -> str:
-    """`$ python -m minidist ...` as a user types it, in lines of at most WIDTH characters
-    that end in a backslash, as a shell continues them; an option keeps its value."""
-    units: list[str] = []
-    for word in ["$", "python", "-m", "minidist", *argv]:
-        if units and units[-1].startswith("--") and " " not in units[-1] \
-                and not word.startswith("--"):
-            units[-1] += " " + word
-        else:
-            units.append(word)
-    lines = [units[0]]
-    for unit in units[1:]:
-        if len(lines[-1] + " " + unit) <= WIDTH - 2:
-            lines[-1] += " " + unit
-        else:
-            lines.append("    " + unit)
-    return " \\\n".join(lines)
-
-
 def echo(line: str) -> str:
     """A line of train's output as shown here, after "  | ": a step line cut to `step N |
     loss X | T s | comm C%` (T: seconds since the start; comm: the share of the step the
@@ -90,7 +71,7 @@ def train(a, mode: str, cwd: str) -> tuple[int, list[str]]:
             "--seed", str(a.seed), "--inject",
             f"slow:rank=1:step={a.slow_step}:per_row={a.per_row:g}", "--straggler", mode,
             "--check"]
-    print(command(argv))
+    print(shell_command(argv, WIDTH))
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     lines = [line for line in done.stdout.splitlines() if line.startswith(SHOW)]

@@ -13,7 +13,7 @@ import argparse
 import math
 import os
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 
 class CliParser(argparse.ArgumentParser):
@@ -70,3 +70,24 @@ def file_path(text: str) -> str:
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text}: its directory {folder} does not exist")
     return text
+
+
+def shell_command(argv: Sequence[str], width: int = 100) -> str:
+    """`$ python -m minidist ARGV` as a user types it, in lines of at most `width`
+    characters ending in a backslash, as a shell continues them; an option stays on the line
+    of its value (a pair longer than a line stays whole). The demos print the commands
+    they run this way."""
+    units: list[str] = []
+    for word in ["$", "python", "-m", "minidist", *argv]:
+        if units and units[-1].startswith("--") and " " not in units[-1] \
+                and not word.startswith("--"):
+            units[-1] += " " + word
+        else:
+            units.append(word)
+    lines = [units[0]]
+    for unit in units[1:]:
+        if len(lines[-1] + " " + unit) <= width - 2:
+            lines[-1] += " " + unit
+        else:
+            lines.append("    " + unit)
+    return " \\\n".join(lines)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import minidist
+from minidist.cli import shell_command
 from tests.helpers import child_pids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -295,3 +296,16 @@ def test_the_header_names_the_algorithms_and_plain_runs_the_textbook_ones(extra,
     assert line.startswith(f"algorithms: {sync} · {reductions}")
     assert ("--plain: the textbook ones" in line) is not bool(extra)
     assert "OK: dp=2 x tp=1" in out
+
+
+def test_shell_command_wraps_with_backslashes_and_keeps_an_option_with_its_value():
+    argv = ["train", "--dp", "2", "--checkpoint-dir", "/tmp/" + "d" * 20, "--inject",
+            "raise:rank=0:step=6", "--check"]
+    text = shell_command(argv, width=60)
+    lines = text.splitlines()
+    assert all(len(line) <= 60 for line in lines), lines
+    assert all(line.endswith(" \\") for line in lines[:-1]) and len(lines) > 1, lines
+    assert " ".join(line.removesuffix(" \\").strip() for line in lines) == \
+        "$ python -m minidist " + " ".join(argv)
+    assert any(line.strip().startswith("--inject raise:rank=0:step=6") for line in lines)
+    assert shell_command(["demo"]) == "$ python -m minidist demo"

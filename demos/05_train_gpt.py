@@ -22,7 +22,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse                                # noqa: E402
 
 from minidist.baseline import train_single_process                                     # noqa
-from minidist.cli import CliParser, between                                           # noqa
+from minidist.cli import CliParser  # noqa
 from minidist.data import (TASKS, DataConfig, SyntheticData, answer_accuracy,           # noqa
                            model_config_for)
 from minidist.nn import GPT                                                          # noqa
@@ -41,12 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", default=TASK, choices=TASKS)
     ap.add_argument("--dtype", default=DTYPE, choices=["float32", "float64"])
-    for name, value in dict(length=LENGTH, steps=STEPS, batch=BATCH, lr=LR, seed=SEED,
-                            n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
-                            target_accuracy=TARGET_ACCURACY).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(length=LENGTH, steps=STEPS, batch=BATCH, lr=LR, seed=SEED,
+                        n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
+                        target_accuracy=TARGET_ACCURACY), LIMITS)
     a = ap.parse_args(argv)
     if a.n_embd % a.n_head:
         ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")

@@ -28,7 +28,7 @@ import textwrap                                # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import train_single_process                      # noqa: E402
-from minidist.cli import CliParser, between                            # noqa: E402
+from minidist.cli import CliParser  # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT, DropoutKey                                 # noqa: E402
 from minidist.parallel.data.buckets import BucketedDataParallel         # noqa: E402
@@ -45,12 +45,9 @@ LIMITS = dict(world_size=(1, 8), steps=(1, 10_000), global_batch=(1, 512),
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(world_size=WORLD_SIZE, steps=STEPS, global_batch=GLOBAL_BATCH,
-                            micro_batches=MICRO_BATCHES, lr=LR, seed=SEED, n_layer=N_LAYER,
-                            n_embd=N_EMBD, n_head=N_HEAD, bucket_bytes=BUCKET_BYTES).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(world_size=WORLD_SIZE, steps=STEPS, global_batch=GLOBAL_BATCH,
+                        micro_batches=MICRO_BATCHES, lr=LR, seed=SEED, n_layer=N_LAYER,
+                        n_embd=N_EMBD, n_head=N_HEAD, bucket_bytes=BUCKET_BYTES), LIMITS)
     ap.add_argument("--algo", default=ALGO, choices=["direct", "ring", "tree", "halving"])
     a = ap.parse_args(argv)
     if a.n_embd % a.n_head:

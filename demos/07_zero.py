@@ -24,7 +24,7 @@ import textwrap                                # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import train_single_process                      # noqa: E402
-from minidist.cli import CliParser, between                            # noqa: E402
+from minidist.cli import CliParser  # noqa: E402
 from minidist.data import DataConfig, model_config_for                  # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel.zero import memory as zm                         # noqa: E402
@@ -43,12 +43,9 @@ LIMITS = dict(world_size=(1, 8), steps=(1, 10_000), global_batch=(1, 512),
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(world_size=WORLD_SIZE, steps=STEPS, global_batch=GLOBAL_BATCH,
-                            micro_batches=MICRO_BATCHES, lr=LR, seed=SEED, n_layer=N_LAYER,
-                            n_embd=N_EMBD, n_head=N_HEAD, map_lines=MAP_LINES).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(world_size=WORLD_SIZE, steps=STEPS, global_batch=GLOBAL_BATCH,
+                        micro_batches=MICRO_BATCHES, lr=LR, seed=SEED, n_layer=N_LAYER,
+                        n_embd=N_EMBD, n_head=N_HEAD, map_lines=MAP_LINES), LIMITS)
     ap.add_argument("--algo", default=ALGO, choices=["ring", "direct", "halving", "auto"])
     a = ap.parse_args(argv)
     if a.n_embd % a.n_head:

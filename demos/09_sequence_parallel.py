@@ -26,7 +26,7 @@ from dataclasses import dataclass, field       # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import train_single_process                      # noqa: E402
-from minidist.cli import CliParser, between                            # noqa: E402
+from minidist.cli import CliParser  # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel import placement as pl                           # noqa: E402
@@ -57,12 +57,9 @@ LIMITS = dict(tp=(1, 8), steps=(1, 10_000), global_batch=(1, 512), lr=(0.0, 1.0)
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(tp=TP, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, seed=SEED,
-                            n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
-                            length=LENGTH).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(tp=TP, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, seed=SEED,
+                        n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
+                        length=LENGTH), LIMITS)
     a = ap.parse_args(argv)
     if a.n_embd % a.n_head:
         ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")

@@ -21,7 +21,7 @@ import numpy as np
 
 from minidist.autograd import Tensor
 from minidist.baseline import train_single_process
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser
 from minidist.data import DataConfig, model_config_for
 from minidist.nn.attention import attention_core
 from minidist.nn.layers import Dropout
@@ -70,11 +70,8 @@ def rank_main(ctx, args, arrays, cfg, data_cfg):
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default=LAYOUT, choices=LAYOUTS)
-    for name, value in dict(cp=CP, T=T, H=H, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,
-                            seed=SEED).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(cp=CP, T=T, H=H, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,
+                        seed=SEED), LIMITS)
     args = ap.parse_args(argv)
     args.T, args.H = args.T or 4 * args.cp, args.H or 2 * args.cp
     chunks = 2 * args.cp if args.layout == "zigzag" else args.cp

@@ -24,7 +24,7 @@ from fractions import Fraction
 import numpy as np
 
 from minidist.baseline import train_single_process
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser
 from minidist.data import DataConfig, model_config_for
 from minidist.parallel.pipeline.schedule_render import LEGEND, ascii, side_by_side
 from minidist.parallel.pipeline.schedule_sim import (Timeline, bubble_closed_form,
@@ -68,12 +68,9 @@ def expected_peak(name: str, P: int, M: int, V: int) -> tuple[list[int] | None, 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", default=RUN, help=f"schedules run for real, from {SCHEDULES}")
-    for name, value in dict(P=P, M=M, V=V, pp=PP, run_m=RUN_M, steps=STEPS,
-                            global_batch=GLOBAL_BATCH, lr=LR, seed=SEED, n_layer=N_LAYER,
-                            n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(P=P, M=M, V=V, pp=PP, run_m=RUN_M, steps=STEPS,
+                        global_batch=GLOBAL_BATCH, lr=LR, seed=SEED, n_layer=N_LAYER,
+                        n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH), LIMITS)
     args = ap.parse_args(argv)
     args.run = [s for s in args.run.split(",") if s]
     if not set(args.run) <= set(SCHEDULES):

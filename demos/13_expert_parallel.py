@@ -24,7 +24,7 @@ from minidist import seed as seeding
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
 from minidist.baseline import train_single_process
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser
 from minidist.data import DataConfig, model_config_for
 from minidist.nn.moe import MoE
 from minidist.parallel.expert.expert_parallel import ExpertParallelMoE
@@ -46,14 +46,11 @@ WIDTH = 100                                     # characters a line
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     ap.add_argument("--png", default=PNG, help="also draw the heatmap into this PNG file")
-    for name, value in dict(ep=EP, experts=EXPERTS, top_k=TOP_K, tokens=TOKENS, group=GROUP,
-                            capacity_factor=CAPACITY_FACTOR, c=C, hidden=HIDDEN, seed=SEED,
-                            steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, n_layer=N_LAYER,
-                            n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
-                            z_loss=Z_LOSS).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(ep=EP, experts=EXPERTS, top_k=TOP_K, tokens=TOKENS, group=GROUP,
+                        capacity_factor=CAPACITY_FACTOR, c=C, hidden=HIDDEN, seed=SEED,
+                        steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, n_layer=N_LAYER,
+                        n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
+                        z_loss=Z_LOSS), LIMITS)
     a = ap.parse_args(argv)
     if a.experts % a.ep or a.top_k > a.experts:
         ap.error(f"need --experts a multiple of --ep {a.ep} and --top-k <= --experts")

@@ -22,13 +22,12 @@ import re
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
 
-from minidist.cli import CliParser, between, shell_command
+from minidist.cli import CliParser, echo, shell_command
 from minidist.reliability import checkpoint as ckpt
 from minidist.reliability.async_checkpoint import AsyncCheckpointer
 
@@ -42,24 +41,12 @@ WIDTH = 100                                    # characters a line
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(steps=STEPS, every=EVERY, batch=BATCH, seed=SEED).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name, type=between(low, high, type(value)), default=value,
-                        help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(steps=STEPS, every=EVERY, batch=BATCH, seed=SEED), LIMITS)
     a = ap.parse_args(argv)
     if a.steps <= a.every or a.batch % 6:
         ap.error("need --steps > --every and --batch a multiple of 6 (for dp=2 and dp=3)")
     a.prev = (a.steps - 1) // a.every * a.every    # the last checkpoint before the end
     return a
-
-
-def echo(line: str) -> str:
-    """A line of train's output as shown here, after "  | ": a step line cut to its first
-    fields, `step N | loss X | T s` (the rest is train's progress display), any other line
-    wrapped at WIDTH."""
-    if line.startswith("step "):
-        line = " | ".join(line.split(" | ")[:3])
-    return textwrap.fill(line, WIDTH, initial_indent="  | ", subsequent_indent="  |     ")
 
 
 def train(a, cwd: Path, *options: str, show=SHOW) -> int:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import textwrap
 
-from minidist.cli import CliParser, between, shell_command
+from minidist.cli import CliParser, echo, shell_command
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, EVERY, KILL_STEP, KILL_RANK, BATCH, SEED = 10, 4, 6, 1, 8, 0
@@ -36,25 +36,12 @@ WIDTH = 100                                      # characters a line
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(steps=STEPS, every=EVERY, kill_step=KILL_STEP, kill_rank=KILL_RANK,
-                            batch=BATCH, seed=SEED).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(steps=STEPS, every=EVERY, kill_step=KILL_STEP, kill_rank=KILL_RANK,
+                        batch=BATCH, seed=SEED), LIMITS)
     a = ap.parse_args(argv)
     if a.kill_step >= a.steps or a.batch % 2:
         ap.error("need --kill-step < --steps and an even --batch (2 ranks)")
     return a
-
-
-def echo(line: str) -> str:
-    """A line of train's output as shown here, after "  | ": a step line cut to its first
-    fields, `step N | loss X | T s` (the rest is train's progress display), any other line
-    wrapped at WIDTH."""
-    if line.startswith("step "):
-        line = " | ".join(line.split(" | ")[:3])
-    return textwrap.fill(line, WIDTH, initial_indent="  | ", subsequent_indent="  |     ")
-
 
 
 def train(a, cwd: str, *options: str) -> tuple[int, list[str]]:
@@ -66,7 +53,7 @@ def train(a, cwd: str, *options: str) -> tuple[int, list[str]]:
     done = subprocess.run([sys.executable, "-m", "minidist", *argv], cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     lines = [line for line in done.stdout.splitlines() if line.startswith(SHOW)]
-    print("\n".join(map(echo, lines)))
+    print("\n".join(echo(line, WIDTH) for line in lines))
     return done.returncode, lines
 
 

@@ -21,9 +21,8 @@ import re
 import subprocess
 import sys
 import tempfile
-import textwrap
 
-from minidist.cli import CliParser, between, shell_command
+from minidist.cli import CliParser, echo, shell_command
 
 # --- settings (each can be overridden on the command line) ---
 STEPS, NAN_STEP, CKPT_EVERY, BATCH, SEED = 24, 15, 4, 8, 0
@@ -43,23 +42,11 @@ WIDTH = 100                                    # characters a line
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(steps=STEPS, nan_step=NAN_STEP, batch=BATCH, seed=SEED).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(steps=STEPS, nan_step=NAN_STEP, batch=BATCH, seed=SEED), LIMITS)
     a = ap.parse_args(argv)
     if a.nan_step >= a.steps - 1 or a.batch % 2:
         ap.error("need --nan-step < --steps - 1 and an even --batch (2 ranks)")
     return a
-
-
-def echo(line: str) -> str:
-    """A line of train's output as shown here, after "  | ": a step line cut to its first
-    fields, `step N | loss X | T s` (the rest is train's progress display), any other line
-    wrapped at WIDTH."""
-    if line.startswith("step "):
-        line = " | ".join(line.split(" | ")[:3])
-    return textwrap.fill(line, WIDTH, initial_indent="  | ", subsequent_indent="  |     ")
 
 
 def train(a, cwd: str, *options: str) -> tuple[int, list[str], dict[int, str]]:

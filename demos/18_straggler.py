@@ -26,7 +26,7 @@ import sys
 import tempfile
 import textwrap
 
-from minidist.cli import CliParser, between, shell_command
+from minidist.cli import CliParser, shell_command
 from minidist.reliability.straggler import FACTOR, MIN_GAIN, PATIENCE
 
 # --- settings (each can be overridden on the command line) ---
@@ -41,11 +41,8 @@ STEP = re.compile(r"step +(\d+) \| loss \S+ \| +([\d.]+) s \|")   # progress.py'
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(steps=STEPS, per_row=PER_ROW, slow_step=SLOW_STEP, batch=BATCH,
-                            seed=SEED).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(steps=STEPS, per_row=PER_ROW, slow_step=SLOW_STEP, batch=BATCH,
+                        seed=SEED), LIMITS)
     a = ap.parse_args(argv)
     if a.steps < a.slow_step + 10 or a.batch % 2:
         ap.error("need --steps >= --slow-step + 10 (3 steps to detect, 5 per rebalance) and "

@@ -30,7 +30,7 @@ import time                                    # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.autograd.saved import saved_bytes                        # noqa: E402
-from minidist.cli import CliParser, between                           # noqa: E402
+from minidist.cli import CliParser  # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for  # noqa: E402
 from minidist.memory import recompute as rc                            # noqa: E402
 from minidist.nn import GPT, DropoutKey                                # noqa: E402
@@ -45,12 +45,9 @@ LIMITS = dict(n_layer=(1, 8), n_embd=(1, 256), n_head=(1, 64), length=(1, 16), b
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
-                            batch=BATCH, dropout=DROPOUT, moe_every=MOE_EVERY, seed=SEED,
-                            repeats=REPEATS).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
+                        batch=BATCH, dropout=DROPOUT, moe_every=MOE_EVERY, seed=SEED,
+                        repeats=REPEATS), LIMITS)
     a = ap.parse_args(argv)
     if a.n_embd % a.n_head:
         ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")

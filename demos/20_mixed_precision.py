@@ -20,7 +20,7 @@ import argparse
 
 import numpy as np
 
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser
 from minidist.data import DataConfig, model_config_for
 from minidist.runtime.launch import spawn
 from minidist.train import OnStepEnd, OptimizerConfig, Plan, RunConfig, train_on_rank
@@ -38,11 +38,8 @@ LIMITS = dict(steps=(LAST, 1000), every=(1, 1000), batch=(2, 64), lr=(0.0, 1.0),
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(steps=STEPS, every=EVERY, batch=BATCH, lr=LR, seed=SEED,
-                            overflow_step=OVERFLOW_STEP, scale_steps=SCALE_STEPS).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(steps=STEPS, every=EVERY, batch=BATCH, lr=LR, seed=SEED,
+                        overflow_step=OVERFLOW_STEP, scale_steps=SCALE_STEPS), LIMITS)
     a = ap.parse_args(argv)
     if a.overflow_step >= a.scale_steps - 1 or a.batch % 2:
         ap.error("need --overflow-step < --scale-steps - 1 and an even --batch (2 ranks)")

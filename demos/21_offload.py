@@ -26,7 +26,7 @@ import tempfile                                # noqa: E402
 
 import numpy as np                             # noqa: E402
 
-from minidist.cli import CliParser, between                           # noqa: E402
+from minidist.cli import CliParser  # noqa: E402
 from minidist.data import DataConfig, model_config_for                 # noqa: E402
 from minidist.memory.ledger import format_bytes                        # noqa: E402
 from minidist.memory.offload import PREFIX, TIERS                      # noqa: E402
@@ -45,12 +45,9 @@ LIMITS = dict(world_size=(1, 8), zero=(0, 3), steps=(1, 1000), n_layer=(1, 8),
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(world_size=WORLD_SIZE, zero=ZERO, steps=STEPS, n_layer=N_LAYER,
-                            n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH, batch=BATCH,
-                            seed=SEED).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(world_size=WORLD_SIZE, zero=ZERO, steps=STEPS, n_layer=N_LAYER,
+                        n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH, batch=BATCH,
+                        seed=SEED), LIMITS)
     a = ap.parse_args(argv)
     if a.n_embd % a.n_head:
         ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")

@@ -20,7 +20,7 @@ Paper:     Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054, Sec. 5 and Fig. 1;
 
 import argparse
 
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser
 from minidist.data import DataConfig, model_config_for
 from minidist.memory.budget import MemoryPlan, estimate, estimate_stages, zero_figure1
 from minidist.memory.budget_cli import fmt, parse_plan
@@ -42,11 +42,8 @@ PLAN, WIDTH = 20, {c: 13 if c == "activations" else 11 for c in MEASURED}   # co
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default=PLANS, help="plans separated by ';' (memory --plan)")
-    for name, value in dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, batch=BATCH,
-                            seed=SEED).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, batch=BATCH,
+                        seed=SEED), LIMITS)
     a = ap.parse_args(argv)
     if a.n_embd % a.n_head:
         ap.error(f"--n-embd {a.n_embd} is not a multiple of --n-head {a.n_head}")

@@ -3,9 +3,10 @@
 What you will see: a small GPT (dropout on, gradient clipping) trained for a few steps by
 the single process and by several layouts (dp = 2 and 3, ZeRO-1 and -3, pipelines with
 three schedules, tensor parallelism alone, with SP and with dp and pp, context
-parallelism by ring and Ulysses, alone and with tp and SP), first as usual and then
-with --deterministic; then a MoE GPT under expert and pipeline parallelism the same way. For each run
-the sha256 of its final parameters (in name order, as `params sha256:` prints it). As
+parallelism by ring and Ulysses, alone and with tp and SP: 13 layouts), first as usual
+and then with --deterministic; then a MoE GPT the same way, by its single process and 6
+layouts under expert and pipeline parallelism. For each run the sha256 of its final
+parameters (in name order, as `params sha256:` prints it). As
 usual, the layouts agree to ~1e-15 but their hashes differ: each groups its sums
 differently. Deterministic, every hash is the same, and equal to the deterministic single
 process's: each sample is its own micro-batch and the samples' gradients are added in one

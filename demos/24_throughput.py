@@ -29,7 +29,7 @@ import time                                    # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minidist import optim                     # noqa: E402
-from minidist.cli import CliParser, between   # noqa: E402
+from minidist.cli import CliParser   # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.observe.flops import FlopLedger  # noqa: E402
@@ -48,11 +48,8 @@ LIMITS = dict(n_layer=(1, 8), n_embd=(1, 256), n_head=(1, 64), length=(1, 16),
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
-                            batch=BATCH, steps=STEPS, peak_size=PEAK_SIZE).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high), default=value,
-                        help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, length=LENGTH,
+                        batch=BATCH, steps=STEPS, peak_size=PEAK_SIZE), LIMITS)
     ap.add_argument("--dtype", default=DTYPE, choices=["float32", "float64"])
     ap.add_argument("--peak-cache", default=None,
                     help="the peak's cache file (default ~/.cache/minidist/peak.json)")

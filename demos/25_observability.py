@@ -25,7 +25,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser
 from minidist.data import DataConfig, model_config_for
 from minidist.observe import report, run_dir
 from minidist.runtime.launch import spawn
@@ -42,11 +42,8 @@ WIDTH = 100                                        # characters a line
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(dp=DP, tp=TP, steps=STEPS, trace_step=TRACE_STEP, batch=BATCH,
-                            n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(dp=DP, tp=TP, steps=STEPS, trace_step=TRACE_STEP, batch=BATCH,
+                        n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD), LIMITS)
     ap.add_argument("--run-dir", default=None, metavar="DIR",
                     help="the run directory, kept (default: <UTC time>-<layout> in "
                          "$MINIDIST_RUN_DIR, else in ./runs, as train's)")

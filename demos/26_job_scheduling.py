@@ -21,7 +21,7 @@ import argparse
 
 import numpy as np
 
-from minidist.cli import CliParser, between
+from minidist.cli import CliParser
 from minidist.cluster import metrics
 from minidist.cluster.placement import Cluster
 from minidist.cluster.policies import NAMES
@@ -45,11 +45,8 @@ LIMITS = dict(jobs=(1, 5000), nodes=(1, 256), gpus_per_node=(1, 16), load=(0.01,
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(jobs=JOBS, nodes=NODES, gpus_per_node=GPUS_PER_NODE, load=LOAD,
-                            seed=SEED, checkpoint=CHECKPOINT, restore=RESTORE).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(jobs=JOBS, nodes=NODES, gpus_per_node=GPUS_PER_NODE, load=LOAD,
+                        seed=SEED, checkpoint=CHECKPOINT, restore=RESTORE), LIMITS)
     a = ap.parse_args(argv)
     return a
 

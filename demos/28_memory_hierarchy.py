@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from minidist.cli import CliParser, between  # noqa: E402
+from minidist.cli import CliParser  # noqa: E402
 from minidist.gpu import hierarchy as h  # noqa: E402
 from minidist.hardware import cpu_caches  # noqa: E402
 
@@ -41,10 +41,7 @@ LIMITS = dict(m=(1, 512), n=(4, 512), k=(4, 512), max_mb=(1, 1024), gpu_n=(1, 81
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(m=M, n=N, k=K, max_mb=MAX_MB, gpu_n=GPU_N, seed=SEED).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name.replace("_", "-"), type=between(low, high, type(value)),
-                        default=value, help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(m=M, n=N, k=K, max_mb=MAX_MB, gpu_n=GPU_N, seed=SEED), LIMITS)
     a = ap.parse_args(argv)
     if a.k % 4 or a.n % 4:
         ap.error("need --k and --n multiples of 4 (the float4 rungs 6 and 7 load four floats "

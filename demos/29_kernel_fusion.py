@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from minidist.cli import CliParser, between  # noqa: E402
+from minidist.cli import CliParser  # noqa: E402
 from minidist.hardware import op_costs as oc  # noqa: E402
 from minidist.hardware.roofline import Op, h200, parameter_sizes  # noqa: E402
 from minidist.hardware.roofline_cli import si  # noqa: E402
@@ -41,11 +41,8 @@ LIMITS = dict(tokens=(1, 1 << 24), width=(1, 1 << 16), heads=(1, 1024), seq=(1, 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = CliParser(description=__doc__.splitlines()[0])
-    for name, value in dict(tokens=TOKENS, width=WIDTH, heads=HEADS, seq=SEQ, vocab=VOCAB,
-                            seed=SEED).items():
-        low, high = LIMITS[name]
-        ap.add_argument("--" + name, type=between(low, high), default=value,
-                        help=f"{low}..{high} (default {value})")
+    ap.add_numbers(dict(tokens=TOKENS, width=WIDTH, heads=HEADS, seq=SEQ, vocab=VOCAB,
+                        seed=SEED), LIMITS)
     a = ap.parse_args(argv)
     if a.width % a.heads:
         ap.error(f"--width {a.width} is not a multiple of --heads {a.heads}")

@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import sys
+import textwrap
 from typing import Callable, Sequence
 
 
@@ -21,6 +22,15 @@ class CliParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+    def add_numbers(self, defaults: dict[str, float], limits: dict[str, tuple]) -> None:
+        """One option per default, `--name-with-dashes`, of the default's type, refused at
+        parsing outside limits[name] = (low, high) (the demos keep their sizes small)."""
+        for name, value in defaults.items():
+            low, high = limits[name]
+            self.add_argument("--" + name.replace("_", "-"), default=value,
+                              type=between(low, high, type(value)),
+                              help=f"{low}..{high} (default {value})")
 
 
 def cli_error(message: object) -> int:
@@ -91,3 +101,12 @@ def shell_command(argv: Sequence[str], width: int = 100) -> str:
         else:
             lines.append("    " + unit)
     return " \\\n".join(lines)
+
+
+def echo(line: str, width: int = 100) -> str:
+    """A line of a command's output as a demo quotes it, after "  | ": a progress line cut
+    to its first fields, `step N | loss X | T s` (the rest is the live display), any other
+    line wrapped at `width`."""
+    if line.startswith("step "):
+        line = " | ".join(line.split(" | ")[:3])
+    return textwrap.fill(line, width, initial_indent="  | ", subsequent_indent="  |     ")

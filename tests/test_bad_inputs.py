@@ -97,6 +97,7 @@ COMMANDS = [["train"], ["bench", "collectives"], ["bench", "autograd"], ["bench"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(6 * 60 + 60)         # 6 draws, each at most 60 s (one that runs)
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 def test_random_bad_values_for_every_option_are_refused(command, tmp_path):
     """Draw an option of the command and a value no option should take; a value some

@@ -22,7 +22,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse                                # noqa: E402
 
 from minidist.baseline import train_single_process                                     # noqa
-from minidist.cli import CliParser  # noqa
+from minidist.cli import CliParser                                                      # noqa
 from minidist.data import (TASKS, DataConfig, SyntheticData, answer_accuracy,           # noqa
                            model_config_for)
 from minidist.nn import GPT                                                          # noqa

@@ -28,7 +28,7 @@ import textwrap                                # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import train_single_process                      # noqa: E402
-from minidist.cli import CliParser  # noqa: E402
+from minidist.cli import CliParser                                      # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT, DropoutKey                                 # noqa: E402
 from minidist.parallel.data.buckets import BucketedDataParallel         # noqa: E402

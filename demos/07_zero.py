@@ -24,7 +24,7 @@ import textwrap                                # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import train_single_process                      # noqa: E402
-from minidist.cli import CliParser  # noqa: E402
+from minidist.cli import CliParser                                      # noqa: E402
 from minidist.data import DataConfig, model_config_for                  # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel.zero import memory as zm                         # noqa: E402

@@ -27,7 +27,7 @@ import numpy as np                             # noqa: E402
 from minidist import collectives as C                                   # noqa: E402
 from minidist.autograd import functional as F                           # noqa: E402
 from minidist.baseline import train_single_process                      # noqa: E402
-from minidist.cli import CliParser  # noqa: E402
+from minidist.cli import CliParser                                      # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel import placement as pl                           # noqa: E402

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field       # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.baseline import train_single_process                      # noqa: E402
-from minidist.cli import CliParser  # noqa: E402
+from minidist.cli import CliParser                                      # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for   # noqa: E402
 from minidist.nn import GPT                                             # noqa: E402
 from minidist.parallel import placement as pl                           # noqa: E402

@@ -30,7 +30,7 @@ import time                                    # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist.autograd.saved import saved_bytes                        # noqa: E402
-from minidist.cli import CliParser  # noqa: E402
+from minidist.cli import CliParser                                     # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for  # noqa: E402
 from minidist.memory import recompute as rc                            # noqa: E402
 from minidist.nn import GPT, DropoutKey                                # noqa: E402

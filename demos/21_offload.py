@@ -26,7 +26,7 @@ import tempfile                                # noqa: E402
 
 import numpy as np                             # noqa: E402
 
-from minidist.cli import CliParser  # noqa: E402
+from minidist.cli import CliParser                                     # noqa: E402
 from minidist.data import DataConfig, model_config_for                 # noqa: E402
 from minidist.memory.ledger import format_bytes                        # noqa: E402
 from minidist.memory.offload import PREFIX, TIERS                      # noqa: E402

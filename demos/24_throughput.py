@@ -29,7 +29,7 @@ import time                                    # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minidist import optim                     # noqa: E402
-from minidist.cli import CliParser   # noqa: E402
+from minidist.cli import CliParser             # noqa: E402
 from minidist.data import DataConfig, SyntheticData, model_config_for  # noqa: E402
 from minidist.nn import GPT                    # noqa: E402
 from minidist.observe.flops import FlopLedger  # noqa: E402

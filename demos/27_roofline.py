@@ -28,7 +28,7 @@ import textwrap                                # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minidist.cli import CliParser, at_least        # noqa: E402
+from minidist.cli import CliParser, at_least                      # noqa: E402
 from minidist.hardware import roofline_cli as cli   # noqa: E402
 from minidist.hardware.roofline import PRECISIONS, gpt_ops, h200  # noqa: E402
 from minidist.memory.budget_models import GPT3_SHAPES              # noqa: E402

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from minidist.cli import CliParser  # noqa: E402
+from minidist.cli import CliParser       # noqa: E402
 from minidist.gpu import hierarchy as h  # noqa: E402
 from minidist.hardware import cpu_caches  # noqa: E402
 

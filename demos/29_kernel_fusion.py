@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from minidist.cli import CliParser  # noqa: E402
+from minidist.cli import CliParser                                # noqa: E402
 from minidist.hardware import op_costs as oc  # noqa: E402
 from minidist.hardware.roofline import Op, h200, parameter_sizes  # noqa: E402
 from minidist.hardware.roofline_cli import si  # noqa: E402

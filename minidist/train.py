@@ -392,9 +392,11 @@ class Meter:
             self.groups["pp"] = lay.pipeline.links
             if lay.pipeline.embed_group is not None:
                 self.groups["embed"] = lay.pipeline.embed_group
-        self.others, seen = [], {id(g) for g in self.groups.values()}   # comm seconds:
-        for g in (lay.sharding.model_group, lay.pp_group, lay.dp_group):  # each group once
-            if g is not None and id(g) not in seen:   # the norm's tp x pp, pp, dp under cp
+        # the layout's other groups (the norm's tp x pp, pp, dp alone under cp), each
+        # counted once in the comm seconds
+        self.others, seen = [], {id(g) for g in self.groups.values()}
+        for g in (lay.sharding.model_group, lay.pp_group, lay.dp_group):
+            if g is not None and id(g) not in seen:
                 seen.add(id(g))
                 self.others.append(g)
         self.moe_layers = {name: m for name, m in lay.model.named_modules()
@@ -439,11 +441,11 @@ class Meter:
         self.traffic.append({k: after[k] - self.before[k] for k in ("sent", "recv")})
         self.by_axis.append({a: after[f"sent.{a}"] - self.before[f"sent.{a}"]
                              for a in self.groups})
-        s0, s1 = self.s0, self.s1
-        comm = {a: s2[a] - s0[a] for a in s2}
+        comm = {a: s2[a] - self.s0[a] for a in s2}          # seconds in calls, per axis
         self.comm_by_axis.append(comm)
         t = self.timing
-        t["compute"].append(self.t1 - self.t0 - sum(s1[a] - s0[a] for a in s1))
+        inside = sum(self.s1[a] - self.s0[a] for a in self.s1)   # of those, in fwd + bwd
+        t["compute"].append(self.t1 - self.t0 - inside)
         t["comm_wait"].append(sum(comm.values()))
         t["step"].append(t2 - self.t0)
         t["cpu"].append(time.process_time() - self.c0)

@@ -64,7 +64,6 @@ Read next: parallel/zero/stage3.py (stage 3 forward/backward), parallel/zero/mem
 
 from __future__ import annotations
 
-
 from typing import Callable
 
 import numpy as np

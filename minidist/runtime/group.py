@@ -63,6 +63,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minidist.runtime import call
+from minidist.runtime.doorbell import Doorbells
 from minidist.runtime.errors import CollectiveMismatch, CollectiveTimeout, RankFailure
 from minidist.runtime.errors import rank_prefix
 from minidist.runtime.flight import cells
@@ -134,12 +135,15 @@ class ProcessGroup:
     def __init__(self, *, gid: int, name: str, ranks: tuple[int, ...], global_rank: int,
                  world_size: int, board: JobBoard, arena: Arena, ordering: Ordering,
                  group_names: dict[int, str], timeout: float, spin: bool,
-                 nslots: int, slot_bytes: int, health: RankHealth | None = None):
+                 nslots: int, slot_bytes: int, health: RankHealth | None = None,
+                 bells: Doorbells | None = None):
         self.gid, self.name, self.ranks = gid, name, tuple(ranks)
         self.rank, self.size = self.ranks.index(global_rank), len(self.ranks)
         self.global_rank, self.world_size = global_rank, world_size
         self.board, self.arena, self.ordering = board, arena, ordering
         self.group_names, self.timeout, self.spin = group_names, timeout, spin
+        self.bells = bells                # wake a sleeping peer (runtime/doorbell.py)
+        self._others = [g for g in self.ranks if g != global_rank]
         self.prefix = rank_prefix(global_rank, world_size)
         lines = arena.view(arena.alloc(ALIGN * self.size, "barrier"), np.int64, 8 * self.size)
         self._bar = [cells(lines[8 * r:8 * r + 8]) for r in range(self.size)]
@@ -208,6 +212,8 @@ class ProcessGroup:
         ordering = self.ordering
         if ordering.lock is None:              # x86: plain stores and loads are ordered
             mine[0] = e                        # arrive: everything above is visible first
+            if self.bells is not None:
+                self.bells.ring_all(self._others)
             polls = INLINE_POLLS if self.spin else 0
             for line in self._bar:             # a short wait is polled right here (~40 ns
                 while line[0] < e and polls:   # a look, no watch built): most barriers
@@ -218,12 +224,14 @@ class ProcessGroup:
                 return self._check_barrier(half, seq, key)
         else:
             ordering.store(mine, 0, e)
+            if self.bells is not None:
+                self.bells.ring_all(self._others)
         load = ordering.load
         for r, line in enumerate(self._bar):
             if load(line, 0) < e:
                 ready = lambda line=line: load(line, 0) >= e            # noqa: E731
                 wait_until(ready, self.watch(r, ready, "meet at a barrier with"), self.timeout,
-                           self.spin)
+                           self.spin, self.bells)
         self._check_barrier(half, seq, key)
 
     def _check_barrier(self, half: int, seq: int, key: int) -> None:

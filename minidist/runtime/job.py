@@ -15,6 +15,8 @@ It lives at the start of the shared arena (runtime/shm.py) and holds:
     beats (W,)         per rank, the time (CLOCK_MONOTONIC, ns) it last checked on a
                        wait: a rank stuck in a call whose beat is old is not waiting
                        for anyone, it is hung or slow (runtime/watch.py)
+    sleeping (W,)      per rank, how many of its threads sleep at its doorbell, so a
+                       peer rings only a rank that sleeps (runtime/doorbell.py)
 
 One rank's view: write only your own rows; read anyone's. All of these are
 single-writer cells, so no locks are needed for correctness (runtime/shm.py
@@ -50,7 +52,8 @@ def _layout(W: int, G: int) -> dict[str, tuple[int, ...]]:
     """The board's int64 arrays and their shapes, in allocation order."""
     F = call.NFIELDS
     return {"status": (W,), "exit_info": (W,), "abort": (1,), "calls": (W, G, F),
-            "versions": (W, G), "rings": (W, DEPTH, F), "flight_pos": (W,), "beats": (W,)}
+            "versions": (W, G), "rings": (W, DEPTH, F), "flight_pos": (W,), "beats": (W,),
+            "sleeping": (W,)}
 
 
 class JobBoard:

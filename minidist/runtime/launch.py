@@ -60,6 +60,7 @@ from typing import Any, Callable
 import multiprocess as mp
 import multiprocess.connection
 
+from minidist.runtime.doorbell import close_bells, make_bells
 from minidist.runtime.errors import CollectiveMismatch, RankFailure
 from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import DEAD, DONE, EXITING, FAILED, RUNNING, JobBoard
@@ -88,11 +89,12 @@ class RankContext:
 
 
 def max_ranks() -> int:
-    """The most ranks this machine can start: each holds about 4 of the launcher's open
-    files (its result pipe, and under `run` its stdout and stderr pipes) and takes at
-    least 16 MiB (a forked Python process, 4-5 MB private, and its arena pages)."""
+    """The most ranks this machine can start: each holds about 5 of the launcher's open
+    files (its result pipe, its doorbell, and under `run` its stdout and stderr pipes)
+    and takes at least 16 MiB (a forked Python process, 4-5 MB private, and its arena
+    pages)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    by_files = (soft - 64) // 4 if soft != resource.RLIM_INFINITY else 1 << 20
+    by_files = (soft - 64) // 5 if soft != resource.RLIM_INFINITY else 1 << 20
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(1, min(by_files, memory // (16 << 20)))
 
@@ -104,7 +106,7 @@ def check_world_size(world_size: int) -> None:
     most = max_ranks()
     if world_size > most:
         raise ValueError(f"{world_size} ranks: this machine can start at most {most} (its "
-                         "open-file limit, `ulimit -n`, and its memory: about 4 files and 16 "
+                         "open-file limit, `ulimit -n`, and its memory: about 5 files and 16 "
                          "MiB per rank); use fewer ranks")
 
 
@@ -130,14 +132,16 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
     lock = None if strong_ordering() else ctx.Lock()
     arena = Arena(cfg.arena_bytes())
     board = _board(cfg, arena, os.getpid())
+    bells = make_bells(world_size)          # inherited by every rank (runtime/doorbell.py)
     procs, readers = [], []
-    for r in range(world_size):
-        rd, wr = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, name=f"minidist-rank{r}",
-                        args=(r, cfg, arena, lock, os.getpid(), wr, fn, args, kwargs))
-        procs.append(p)
-        readers.append((rd, wr))
     try:
+        for r in range(world_size):
+            rd, wr = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, name=f"minidist-rank{r}",
+                            args=(r, cfg, arena, lock, os.getpid(), wr, bells, fn, args,
+                                  kwargs))
+            procs.append(p)
+            readers.append((rd, wr))
         for p in procs:
             p.start()
         for _, wr in readers:
@@ -145,9 +149,10 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
         return _supervise(procs, [rd for rd, _ in readers], board, join_timeout)
     finally:
         _kill(procs)
+        close_bells(bells)
 
 
-def _rank_main(rank, cfg, arena, lock, launcher_pid, conn, fn, args, kwargs) -> None:
+def _rank_main(rank, cfg, arena, lock, launcher_pid, conn, bells, fn, args, kwargs) -> None:
     """What each forked rank runs: set up, call fn, finish cleanly, send one message.
     Every error reaches the launcher as that message: one in setting up the job (the
     groups' regions of the arena), in fn, in finishing, or in an async call (sent at
@@ -157,7 +162,7 @@ def _rank_main(rank, cfg, arena, lock, launcher_pid, conn, fn, args, kwargs) -> 
     out = _Outbox(conn, _board(cfg, arena, launcher_pid), rank)
     job = None
     try:
-        job = Job(cfg, arena, rank, launcher_pid, lock)
+        job = Job(cfg, arena, rank, launcher_pid, lock, bells)
         job.health.report = out.async_error
         set_job(job)
         job.board.status[rank] = RUNNING

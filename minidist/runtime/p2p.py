@@ -3,14 +3,18 @@
 Every ordered pair of ranks (src -> dst) in a group owns a mailbox: a ring of
 `nslots` fixed-size slots and two counters, `head` (chunks the sender has
 published, written only by src) and `tail` (chunks the receiver has consumed,
-written only by dst). One writer per counter, so no locks:
+written only by dst). One writer per counter, so no locks. A side that has waited
+a while sleeps at its doorbell (runtime/doorbell.py); the other side's publish
+rings it:
 
     sender, chunk i:   wait until i - tail < nslots      (a slot is free)
                        write header + payload into slot i % nslots
                        head = i + 1                      (publish)
+                       ring dst if it sleeps
     receiver, chunk i: wait until head > i               (a chunk is there)
                        check the header, copy (or reduce) the payload out
                        tail = i + 1                      (free the slot)
+                       ring src if it sleeps
 
 A message larger than a slot is cut into chunks that flow through the ring,
 so the sender fills slot k+1 while the receiver drains slot k (pipelining).
@@ -57,6 +61,7 @@ class Channel:
         self.hdrs = list(hdr.reshape(nslots, HDR))                       # per-slot views
         self.slots = list(data.reshape(nslots, slot_bytes))
         self.done = 0                      # chunks this rank sent (or received) so far
+        self.peer = -1                     # the group rank at the other end, seen from here
         self.lock = ordering.lock          # None on x86: plain loads/stores are ordered
 
     @staticmethod
@@ -105,9 +110,9 @@ class Mailboxes:
                 if src != dst:
                     ch = Channel(arena, nslots, slot_bytes, ordering)
                     if src == rank:
-                        self.out[dst] = ch
+                        self.out[dst], ch.peer = ch, dst
                     if dst == rank:
-                        self.inc[src] = ch
+                        self.inc[src], ch.peer = ch, src
         self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0,
                       "seconds": 0.0}        # in synchronous calls (group.py's CallScope)
 
@@ -129,6 +134,7 @@ class Mailboxes:
         ch.slots[k][:len(payload)] = payload
         ch.done += 1
         ch.publish(0, ch.done)
+        self._ring(ch.peer)
 
     @staticmethod
     def _can_pop(ch: Channel) -> bool:
@@ -150,6 +156,7 @@ class Mailboxes:
             combine(dst, ch.slots[k][:n].view(out.dtype), out=dst)
         ch.done += 1
         ch.publish(8, ch.done)
+        self._ring(ch.peer)
 
     def _mismatch(self, h: np.ndarray, src: int, out: np.ndarray) -> None:
         mine, theirs = self.link.record, h[:call.NFIELDS]
@@ -218,4 +225,9 @@ class Mailboxes:
 
     def _wait(self, ready: Callable[[], bool], peer: int, what: str) -> None:
         link = self.link
-        wait_until(ready, link.watch(peer, ready, what), link.timeout, link.spin)
+        wait_until(ready, link.watch(peer, ready, what), link.timeout, link.spin, link.bells)
+
+    def _ring(self, peer: int) -> None:
+        """Wake group rank `peer` if it sleeps waiting (runtime/doorbell.py)."""
+        if self.link.bells is not None:
+            self.link.bells.ring(self.link.ranks[peer])

@@ -9,7 +9,10 @@ ranks outnumber cores. So the loop backs off in three phases:
     spin    re-check immediately, for a few microseconds (skipped when the job
             has more ranks than cores, since the peer may need this core)
     yield   os.sched_yield(): give the core to any runnable peer, ~0.5 ms
-    sleep   time.sleep with a doubling interval, capped at 1 ms
+    sleep   at this rank's doorbell (runtime/doorbell.py): the peer that publishes
+            what we wait for wakes us at once; each sleep ends after at most 1 ms.
+            Without a doorbell (MPI, whose requests must be polled to progress):
+            time.sleep with a doubling interval, capped at 1 ms
 
 While waiting, about every millisecond, the loop calls `watch.check(late)`.
 The watcher (built by the caller, who knows which peer and which call it is
@@ -19,7 +22,7 @@ peer died or finished, the launcher is gone, the peer is in a different call
 (CollectiveTimeout). That is how a dead rank is noticed within milliseconds
 and a hung one at the deadline.
 
-Read next: runtime/p2p.py
+Read next: runtime/doorbell.py
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 import os
 import time
 from typing import Callable, Protocol
+
+from minidist.runtime.doorbell import Doorbells
 
 SPIN_SECONDS = 20e-6
 YIELD_SECONDS = 500e-6
@@ -39,7 +44,8 @@ class Watch(Protocol):
         """Raise if the wait can never succeed; `late` means the deadline passed."""
 
 
-def wait_until(ready: Callable[[], bool], watch: Watch, timeout: float, spin: bool) -> None:
+def wait_until(ready: Callable[[], bool], watch: Watch, timeout: float, spin: bool,
+               bell: Doorbells | None = None) -> None:
     """Return as soon as ready() is true; raise through `watch` otherwise."""
     if ready():
         return
@@ -58,6 +64,8 @@ def wait_until(ready: Callable[[], bool], watch: Watch, timeout: float, spin: bo
             next_check = now + CHECK_EVERY
         if now - start < YIELD_SECONDS:
             os.sched_yield()
+        elif bell is not None:
+            bell.sleep(ready, next_check - now)        # <= CHECK_EVERY
         else:
             time.sleep(nap)
             nap = min(2 * nap, MAX_SLEEP)

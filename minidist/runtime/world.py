@@ -49,9 +49,11 @@ import mmap
 import os
 import zlib
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
+from minidist.runtime.doorbell import Doorbells
 from minidist.runtime.errors import CollectiveMismatch, rank_prefix
 from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import JobBoard, RankHealth
@@ -153,10 +155,11 @@ class Job:
     """One rank's view of the job (see the module docstring)."""
 
     def __init__(self, cfg: RuntimeConfig, arena: Arena, rank: int, launcher_pid: int,
-                 lock=None):
+                 lock=None, bells: Sequence[int] | None = None):
         self.cfg, self.arena, self.rank = cfg, arena, rank
         self.board = JobBoard(arena.sub(cfg.board_bytes(), "job board"), cfg.world_size,
                               cfg.max_groups, launcher_pid)
+        self.bells = None if bells is None else Doorbells(bells, self.board.sleeping, rank)
         self.ordering = Ordering(lock)
         self.health = RankHealth(self.board, rank)
         self.groups: list[ProcessGroup | None] = []
@@ -201,7 +204,7 @@ class Job:
                                  ordering=self.ordering, group_names=self.group_names,
                                  timeout=self.cfg.timeout, spin=self.cfg.spin,
                                  nslots=self.cfg.nslots, slot_bytes=self.cfg.slot_bytes,
-                                 health=self.health)
+                                 health=self.health, bells=self.bells)
         self.groups.append(group)
         return group
 

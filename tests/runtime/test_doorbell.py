@@ -1,0 +1,95 @@
+"""Doorbells: a rank asleep at its bell is woken by the peer's publish, and a publish rings
+only a rank that sleeps.
+
+The end-to-end cases make every sleep last an hour (wait.CHECK_EVERY, read by each wait,
+is patched before the ranks fork), so a wait can only end because the peer rang: a missing
+ring leaves the job stuck, and spawn's join_timeout turns that into a failure. No
+wall-clock time is asserted."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from minidist.runtime import spawn, wait
+from minidist.runtime.doorbell import Doorbells, close_bells, make_bells
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture
+def bells():
+    fds = make_bells(2)
+    yield fds
+    close_bells(fds)
+
+
+def _empty(fd: int) -> bool:
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        return True
+    return False
+
+
+def test_a_publish_rings_only_a_rank_that_sleeps(bells):
+    sleeping = np.zeros(2, np.int64)
+    door = Doorbells(bells, sleeping, rank=0)
+    door.ring(1)
+    assert _empty(bells[1]), "rang a rank that was not asleep"
+    sleeping[1] = 1
+    door.ring(1)
+    assert not _empty(bells[1]), "did not ring a sleeping rank"
+    door.ring_all([1])
+    assert not _empty(bells[1]) and _empty(bells[0])
+
+
+def test_a_sleep_that_finds_its_data_ready_returns_at_once_and_unmarks_itself(bells):
+    sleeping = np.zeros(2, np.int64)
+    door = Doorbells(bells, sleeping, rank=0)
+    seen = []
+    door.sleep(lambda: seen.append(int(sleeping[0])) or True, timeout=3600)
+    assert seen == [1] and sleeping[0] == 0      # marked asleep when it looked, not after
+
+    def broken():
+        raise RuntimeError("ready() failed")
+    with pytest.raises(RuntimeError):
+        door.sleep(broken, timeout=3600)
+    assert sleeping[0] == 0
+
+
+def test_an_earlier_ring_ends_the_next_sleep_and_is_used_up(bells):
+    sleeping = np.zeros(2, np.int64)
+    door = Doorbells(bells, sleeping, rank=0)
+    os.eventfd_write(bells[0], 1)                # a ring nobody slept through
+    door.sleep(lambda: False, timeout=3600)      # returns: the bell was readable
+    assert _empty(bells[0]) and sleeping[0] == 0
+
+
+def _woken(ctx, how):
+    board, W = ctx.job.board, ctx.world_size
+    x = np.arange(4, dtype=np.float64)
+    if ctx.rank == 0:
+        while not all(board.sleeping[r] for r in range(1, W)):   # the others are asleep
+            time.sleep(1e-3)
+        if how == "recv":
+            for r in range(1, W):
+                ctx.world.send(x, r)
+        elif how == "barrier":
+            ctx.world.barrier()
+        return None
+    if how == "recv":
+        return ctx.world.recv(0, np.zeros(4)).tolist()
+    ctx.world.barrier()
+    return "met"
+
+
+@pytest.mark.parametrize("how,W", [("recv", 2), ("barrier", 3)])
+def test_a_rank_asleep_in_a_wait_is_woken_by_the_publish(monkeypatch, how, W):
+    monkeypatch.setattr(wait, "CHECK_EVERY", 3600.0)  # a sleep ends only when rung
+    out = spawn(W, _woken, how, join_timeout=60)
+    expect = [0.0, 1.0, 2.0, 3.0] if how == "recv" else "met"
+    assert out == [None] + [expect] * (W - 1)

@@ -12,18 +12,22 @@ how many of rank r's threads are asleep at its bell.
     waiter, rank r                          publisher, a peer of r
     sleeping[r] += 1                        store the counter r waits on (a mailbox's
     ---- fence ----                           head or tail, a barrier line)
-    if ready(): stop                        ---- fence ----
-    select(bell r, timeout)                 if sleeping[r] > 0: write 1 to bell r
+    if ready(): stop                        if sleeping[r] > 0: write 1 to bell r
+    select(bell r, timeout)
     read bell r (empties it)
     sleeping[r] -= 1
 
-The fences make this Dekker's pattern: each side stores, then loads what the other
-stored, so at least one side sees the other: either the waiter finds its data ready and
-does not sleep, or the publisher finds it asleep and rings. x86 may let a load pass an
-earlier store; the atomic instruction in a lock's acquire and release is a full fence
-there, and is what `_fence` does. (On a weakly ordered CPU a wake may be missed; the
-timeout below bounds what that costs.) A publisher pays one system call only
-when someone sleeps; otherwise a fence and one load, ~0.2 us.
+Each side stores, then loads what the other stored (Dekker's pattern), so as long as
+neither load passes its own side's store, at least one side sees the other: either the
+waiter finds its data ready and does not sleep, or the publisher finds it asleep and
+rings. x86 lets a load pass an earlier store still in the core's store buffer; the
+waiter's fence (the atomic instruction of a lock's release) forbids that on its side.
+The publisher has no fence: it would cost ~0.2-0.4 us on every publish, 5-10 % of a
+small all-reduce, to close a window of the store buffer's drain time (~100 ns) in which
+the publisher must read `sleeping` while the waiter runs its arm-and-check (several
+hundred ns of Python). A wake missed in that window costs what a nap did (the timeout
+below), never a hang. A publisher pays a system call only when someone sleeps;
+otherwise one load.
 
 The sleep still ends after `timeout` (wait.py passes its 1 ms check interval), so a wait
 keeps noticing a failed peer or its deadline on time, and a wake that is missed (two
@@ -66,23 +70,19 @@ class Doorbells:
 
     def __init__(self, fds: Sequence[int], sleeping: np.ndarray, rank: int):
         self.fds, self.sleeping, self.rank = list(fds), sleeping, rank
+        self._asleep = memoryview(sleeping).cast("B").cast("q")   # ring()'s fast reads
         self._count = threading.Lock()      # this rank's threads change sleeping[rank]
-        self._fence = threading.Lock()      # acquire + release: a full memory fence
 
     def ring(self, peer: int) -> None:
         """Call after publishing something `peer` (a global rank) may wait for."""
-        with self._fence:
-            pass
-        if self.sleeping[peer]:
+        if self._asleep[peer]:
             self._write(peer)
 
     def ring_all(self, peers: Sequence[int]) -> None:
-        """ring() for several peers with one fence (a barrier wakes every member)."""
-        with self._fence:
-            pass
-        sleeping = self.sleeping
+        """ring() for each of `peers` (a barrier wakes every member)."""
+        asleep = self._asleep
         for peer in peers:
-            if sleeping[peer]:
+            if asleep[peer]:
                 self._write(peer)
 
     def _write(self, peer: int) -> None:
@@ -95,7 +95,7 @@ class Doorbells:
         """Sleep at this rank's bell until it rings or `timeout` seconds pass, unless
         ready() is already true once this rank is marked asleep."""
         fd = self.fds[self.rank]
-        with self._count:                   # the release is the waiter's fence
+        with self._count:                   # its release is the waiter's fence
             self.sleeping[self.rank] += 1
         try:
             if ready():

@@ -61,7 +61,7 @@ class Channel:
         self.hdrs = list(hdr.reshape(nslots, HDR))                       # per-slot views
         self.slots = list(data.reshape(nslots, slot_bytes))
         self.done = 0                      # chunks this rank sent (or received) so far
-        self.peer = -1                     # the group rank at the other end, seen from here
+        self.peer = -1                     # the global rank at the other end, seen from here
         self.lock = ordering.lock          # None on x86: plain loads/stores are ordered
 
     @staticmethod
@@ -103,6 +103,7 @@ class Mailboxes:
     def __init__(self, link, arena: Arena, rank: int, size: int, nslots: int,
                  slot_bytes: int, ordering: Ordering):
         self.link = link
+        self.bells = link.bells            # a sleeping peer is rung (runtime/doorbell.py)
         self.out: dict[int, Channel] = {}
         self.inc: dict[int, Channel] = {}
         for src in range(size):            # identical allocation order on every rank
@@ -110,9 +111,9 @@ class Mailboxes:
                 if src != dst:
                     ch = Channel(arena, nslots, slot_bytes, ordering)
                     if src == rank:
-                        self.out[dst], ch.peer = ch, dst
+                        self.out[dst], ch.peer = ch, link.ranks[dst]
                     if dst == rank:
-                        self.inc[src], ch.peer = ch, src
+                        self.inc[src], ch.peer = ch, link.ranks[src]
         self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0,
                       "seconds": 0.0}        # in synchronous calls (group.py's CallScope)
 
@@ -134,7 +135,8 @@ class Mailboxes:
         ch.slots[k][:len(payload)] = payload
         ch.done += 1
         ch.publish(0, ch.done)
-        self._ring(ch.peer)
+        if self.bells is not None:
+            self.bells.ring(ch.peer)
 
     @staticmethod
     def _can_pop(ch: Channel) -> bool:
@@ -156,7 +158,8 @@ class Mailboxes:
             combine(dst, ch.slots[k][:n].view(out.dtype), out=dst)
         ch.done += 1
         ch.publish(8, ch.done)
-        self._ring(ch.peer)
+        if self.bells is not None:
+            self.bells.ring(ch.peer)
 
     def _mismatch(self, h: np.ndarray, src: int, out: np.ndarray) -> None:
         mine, theirs = self.link.record, h[:call.NFIELDS]
@@ -226,8 +229,3 @@ class Mailboxes:
     def _wait(self, ready: Callable[[], bool], peer: int, what: str) -> None:
         link = self.link
         wait_until(ready, link.watch(peer, ready, what), link.timeout, link.spin, link.bells)
-
-    def _ring(self, peer: int) -> None:
-        """Wake group rank `peer` if it sleeps waiting (runtime/doorbell.py)."""
-        if self.link.bells is not None:
-            self.link.bells.ring(self.link.ranks[peer])

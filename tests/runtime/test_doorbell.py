@@ -1,10 +1,9 @@
 """Doorbells: a rank asleep at its bell is woken by the peer's publish, and a publish rings
 only a rank that sleeps.
 
-The end-to-end cases make every sleep last an hour (wait.CHECK_EVERY, read by each wait,
-is patched before the ranks fork), so a wait can only end because the peer rang: a missing
-ring leaves the job stuck, and spawn's join_timeout turns that into a failure. No
-wall-clock time is asserted."""
+In the end-to-end cases the waiting ranks make each sleep last an hour, so their wait can
+only end because the peer rang: a missing ring leaves the job stuck, and spawn's
+join_timeout turns that into a failure. No wall-clock time is asserted."""
 
 from __future__ import annotations
 
@@ -70,26 +69,31 @@ def test_an_earlier_ring_ends_the_next_sleep_and_is_used_up(bells):
 
 
 def _woken(ctx, how):
+    """Ranks 1.. sleep in a recv from rank 0 or in a barrier, each sleep lasting an hour
+    (wait.CHECK_EVERY, in this process only); rank 0 acts once all of them sleep."""
     board, W = ctx.job.board, ctx.world_size
     x = np.arange(4, dtype=np.float64)
     if ctx.rank == 0:
-        while not all(board.sleeping[r] for r in range(1, W)):   # the others are asleep
+        while not all(board.sleeping[r] for r in range(1, W)):
             time.sleep(1e-3)
         if how == "recv":
             for r in range(1, W):
                 ctx.world.send(x, r)
-        elif how == "barrier":
+        else:
             ctx.world.barrier()
         return None
-    if how == "recv":
-        return ctx.world.recv(0, np.zeros(4)).tolist()
-    ctx.world.barrier()
-    return "met"
+    checks, wait.CHECK_EVERY = wait.CHECK_EVERY, 3600.0
+    try:
+        if how == "recv":
+            return ctx.world.recv(0, np.zeros(4)).tolist()
+        ctx.world.barrier()             # every rank's first wait is for rank 0, the last in
+        return "met"
+    finally:
+        wait.CHECK_EVERY = checks        # the exit barrier waits as usual
 
 
 @pytest.mark.parametrize("how,W", [("recv", 2), ("barrier", 3)])
-def test_a_rank_asleep_in_a_wait_is_woken_by_the_publish(monkeypatch, how, W):
-    monkeypatch.setattr(wait, "CHECK_EVERY", 3600.0)  # a sleep ends only when rung
+def test_a_rank_asleep_in_a_wait_is_woken_by_the_publish(how, W):
     out = spawn(W, _woken, how, join_timeout=60)
     expect = [0.0, 1.0, 2.0, 3.0] if how == "recv" else "met"
     assert out == [None] + [expect] * (W - 1)

@@ -52,8 +52,16 @@ import numpy as np
 
 
 def make_bells(world_size: int) -> list[int]:
-    """The launcher's part, before it forks: one non-blocking eventfd per rank."""
-    return [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(world_size)]
+    """The launcher's part, before it forks: one non-blocking eventfd per rank (none
+    left open if the open-file limit stops it halfway)."""
+    fds: list[int] = []
+    try:
+        for _ in range(world_size):
+            fds.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+    except OSError:
+        close_bells(fds)
+        raise
+    return fds
 
 
 def close_bells(fds: Sequence[int]) -> None:

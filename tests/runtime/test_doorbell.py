@@ -97,3 +97,19 @@ def test_a_rank_asleep_in_a_wait_is_woken_by_the_publish(how, W):
     out = spawn(W, _woken, how, join_timeout=60)
     expect = [0.0, 1.0, 2.0, 3.0] if how == "recv" else "met"
     assert out == [None] + [expect] * (W - 1)
+
+
+def test_bells_made_before_an_open_file_error_are_closed(monkeypatch):
+    made, real = [], os.eventfd
+
+    def eventfd(*args):
+        if len(made) == 2:
+            raise OSError(24, "Too many open files")
+        made.append(real(*args))
+        return made[-1]
+    monkeypatch.setattr(os, "eventfd", eventfd)
+    with pytest.raises(OSError):
+        make_bells(4)
+    for fd in made:
+        with pytest.raises(OSError):
+            os.fstat(fd)

@@ -215,7 +215,7 @@ class Plan:
                  "auto": "chosen by size (collectives/api.py)"}[algo]
         if self.zero:
             sync = f"ZeRO-{self.zero} (parallel/zero/engine.py)"
-        elif self.buckets and shared_memory and self.ep == 1:
+        elif self.buckets and shared_memory:
             sync = "DDP with shared-memory buckets (parallel/data/buckets.py)"
         else:
             sync = "DDP, one all-reduce per parameter (parallel/data/ddp.py)"
@@ -413,8 +413,8 @@ def parallelize(cfg: GPTConfig, seed: int, plan: Plan, groups: dict,
 def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
     """The engine that sums gradients over dp x cp and steps the optimizer, chosen here:
 
-        zero 0, a group with shared memory   BucketedDataParallel (parallel/data/buckets.py)
-        zero 0, MPI, or experts              DataParallel, one all-reduce per parameter
+        zero 0, groups with shared memory    BucketedDataParallel (parallel/data/buckets.py)
+        zero 0, MPI                          DataParallel, one all-reduce per parameter
         zero 1, 2, 3                         ZeroEngine (parallel/zero/engine.py)
     Experts' gradients sum over their own replicas (edp x cp), the rest over dp x cp.
     Plan.textbook() turns the fast path off; Plan.algorithms() names the choice."""
@@ -425,7 +425,8 @@ def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
                           **experts, **opt)
     group_of = {} if edp is None else {id(p): edp for n, p in zip(
         sharding.names, sharding.params) if is_expert_parameter(n)}
-    buckets = plan.buckets and getattr(grad, "supports_shared", False) and edp is None
+    buckets = plan.buckets and all(getattr(g, "supports_shared", False)
+                                   for g in (grad, edp) if g is not None)
     return (BucketedDataParallel if buckets else DataParallel)(
         sharding.model, grad, bucket_bytes=plan.bucket_bytes, algo=plan.algo,
         overlap=plan.overlap, replica_check_every=plan.replica_check_every,

@@ -22,6 +22,8 @@ What the plain path pays, and what this one does instead (Li et al. 2020, Sec. 3
 A hook on each parameter counts the finished gradients of its bucket; a complete bucket's
 all-reduce goes to the group's worker thread while backward continues. Buckets start
 strictly in bucket order, so every rank issues the same sequence of collectives.
+Under expert parallelism (`group_of`) a bucket holds the parameters of one group: the
+experts' buckets are summed over the experts' replicas, the others over the whole group.
 
 One rank's view of one step (M micro-batches):
     1. micro-batches 0..M-2 inside no_sync(): gradients accumulate in the buckets.
@@ -56,30 +58,35 @@ from minidist.parallel.data.ddp import DataParallel, check_bucket_bytes
 _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def plan_buckets(params: list[Parameter], bucket_bytes: int) -> list[list[int]]:
+def plan_buckets(params: list[Parameter], bucket_bytes: int,
+                 groups: list | None = None) -> list[list[int]]:
     """Indices into `params`, in reverse order, cut into buckets of <= bucket_bytes bytes.
 
-    A bucket also ends where the dtype changes (a bucket is one flat array); a parameter
-    bigger than bucket_bytes gets a bucket of its own.
+    A bucket also ends where the dtype changes (a bucket is one flat array) or, given
+    `groups` (the group summing each parameter), where the group changes (a bucket is one
+    collective); a parameter bigger than bucket_bytes gets a bucket of its own.
     """
     check_bucket_bytes(bucket_bytes)
+    groups = [None] * len(params) if groups is None else groups
     buckets: list[list[int]] = []
-    size, dtype = 0, None
+    size, kind = 0, None
     for i in reversed(range(len(params))):
-        nbytes, dt = params[i].data.nbytes, params[i].dtype
-        if not buckets or dt != dtype or size + nbytes > bucket_bytes:
+        nbytes, k = params[i].data.nbytes, (params[i].dtype, id(groups[i]))
+        if not buckets or k != kind or size + nbytes > bucket_bytes:
             buckets.append([])
-            size, dtype = 0, dt
+            size, kind = 0, k
         buckets[-1].append(i)
         size += nbytes
     return [b for b in buckets if b]
 
 
 class _Bucket:
-    """One flat gradient buffer in shared memory and the parameters whose .grad views it."""
+    """One flat gradient buffer in shared memory, the parameters whose .grad views it, and
+    the group that sums it."""
 
     def __init__(self, index: int, params: list[Parameter], group, tag: str) -> None:
         self.index, self.params, self.dtype = index, params, np.dtype(params[0].dtype)
+        self.group = group
         self.count = sum(int(p.size) for p in params)
         self.region = group.shared(f"{tag}/bucket{index}", self.count * self.dtype.itemsize)
         self.flat = self.region.local(self.dtype, self.count)          # (N_bucket,)
@@ -98,17 +105,25 @@ class BucketedDataParallel(DataParallel):
     """
 
     def __init__(self, model, group, **kwargs) -> None:
-        if not getattr(group, "supports_shared", False):
-            raise ValueError(f"BucketedDataParallel: group '{getattr(group, 'name', '?')}' "
-                             "has no shared memory (MPI?), where its buckets live; use the "
-                             "plain DataParallel there.")
+        for g in [group, *(kwargs.get("group_of") or {}).values()]:
+            if not getattr(g, "supports_shared", False):
+                raise ValueError(f"BucketedDataParallel: group '{getattr(g, 'name', '?')}' "
+                                 "has no shared memory (MPI?), where its buckets live; use "
+                                 "the plain DataParallel there.")
         super().__init__(model, group, **kwargs)
 
     def _setup_gradients(self, bucket_bytes: int) -> None:
-        """Cut the parameters into buckets, each a shared region; .grad views into them."""
-        n = _engines[self.group] = _engines.get(self.group, -1) + 1    # same on every rank
-        self.buckets = [_Bucket(i, [self.params[j] for j in idx], self.group, f"ddp{n}")
-                        for i, idx in enumerate(plan_buckets(self.params, bucket_bytes))]
+        """Cut the parameters into buckets, each a shared region of the group that sums
+        it; .grad views into them."""
+        groups = [self.group_of.get(id(p), self.group) for p in self.params]
+        tags = {}
+        for g in dict.fromkeys(groups):                     # each group, in first-use order
+            n = _engines[g] = _engines.get(g, -1) + 1       # the same on every member
+            tags[id(g)] = f"ddp{n}"
+        self.buckets = [_Bucket(i, [self.params[j] for j in idx], groups[idx[0]],
+                                tags[id(groups[idx[0]])])
+                        for i, idx in enumerate(plan_buckets(self.params, bucket_bytes,
+                                                             groups))]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
         self._zero_grads()
@@ -138,7 +153,7 @@ class BucketedDataParallel(DataParallel):
     def _all_reduce_async(self, b: _Bucket):
         """Work for the sum of bucket b over the group: in place (direct) or a copy (others);
         None on a group of one rank, where the local gradient already is the sum."""
-        g = self.group
+        g = b.group
         if g.size == 1:
             return None
         if self.algo in ("auto", "direct"):

@@ -30,8 +30,8 @@ parameter and a copy in and out of .grad. data_buckets.BucketedDataParallel, a s
 keeps the gradients in a few flat buckets in shared memory (.grad is a view) and sums
 each bucket in place, one collective per bucket. Same interface, same bits with algo
 "direct" (tests/parallel/data/test_ddp.py trains both paths and compares). The layout picks
-the engine (parallel/compose.py: the buckets where the group has shared memory, this
-plain engine under MPI, runtime/mpi.py, for expert parallelism, or when the plan asks).
+the engine (parallel/compose.py: the buckets where the groups have shared memory, this
+plain engine under MPI, runtime/mpi.py, or when the plan asks).
 
 One rank's view of one step (M micro-batches):
     1. micro-batches 0..M-2 inside `no_sync()`: forward, backward; .grad accumulates
@@ -56,7 +56,7 @@ algorithms keep replicas bitwise identical too (finished chunks are copied).
 A parameter that got no gradient on this rank is summed as zeros (every rank must join each
 all-reduce); the GPT has none: a MoE expert without tokens still runs, on 0 rows.
 Expert parallelism (parallel/expert/): an expert's gradient is summed over its replicas
-only (`group_of`, the plain engine; the fast path has one group).
+only (`group_of`; the fast path gives the experts buckets of their own on that group).
 
 References: Li et al. 2020, "PyTorch Distributed: experiences on accelerating data
     parallel training", arXiv:2006.15704, Sec. 3 (gradient hooks, no_sync, bucketing);
@@ -104,11 +104,8 @@ class DataParallel(Engine):
         self.model, self.group, self.algo, self.overlap = model, group, algo, bool(overlap)
         self.sharding, self.replica_check_every = sharding, replica_check_every
         # id(p) -> the group holding p's replicas, where it is not `group` (an expert's:
-        # expert parallelism, parallel/expert/expert_parallel.py); the plain engine only
+        # expert parallelism, parallel/expert/expert_parallel.py)
         self.group_of = dict(group_of or {})
-        if self.group_of and type(self) is not DataParallel:
-            raise ValueError("DataParallel: group_of needs the plain engine (the buckets "
-                             "sum every gradient over one group)")
         named = list(model.named_parameters())
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.opt = make_optimizer(optimizer, self.params, lr, weight_decay, betas, momentum)

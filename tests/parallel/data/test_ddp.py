@@ -306,8 +306,8 @@ def _engine_types(ctx, ep):
 
 @pytest.mark.multiproc
 def test_the_layout_picks_the_bucketed_fast_path_on_shared_memory():
-    """compose.build chooses the engine: the buckets on shared memory; the plain engine for
-    expert parallelism, whose expert gradients sum over their own group."""
+    """compose.build chooses the engine: the buckets on shared memory, with expert
+    parallelism too (the experts' buckets sum over their own group)."""
     assert spawn(1, _engine_types, 1) == ["BucketedDataParallel"]
-    assert spawn(2, _engine_types, 2) == ["DataParallel"] * 2
+    assert spawn(2, _engine_types, 2) == ["BucketedDataParallel"] * 2
     assert issubclass(BucketedDataParallel, DataParallel)

@@ -201,6 +201,27 @@ def test_expert_parallel_layouts_with_every_zero_stage(pp, dp, ep, cp, tp, zero,
     _run(pp, dp, cp, tp, zero, top_k, M, schedule, ep=ep)
 
 
+@pytest.mark.multiproc
+def test_expert_buckets_give_the_bits_of_one_all_reduce_per_parameter():
+    """Under ep, DDP keeps the experts' gradients in buckets of their own, summed over the
+    experts' replicas (parallel/data/buckets.py): the same bits and optimizer state as the
+    plain engine's all-reduce per parameter."""
+    cfg, data = _cfg(2, 2), _data(1)
+    runs = {}
+    for buckets in (False, True):
+        plan = Plan(dp=4, ep=2, micro_batches=2, buckets=buckets)
+        assert ("buckets" in plan.algorithms(shared_memory=True)) is buckets
+        runs[buckets] = spawn(4, train_on_rank, cfg, data, plan,
+                              RunConfig(steps=STEPS, global_batch=8),
+                              OptimizerConfig(lr=LR, weight_decay=0.01, clip_grad=CLIP))
+    for plain, fast in zip(runs[False], runs[True]):
+        assert plain.losses == fast.losses and plain.grad_norms == fast.grad_norms
+        for name, p in plain.params.items():
+            assert p.tobytes() == fast.params[name].tobytes(), name
+        for key, v in plain.optimizer_state.items():
+            assert np.asarray(v).tobytes() == np.asarray(fast.optimizer_state[key]).tobytes()
+
+
 def test_expert_parallel_plans_that_cannot_split_are_refused():
     cfg = _cfg(2, 1)
     with pytest.raises(ValueError, match="ep=4 must divide dp=2"):

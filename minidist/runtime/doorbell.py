@@ -35,8 +35,10 @@ threads of one rank asleep at once, where one empties the bell the other was run
 costs what a nap did, never a hang. Without bells (the MPI transport, a one-rank job)
 wait.py naps as before.
 
-Cost of a wake: the publisher's eventfd write and the waiter's return from select, about
-10-30 us here, where a nap cost up to 1 ms.
+Measured here (2 ranks, 60 messages of 8 B, each sent 2 or 10 ms after the last, so
+that the receiver sleeps; the median time from the send to the receive, three runs each,
+alternating): 84-171 us with the bell, most of it the kernel waking an idle virtual CPU,
+against 403-679 us with naps.
 
 Read next: runtime/p2p.py
 """

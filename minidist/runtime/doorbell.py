@@ -22,23 +22,22 @@ neither load passes its own side's store, at least one side sees the other: eith
 waiter finds its data ready and does not sleep, or the publisher finds it asleep and
 rings. x86 lets a load pass an earlier store still in the core's store buffer; the
 waiter's fence (the atomic instruction of a lock's release) forbids that on its side.
-The publisher has no fence: it would cost ~0.2-0.4 us on every publish, 5-10 % of a
-small all-reduce, to close a window of the store buffer's drain time (~100 ns) in which
-the publisher must read `sleeping` while the waiter runs its arm-and-check (several
-hundred ns of Python). A wake missed in that window costs what a nap did (the timeout
-below), never a hang. A publisher pays a system call only when someone sleeps;
-otherwise one load.
+The publisher has no fence: a lock acquire and release measured 0.4-0.9 us here, paid on
+every publish, to close a window as short as the store buffer takes to drain, in which
+the publisher would have to read `sleeping` while the waiter runs its arm-and-check
+(several hundred ns of Python). A publisher pays a system call only when someone
+sleeps; otherwise one load.
 
 The sleep still ends after `timeout` (wait.py passes its 1 ms check interval), so a wait
-keeps noticing a failed peer or its deadline on time, and a wake that is missed (two
-threads of one rank asleep at once, where one empties the bell the other was rung for)
-costs what a nap did, never a hang. Without bells (the MPI transport, a one-rank job)
-wait.py naps as before.
+keeps noticing a failed peer or its deadline on time, and a missed wake (the window
+above, or two threads of one rank asleep at once, where one empties the bell the other
+was rung for) costs what a nap did, never a hang. Without bells (the MPI transport, a
+one-rank job) wait.py naps as before.
 
 Measured here (2 ranks, 60 messages of 8 B, each sent 2 or 10 ms after the last, so
 that the receiver sleeps; the median time from the send to the receive, three runs each,
-alternating): 84-171 us with the bell, most of it the kernel waking an idle virtual CPU,
-against 403-679 us with naps.
+alternating): 84-171 us with the bell, against 403-679 us with naps. What is left is
+likely the kernel waking an idle virtual CPU.
 
 Read next: runtime/p2p.py
 """

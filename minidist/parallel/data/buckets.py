@@ -105,7 +105,7 @@ class BucketedDataParallel(DataParallel):
     """
 
     def __init__(self, model, group, **kwargs) -> None:
-        for g in [group, *(kwargs.get("group_of") or {}).values()]:
+        for g in dict.fromkeys([group, *(kwargs.get("group_of") or {}).values()]):
             if not getattr(g, "supports_shared", False):
                 raise ValueError(f"BucketedDataParallel: group '{getattr(g, 'name', '?')}' "
                                  "has no shared memory (MPI?), where its buckets live; use "
@@ -116,14 +116,14 @@ class BucketedDataParallel(DataParallel):
         """Cut the parameters into buckets, each a shared region of the group that sums
         it; .grad views into them."""
         groups = [self.group_of.get(id(p), self.group) for p in self.params]
-        tags = {}
+        tag = {}
         for g in dict.fromkeys(groups):                     # each group, in first-use order
             n = _engines[g] = _engines.get(g, -1) + 1       # the same on every member
-            tags[id(g)] = f"ddp{n}"
-        self.buckets = [_Bucket(i, [self.params[j] for j in idx], groups[idx[0]],
-                                tags[id(groups[idx[0]])])
-                        for i, idx in enumerate(plan_buckets(self.params, bucket_bytes,
-                                                             groups))]
+            tag[g] = f"ddp{n}"
+        self.buckets = []
+        for i, idx in enumerate(plan_buckets(self.params, bucket_bytes, groups)):
+            g = groups[idx[0]]
+            self.buckets.append(_Bucket(i, [self.params[j] for j in idx], g, tag[g]))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
         self._zero_grads()

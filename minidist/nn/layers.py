@@ -48,8 +48,7 @@ class Linear(Module):
         self.bias = Parameter((out_features,), seeding.zeros(), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = x @ self.weight                                  # (..., C) @ (C, F)
-        return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)           # (..., C) @ (C, F) + (F,)
 
 
 class Embedding(Module):

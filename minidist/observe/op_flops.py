@@ -215,6 +215,15 @@ def _cross_entropy_bwd(ctx, shapes, out, done) -> Counts:
     return 0, N * V + 2 * N + (ctx.reduction == "mean")   # w * g, p * w, subtract at t
 
 
+def _linear_fwd(ctx, shapes, out) -> Counts:
+    return _matmul_fwd(ctx, shapes[:2], out)[0], _n(out)         # the GEMM, then + b
+
+
+def _linear_bwd(ctx, shapes, out, done) -> Counts:
+    mm, other = _matmul_bwd(ctx, shapes[:2], out, done[:2])
+    return mm, other + (_unbroadcast(out, shapes[2]) if done[2] else 0)
+
+
 def _gelu_fwd(ctx, shapes, out) -> Counts:
     return 0, (11 if ctx.approximate == "tanh" else 5) * _n(shapes[0])
 
@@ -257,7 +266,7 @@ RULES: dict[str, tuple[Rule, Rule]] = {
     _U + "LogSoftmax": (_log_softmax_fwd, _log_softmax_bwd),
     _U + "LayerNorm": (_layer_norm_fwd, _layer_norm_bwd),
     _U + "CrossEntropy": (_cross_entropy_fwd, _cross_entropy_bwd),
-    _U + "Gelu": (_gelu_fwd, _gelu_bwd),
+    _U + "Gelu": (_gelu_fwd, _gelu_bwd), _U + "Linear": (_linear_fwd, _linear_bwd),
     # communication and data movement only (the adds inside a collective are the
     # collective's, not counted here); ZeRO-3's _HookCall runs layers whose own ops count
     _P + "tensor.tensor_parallel.f": (_zero, _zero),

@@ -34,6 +34,32 @@ def test_matmul_with_constant_operand():
     assert gradcheck(lambda w: w.T @ x.transpose(0, 2, 1), [w])
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("xshape", [(2, 3, 5), (4, 5), (5,)])
+def test_linear_is_matmul_then_add_bit_for_bit(dtype, xshape):
+    """fused.Linear adds the bias in place: the same bits as x @ W + b, forward and grads."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(s).astype(dtype) for s in (xshape, (5, 7), (7,))]
+    g = rng.standard_normal(xshape[:-1] + (7,)).astype(dtype)
+    runs = []
+    for op in (lambda x, w, b: F.linear(x, w, b), lambda x, w, b: x @ w + b):
+        x, w, b = (Tensor(a.copy(), requires_grad=True) for a in arrays)
+        y = op(x, w, b)
+        y.backward(Tensor(g))
+        runs.append([y.data, x.grad, w.grad, b.grad])
+    for got, want, what in zip(*runs, ("y", "dx", "dW", "db")):
+        assert got.dtype == want.dtype == dtype and np.array_equal(got, want), what
+    assert gradcheck(F.linear, [_t(2, 3, 4), _t(4, 5, seed=1), _t(5, seed=2)])
+
+
+def test_linear_with_a_wider_bias_or_none_is_the_unfused_sum():
+    x, w = (Tensor(np.ones(s, np.float32)) for s in ((2, 3), (3, 4)))
+    b = Tensor(np.full(4, 0.1))                                         # float64
+    assert F.linear(x, w, b).dtype == (x @ w + b).dtype == np.float64
+    assert np.array_equal(F.linear(x, w, b).data, (x @ w + b).data)
+    assert np.array_equal(F.linear(x, w).data, (x @ w).data)
+
+
 def test_concatenate_and_split():
     a, b = _t(2, 3), _t(2, 2, seed=1)
     assert_close(F.concatenate([a, b], axis=1).data, np.concatenate([a.data, b.data], 1),
@@ -130,6 +156,23 @@ def test_embedding_with_repeated_ids():
     F.embedding(w, ids).sum().backward()
     counts = np.bincount(ids.ravel(), minlength=5)[:, None] * np.ones((1, 3))
     assert_close(w.grad, counts, atol=0, what="dw rows = number of uses")
+
+
+@pytest.mark.parametrize("V, N, C", [(64, 512, 256), (300, 2000, 64), (5, 40, 3), (1, 3000, 2)])
+def test_add_rows_at_is_add_at_bit_for_bit(V, N, C):
+    """Rounds of distinct ids give add.at's sums, in add.at's order: the same bits (float32,
+    where the order of additions shows), also for -0.0 rows and for an empty batch. The
+    first two sizes run in rounds, the last two call add.at (more rounds than rows' worth)."""
+    rng = np.random.default_rng(V)
+    ids = rng.integers(0, V, N)
+    rows = rng.standard_normal((N, C)).astype(np.float32)
+    rows[::5] = -0.0
+    for idx, r in ((ids, rows), (ids[:0], rows[:0])):
+        want = np.zeros((V, C), np.float32)
+        np.add.at(want, idx, r)
+        got = np.zeros((V, C), np.float32)
+        F.add_rows_at(got, idx, r)
+        assert np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want))
 
 
 def test_embedding_rejects_bad_ids():
@@ -269,6 +312,8 @@ class _Probe(Function):
 
 FLOAT32_CASES = {
     "matmul": lambda x: x @ np.ones((4, 2), np.float32),
+    "linear": lambda x: F.linear(x, Tensor(np.ones((4, 2), np.float32)),
+                                 Tensor(np.ones(2, np.float32))),
     "gelu_tanh": lambda x: F.gelu(x),
     "gelu_exact": lambda x: F.gelu(x, "none"),
     "relu": F.relu,

@@ -16,8 +16,10 @@ def test_profiler_counts_ops_and_restores_function_apply():
     x, y = bench.make_batch(CFG)
     ops = bench.op_breakdown(GPT(CFG, seed=0), x, y, steps=2)
     assert Function.__dict__["apply"] is apply_before
-    # per layer: qkv, q @ k^T, att @ v, proj, fc, mlp proj; plus the tied LM head
-    assert ops[("MatMul", "fwd")][1] == ops[("MatMul", "bwd")][1] == 6 * CFG.n_layer + 1
+    # per layer: qkv, proj, fc and mlp proj as Linear (+ bias), q @ k^T and att @ v as
+    # MatMul; plus the tied LM head
+    assert ops[("Linear", "fwd")][1] == ops[("Linear", "bwd")][1] == 4 * CFG.n_layer
+    assert ops[("MatMul", "fwd")][1] == ops[("MatMul", "bwd")][1] == 2 * CFG.n_layer + 1
     assert ops[("CrossEntropy", "fwd")][1] == 1 and all(ms >= 0 for ms, _ in ops.values())
 
 

@@ -82,11 +82,12 @@ def test_linear_relu_loss_bytes_by_category_exactly():
     params = 8 * (C * H + H + H * V + V)
     with ledger:
         loss = mlp.loss(x, y)
-        # saved: x (MatMul 1), relu output (ReLU, and MatMul 2's input: once), softmax p,
+        # saved: x (Linear 1), relu output (ReLU, and Linear 2's input: once), softmax p,
         # targets t_safe (int64) and weights w (CrossEntropy); W1 and W2 are parameters
         saved = 8 * (B * C + B * H + B * V + B + B)
-        # not saved, alive as the graph's Tensors: x@W1, +b1, h@W2, +b2, and the loss
-        temporaries = 8 * (B * H + B * H + B * V + B * V + 1)
+        # not saved, alive as the graph's Tensors: x@W1+b1, h@W2+b2 (Linear adds the bias
+        # in place, into the GEMM's output), and the loss
+        temporaries = 8 * (B * H + B * V + 1)
         assert ledger.current == {"parameters": params, "gradients": 0, "optimizer": 2 * params,
                                   "communication": 0, "activations": saved,
                                   "temporaries": temporaries}
@@ -178,7 +179,7 @@ def test_budget_fails_inside_the_forward_and_the_hooks_come_off():
     ledger = Ledger(budget=8 * (C * H + H + H * V + V) + 100)
     ledger.track_model(mlp)
     before = _tensor.observers                  # the placement check's, in check mode
-    with pytest.raises(DeviceOutOfMemory, match="'MatMul' \\(4, 5\\)"):
+    with pytest.raises(DeviceOutOfMemory, match="'Linear' \\(4, 5\\)"):
         with ledger:
             mlp.loss(x, y)
     assert _tensor.observers == before

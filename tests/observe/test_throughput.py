@@ -62,15 +62,20 @@ def test_gpt_step_ledger_equals_the_closed_form(over, B, T):
 
 def test_gpt_step_matmuls_by_hand_per_op():
     """Forward matmuls of one step, written out: per layer qkv, scores, A v, proj, fc, fc2;
-    then the head. Backward: exactly twice each (every input needs its gradient)."""
+    then the head. The four biased projections run as Linear (the GEMM, then + b in place),
+    the rest as MatMul. Backward: exactly twice each (every input needs its gradient)."""
     cfg = GPTConfig(vocab_size=11, block_size=12, n_layer=2, n_head=2, n_embd=16)
     B, T, C, V, H, L, r = 3, 12, 16, 11, 2, 2, 4
     D = C // H
-    per_layer = (2 * B * T * C * 3 * C + 2 * B * H * T * D * T + 2 * B * H * T * T * D
-                 + 2 * B * T * C * C + 2 * B * T * C * r * C + 2 * B * T * r * C * C)
+    linears = 2 * B * T * C * 3 * C + 2 * B * T * C * C + 2 * B * T * C * r * C \
+        + 2 * B * T * r * C * C
+    attention = 2 * B * H * T * D * T + 2 * B * H * T * T * D
+    bias_adds = B * T * (3 * C + C + r * C + C)
     led = _step(cfg, B, T)
-    assert led.entries[("MatMul", "forward")] == [L * per_layer + 2 * B * T * C * V, 0, 6 * L + 1]
-    assert led.entries[("MatMul", "backward")][0] == 2 * (L * per_layer + 2 * B * T * C * V)
+    assert led.entries[("MatMul", "forward")] == [L * attention + 2 * B * T * C * V, 0, 2 * L + 1]
+    assert led.entries[("Linear", "forward")] == [L * linears, L * bias_adds, 4 * L]
+    assert led.entries[("MatMul", "backward")][0] == 2 * (L * attention + 2 * B * T * C * V)
+    assert led.entries[("Linear", "backward")][0] == 2 * L * linears
     assert led.total("matmul", ("recompute", "optimizer")) == 0
 
 

@@ -135,6 +135,8 @@ B, T, C, V = 2, 5, 6, 7
     ("vector matmul", lambda: leaf((C,)) @ leaf((C, V), 1), (2 * C * V, 4 * C * V)),
     ("linear", lambda: leaf((B, T, C)) @ leaf((C, V), 1) + leaf((V,), 2),
      (2 * B * T * C * V + B * T * V, 4 * B * T * C * V + (B * T - 1) * V)),
+    ("fused linear", lambda: F.linear(leaf((B, T, C)), leaf((C, V), 1), leaf((V,), 2)),
+     (2 * B * T * C * V + B * T * V, 4 * B * T * C * V + (B * T - 1) * V)),
     ("layer norm", lambda: F.layer_norm(leaf((B, T, C)), leaf((C,), 1), leaf((C,), 2)),
      (7 * B * T * C + 3 * B * T, 8 * B * T * C + 2 * B * T * C - C + B * T * C - C)),
     ("softmax", lambda: F.softmax(leaf((B, T, C)), axis=-1),

@@ -151,18 +151,19 @@ def softmax_backward(R: int, C: int, s: int) -> tuple[Kernels, Kernels]:
 
 def scaled_masked_softmax(R: int, T: int, s: int) -> tuple[Kernels, Kernels]:
     """y = softmax(scale x + causal mask) over R rows of T scores: nn/attention.py's scale
-    and mask passes, then Softmax's; fused, one kernel (gpu/kernels/softmax.cu)."""
+    and mask passes (the mask, 0 or -inf (T, T), is added), then Softmax's; fused, one
+    kernel (gpu/kernels/softmax.cu), which masks by comparing positions: no add."""
     n = R * T
-    unfused = (_pass("* scale", n, s), Kernel("mask", 0, 0, s * n + T * T, s * n),
+    unfused = (_pass("* scale", n, s), Kernel("+ mask", 0, n, s * (n + T * T), s * n),
                *softmax(R, T, s)[1])
     return (Kernel("scaled causal softmax", 0, 6 * n - 2 * R, s * n, s * n),), unfused
 
 
 def scaled_masked_softmax_backward(R: int, T: int, s: int) -> tuple[Kernels, Kernels]:
-    """dx = scale y (g - rowsum(g y)): Softmax's backward, the mask's, the scale's."""
+    """dx = scale y (g - rowsum(g y)): Softmax's backward, then the scale's (the added mask
+    passes the gradient through untouched: no pass)."""
     n = R * T
-    unfused = (*softmax_backward(R, T, s)[1], Kernel("mask", 0, 0, s * n + T * T, s * n),
-               _pass("* scale", n, s))
+    unfused = (*softmax_backward(R, T, s)[1], _pass("* scale", n, s))
     return (Kernel("scaled causal softmax backward", 0, 5 * n - R, 2 * s * n, s * n),), unfused
 
 

@@ -29,8 +29,8 @@ elements per ZeRO unit of my shard (memory/budget_models.unit_numels); its peaks
 the buffers. Activations of one micro-batch of R = B / (dp M) rows of T positions
 (b bytes; T_c = T / cp my positions; T' = T_c / tp under sequence parallelism, else T_c):
     per layer   none       tensor_memory.activation_terms (cp = 1), context_memory's (tp = 1)
-                selective  without the attention core's T^2 terms (scores, softmax, causal
-                           mask, attention dropout), plus its query and key positions 8 T:
+                selective  without the attention core's T^2 terms (scores, softmax,
+                           attention dropout), plus its query and key positions 8 T:
                            Korthikanti et al.'s selective recomputation keeps q, k, v
                 full       the block's input R T' C b, all a recomputed block keeps
                 (selective and full: memory/recompute.kept_terms, the recomputation's own)

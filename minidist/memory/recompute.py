@@ -40,7 +40,7 @@ One rank's view of y = checkpoint(fn, x, key) (a Block: x (B, T, C), key a Dropo
 Kept per layer and rank (b bytes per element, T' = T/W under sequence parallelism; the
 terms of parallel/tensor_memory.activation_terms, checked against saved_bytes by tests):
     none       activation_terms(...)
-    selective  none - (scores and softmax, 2 B H/W T^2 b) - (causal mask, T^2)
+    selective  none - (scores and softmax, 2 B H/W T^2 b)
                - (with dropout: its mask and output, 2 B H/W T^2 b)
                + (the query and key positions, int64, to rebuild the mask: 8 T)
     full       the block input, B T' C b
@@ -300,7 +300,6 @@ def kept_terms(mode: str, B: int, T: int, C: int, H: int, F: int, *, tp: int = 1
         terms["query and key positions (int64)"] = 8 * T
         return terms
     terms["scores and softmax"] = 2 * B * (H // W) * T * T * b
-    terms["causal mask"] = T * T
     if dropout:
         terms["attention dropout mask, output"] = 2 * B * (H // W) * T * T * b
     return terms

@@ -69,14 +69,13 @@ def test_softmax_hand_counts():
 
 
 def test_scaled_masked_softmax_hand_counts():
-    R, T, s = 4, 2, 4                              # n = 8; the mask is a T x T bool
+    R, T, s = 4, 2, 4                              # n = 8; the mask is T x T numbers, added
     fused, unfused = oc.scaled_masked_softmax(R, T, s)
-    check(unfused, other=8 + 5 * 8 - 2 * R,
-          bytes_=s * (16 + 16 + (12 + 20 + 16 + 12 + 20)) + T * T, launches=7)
+    check(unfused, other=8 + 8 + 5 * 8 - 2 * R,
+          bytes_=s * (16 + (16 + T * T) + (12 + 20 + 16 + 12 + 20)), launches=7)
     check(fused, other=8 + 32, bytes_=s * 16, launches=1)
     fused, unfused = oc.scaled_masked_softmax_backward(R, T, s)
-    check(unfused, other=4 * 8 - R + 8, bytes_=s * ((24 + 12 + 20 + 24) + 16 + 16) + T * T,
-          launches=6)
+    check(unfused, other=4 * 8 - R + 8, bytes_=s * ((24 + 12 + 20 + 24) + 16), launches=5)
     check(fused, other=36, bytes_=s * 24, launches=1)
 
 
@@ -98,15 +97,14 @@ def test_attention_hand_counts():
     B, H, T, D, s = 1, 2, 3, 4, 4                   # n = 18 scores, r = 6 rows, a = 24
     fused, unfused = oc.attention(B, H, T, D, s)
     softmax = [24, 42, 36, 24, 42]
-    elements = [48 + 18, 36, 36] + softmax + [18 + 24 + 24]
-    check(unfused, matmul=2 * 2 * 18 * 4, other=18 + 78, bytes_=s * sum(elements) + T * T,
+    elements = [48 + 18, 36, 36 + T * T] + softmax + [18 + 24 + 24]     # scale, + mask
+    check(unfused, matmul=2 * 2 * 18 * 4, other=18 + 18 + 78, bytes_=s * sum(elements),
           launches=9)
     check(fused, matmul=288, other=96, bytes_=s * (3 * 24 + 24 + 6), launches=1)
     fused, unfused = oc.attention_backward(B, H, T, D, s)
-    elements = [48 + 18, 18 + 24 + 24, 36 + 18, 18 + 6, 18 + 6 + 18, 36 + 18, 36, 36,
-                66, 66]
-    check(unfused, matmul=4 * 2 * 18 * 4, other=66 + 18, bytes_=s * sum(elements) + T * T,
-          launches=10)
+    elements = [48 + 18, 18 + 24 + 24, 36 + 18, 18 + 6, 18 + 6 + 18, 36 + 18, 36, 66, 66]
+    check(unfused, matmul=4 * 2 * 18 * 4, other=66 + 18, bytes_=s * sum(elements),
+          launches=9)
     check(fused, matmul=10 * 18 * 4, other=6 * 18 + 2 * 24, bytes_=s * (5 * 24 + 6 + 3 * 24),
           launches=1)
 

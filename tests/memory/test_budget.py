@@ -113,11 +113,11 @@ def test_recomputation_keeps_less_by_the_attention_cores_terms():
     cfg, R, T = SMALL, 2, SMALL.block_size
     est = {m: mb.estimate(cfg, mb.MemoryPlan(recompute=m), batch=R) for m in mb.RECOMPUTE}
     L, H, b = cfg.n_layer, cfg.n_head, 8
-    # selective drops scores and softmax (2 R H T^2 b) and the causal mask (T^2 bytes),
-    # and keeps the query and key positions to rebuild the mask (8 T)
-    dropped = L * (2 * R * H * T * T * b + T * T - 8 * T)
+    # selective drops scores and softmax (2 R H T^2 b), and keeps the query and key
+    # positions to rebuild the mask (8 T)
+    dropped = L * (2 * R * H * T * T * b - 8 * T)
     assert est["none"].activations - est["selective"].activations == dropped
-    assert est["selective"].recompute == 2 * R * H * T * T * b + T * T
+    assert est["selective"].recompute == 2 * R * H * T * T * b
     none_layer = sum(mb.layer_terms(cfg, mb.MemoryPlan(), R, T).values())
     assert est["none"].activations - est["full"].activations == \
         L * (none_layer - R * T * cfg.n_embd * b)

@@ -126,7 +126,7 @@ def test_kept_bytes_per_layer_equal_the_formula(mode, dropout):
     assert _block_bytes(cfg) == rc.kept_bytes(mode, B, T, C, H, 4 * C, dropout=dropout > 0)
     none = tm.activation_terms(B, T, C, H, 4 * C, dropout=dropout > 0)
     assert rc.kept_terms("none", B, T, C, H, 4 * C, dropout=dropout > 0) == none
-    T2 = 2 * B * H * T * T * 8 * (2 if dropout else 1) + T * T   # the T^2 terms, by hand
+    T2 = 2 * B * H * T * T * 8 * (2 if dropout else 1)           # the T^2 terms, by hand
     assert rc.kept_bytes("selective", B, T, C, H, 4 * C, dropout=dropout > 0) == \
         sum(none.values()) - T2 + 8 * T
     assert rc.kept_bytes("full", B, T, C, H, 4 * C) == B * T * C * 8

@@ -71,3 +71,26 @@ def test_gradcheck_input_and_weights():
 def test_heads_must_divide_width():
     with pytest.raises(ValueError, match="n_embd=10 is not divisible by n_head=4"):
         CausalSelfAttention(10, 4)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_added_causal_mask_gives_masked_fill_bit_for_bit(dtype):
+    """scores + M (0 or -inf) equals masked_fill(scores, future, -inf) in the softmax and in
+    the gradient of the scores, whose entries in the future are 0 either way."""
+    from minidist.autograd import functional as F
+    from minidist.nn.attention import causal_mask
+    rng = np.random.default_rng(0)
+    q_pos, k_pos = np.arange(3, 8), np.arange(0, 8)                 # a block of queries
+    s0 = rng.standard_normal((2, 3, 5, 8)).astype(dtype)
+    g = rng.standard_normal(s0.shape).astype(dtype)
+    future = k_pos[None, :] > q_pos[:, None]
+    runs = []
+    for masked in (lambda s: s + causal_mask(q_pos, k_pos, s.dtype),
+                   lambda s: F.masked_fill(s, future, -np.inf)):
+        s = Tensor(s0.copy(), requires_grad=True)
+        att = F.softmax(masked(s), axis=-1)
+        att.backward(Tensor(g))
+        runs.append((att.data, s.grad))
+    (a1, d1), (a2, d2) = runs
+    assert a1.dtype == dtype and np.array_equal(a1, a2) and np.array_equal(d1, d2)
+    assert not d1[..., future].any() and (a1[..., future] == 0).all()

@@ -28,10 +28,10 @@ Activation memory (what the autograd keeps for one block, autograd/saved.py; tp 
            the residual dropouts 4 B T_cp C b)
     ring   + its output y and lse: B T_cp C b + B H T_cp b. No score matrix at all: each
            block's p is recomputed from lse in the backward (FlashAttention's trick)
-    ulysses + scores and softmax of H/W heads over ALL T: 2 B (H/W) T^2 b, and the causal
-           mask T^2 bytes (with dropout: mask and output, 2 B (H/W) T^2 b more)
+    ulysses + scores and softmax of H/W heads over ALL T: 2 B (H/W) T^2 b (with dropout:
+           mask and output, 2 B (H/W) T^2 b more)
 The single process keeps tensor_memory.activation_terms(tp=1): its T^2 terms are
-2 B H T^2 b + T^2. So Ulysses divides the T^2 terms by W, ring removes them.
+2 B H T^2 b. So Ulysses divides the T^2 terms by W, ring removes them.
 
 One rank's view of one step (cp rank c of W, M micro-batches, L layers), what it counts:
     1. forward, per micro-batch and layer: W-1 K/V passes (Ulysses: 2 all-to-alls);
@@ -146,7 +146,6 @@ def activation_terms(B: int, T: int, C: int, H: int, F: int, *, cp: int = 1,
         terms["ring output y, lse"] = B * Tl * C * b + B * H * Tl * b
     else:
         terms["scores and softmax, H/cp heads, all T"] = 2 * B * (H // cp) * T * T * b
-        terms["causal mask"] = T * T
     if dropout:
         terms["residual dropouts (x2) input, mask"] = 4 * B * Tl * C * b
         if algo == "ulysses":

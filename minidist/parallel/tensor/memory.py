@@ -27,7 +27,6 @@ features; parameters excluded:
     q, k, v of my H/W heads (one buffer)    3 B T C/W b
     scores (kept by the 1/sqrt(D) scale)    B H/W T^2 b
     softmax output                          B H/W T^2 b
-    causal mask (bool, made per call)       T^2
     proj input (my heads)                   B T C/W b
     GELU input, tanh, output                3 B T F/W b
     with dropout p > 0: attention dropout (mask, output) 2 B H/W T^2 b; the two residual
@@ -36,7 +35,7 @@ Korthikanti et al.'s Table 2 (16-bit activations, 1-byte dropout masks; s = T, b
 h = C, a = H, t = W): 34 sbh + 5as^2b without parallelism; sbh (10 + 24/t) + 5as^2b/t with
 tp; sbh 34/t + 5as^2b/t with tp + SP. Ours without SP has the same shape: an unsharded
 4 B T C b + 2 B T b (their 10 sbh less the two dropout masks) plus terms over W. Under SP
-every term but the T^2-byte causal mask divides by W: the two column-parallel matmuls
+every term divides by W: the two column-parallel matmuls
 keep only their input shard and all-gather it again in the backward
 (sequence.AllGatherMatmul, as Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication
 does): 2 more all-gathers per layer, and 1 for the LM head.
@@ -204,7 +203,6 @@ def activation_terms(B: int, T: int, C: int, H: int, F: int, *, tp: int = 1,
              "qkv and fc inputs": 2 * B * Tl * C * b,
              "q, k, v of my heads": 3 * B * T * (C // W) * b,
              "scores and softmax": 2 * B * (H // W) * T * T * b,
-             "causal mask": T * T,
              "proj input": B * T * (C // W) * b,
              "gelu input, tanh, output": 3 * B * T * (F // W) * b}
     if dropout:

@@ -186,33 +186,31 @@ def test_paper_table_2():
 
 def test_ours_beside_the_paper_without_sp_an_unsharded_term_like_10_sbh():
     """ours(t) = U + S / t exactly; U is Korthikanti's 10 sbh (16-bit) less its two 1-byte
-    dropout masks (no dropout here): LN 4 sbh (+ 1/sigma 4 sb), QKV and MLP inputs 4 sbh;
-    plus the causal mask, s^2 bytes. The paper's U, for comparison, is 10 sbh."""
+    dropout masks (no dropout here): LN 4 sbh (+ 1/sigma 4 sb), QKV and MLP inputs 4 sbh.
+    The paper's U, for comparison, is 10 sbh."""
     B, T, C_ = SIZES["B"], SIZES["T"], SIZES["C"]
     S = 2 * (_ours(1) - _ours(2))
     U = _ours(1) - S
     for t in (4, 8):
         assert _ours(t) == U + S // t
     sbh = B * T * C_
-    assert U == 8 * sbh + 4 * B * T + T * T
+    assert U == 8 * sbh + 4 * B * T
     paper = [tm.paper_activation_bytes(T, B, C_, SIZES["H"], t) for t in (1, 2)]
     assert paper[0] - 2 * (paper[0] - paper[1]) == 10 * sbh        # the paper's U
-    assert U - T * T - 4 * B * T == 10 * sbh - 2 * sbh              # ours: less the masks
+    assert U - 4 * B * T == 10 * sbh - 2 * sbh                      # ours: less the masks
 
 
-def test_with_sp_every_term_divides_by_tp_but_the_causal_mask():
+def test_with_sp_every_term_divides_by_tp():
     """Under SP each term of one layer is its tp=1 value over t, the paper's 1/t scaling
-    (34 sbh / t), except the causal mask (s^2 bytes, made whole on every rank). The qkv and
-    fc matmuls keep only their input shard and all-gather it again in the backward, as
-    Megatron does."""
+    (34 sbh / t). The qkv and fc matmuls keep only their input shard and all-gather it
+    again in the backward, as Megatron does; the causal mask is added to the scores and
+    kept by nothing."""
     s = SIZES
     one = tm.activation_terms(s["B"], s["T"], s["C"], s["H"], s["F"], itemsize=2)
-    whole = {"causal mask"}
     for t in (2, 4, 8):
         sharded = tm.activation_terms(s["B"], s["T"], s["C"], s["H"], s["F"], tp=t, sp=True,
                                       itemsize=2)
         for name, value in sharded.items():
-            assert value == (one[name] if name in whole else one[name] // t), (t, name)
-        unsharded = s["T"] ** 2
-        assert _ours(t, sp=True) == unsharded + (_ours(1) - unsharded) // t
+            assert value == one[name] // t, (t, name)
+        assert _ours(t, sp=True) == _ours(1) // t
         assert _ours(t, sp=True) < _ours(t)            # SP still saves: LN terms / t

@@ -10,13 +10,16 @@ tied head, no dropout, as in SIZES) in PyTorch CPU eager with torch.set_num_thre
 and the ratio minidist / PyTorch. The loss at init is printed for both as a check that
 they compute the same function.
 
-Sizes: "tiny" (C=32, 2 layers, T=12, B=8): ~200 ops of a few microseconds each, so Python
-overhead per op dominates; "c256" (C=256, 4 layers, T=128, B=8): matmul-dominated, so both
-run at roughly BLAS speed. Both float32. BLAS is pinned to one thread (the environment
-variables are set before NumPy is imported, or the bench re-runs itself so that they are).
+Sizes: "tiny" (C=32, 2 layers, T=12): ~200 ops of a few microseconds each, so Python
+overhead per op dominates; "c256" (C=256, 4 layers, T=128): matmul-dominated, so both
+run at roughly BLAS speed. Both float32, --batch rows (default 8). BLAS is pinned to one
+thread (the environment variables are set before NumPy is imported, or the bench re-runs
+itself so that they are), and glibc keeps freed memory (runtime/process_setup.py), as in
+every rank; PyTorch, in the same process, gets the same allocator.
 
-Run: python -m minidist.bench.autograd [--sizes tiny c256] [--repeats 10] [--no-torch]
-     (or `python -m minidist bench autograd ...` once wired into __main__.py)
+Run: python -m minidist.bench.autograd [--sizes tiny c256] [--batch 8] [--repeats 10]
+     [--no-torch]
+     or python -m minidist bench autograd ...
 Read next: bench/train.py
 """
 
@@ -46,6 +49,7 @@ from minidist import optim                     # noqa: E402
 from minidist.autograd.tensor import Observer, observe, unobserve  # noqa: E402
 from minidist.cli import CliParser, at_least            # noqa: E402
 from minidist.nn import GPT, GPTConfig         # noqa: E402
+from minidist.runtime.process_setup import keep_freed_memory  # noqa: E402
 
 SIZES = {
     "tiny": GPTConfig(vocab_size=11, block_size=12, n_layer=2, n_head=2, n_embd=32,
@@ -69,9 +73,10 @@ class StepTimes:
         return self.forward + self.backward + self.optimizer
 
 
-def make_batch(cfg: GPTConfig, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def make_batch(cfg: GPTConfig, seed: int = 0,
+               batch: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    x = rng.integers(0, cfg.vocab_size, (BATCH, cfg.block_size))        # (B, T)
+    x = rng.integers(0, cfg.vocab_size, (batch, cfg.block_size))        # (B, T)
     return x, np.roll(x, -1, axis=1)                                    # next-token targets
 
 
@@ -217,13 +222,13 @@ def _have_torch() -> bool:
     return True
 
 
-def bench_size(name: str, repeats: int, use_torch: bool) -> dict:
+def bench_size(name: str, repeats: int, use_torch: bool, batch: int = BATCH) -> dict:
     """Time one size in minidist (and PyTorch); print a table; return the numbers."""
     cfg = SIZES[name]
-    x, y = make_batch(cfg)
+    x, y = make_batch(cfg, batch=batch)
     model = GPT(cfg, seed=0)
     print(f"\n== {name}: C={cfg.n_embd}, {cfg.n_layer} layers, H={cfg.n_head}, "
-          f"T={cfg.block_size}, B={BATCH}, V={cfg.vocab_size}, {cfg.dtype}, "
+          f"T={cfg.block_size}, B={batch}, V={cfg.vocab_size}, {cfg.dtype}, "
           f"{model.num_parameters():,} params ==")
     ref_loss = model(x, y)[1].item()
     torch_step, torch_loss = torch_step_fn(model, x, y) if use_torch else (None, None)
@@ -257,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = CliParser(prog="python -m minidist bench autograd",
                                  description=main.__doc__)
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--batch", type=at_least(1), default=BATCH,
+                    help=f"rows (sequences) per step (default {BATCH})")
     ap.add_argument("--repeats", type=at_least(1), default=10)
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     args = ap.parse_args(argv)
@@ -267,12 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:] if argv is None else argv
         return subprocess.run([sys.executable, "-m", "minidist.bench.autograd", *argv],
                               env=env).returncode
+    keep_freed_memory()            # as every rank does (`python -m minidist` did it already)
     use_torch = not args.no_torch and _have_torch()
     threads = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     print(f"autograd bench · numpy {np.__version__} · BLAS threads {threads} · "
           f"torch {'on' if use_torch else 'not installed / off'} · medians of {args.repeats}")
     for name in args.sizes:
-        bench_size(name, args.repeats, use_torch)
+        bench_size(name, args.repeats, use_torch, args.batch)
     return 0
 
 

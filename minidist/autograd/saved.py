@@ -8,7 +8,8 @@ parallelism split over ranks (parallel/tensor/memory.py turns them into formulas
 
 What counts, and once:
     * every node reachable from the root through parents that need a gradient: exactly
-      the nodes Tensor.backward would visit (autograd/tensor.py);
+      the nodes Tensor.backward would visit (autograd/tensor.py), and the nodes of any
+      graph a node keeps as a Tensor attribute, to run in its backward (ZeRO-3's calls);
     * each array of ctx.saved_tensors, each ndarray attribute of ctx, and the ndarrays
       inside a tuple or list attribute; numbers, shapes and objects (a group) cost nothing;
     * a view keeps its whole base alive, so an array counts as its BASE buffer (the array
@@ -79,6 +80,18 @@ def graph_nodes(root: Tensor | list[Tensor]) -> list[tuple[str, Any]]:
         backward_fn, ctx, parents = t._node
         out.append((backward_fn.__qualname__.split(".")[0], ctx))
         stack.extend(p for p in parents if p is not None and id(p) not in seen)
+        stack.extend(_held_tensors(ctx))
+    return out
+
+
+def _held_tensors(ctx: Any) -> list:
+    """Tensors a node keeps as attributes (alone or in a tuple or list): a node that runs a
+    graph of its own in its backward (ZeRO-3's hook call) keeps that graph alive too."""
+    out = []
+    for value in vars(ctx).values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, Tensor) and v._node is not None:
+                out.append(v)
     return out
 
 

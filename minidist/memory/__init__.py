@@ -53,8 +53,8 @@ the flag all-reduced so one rank's inf skips the step everywhere). `--grad-reduc
 gradients in the 16-bit format: half the dp bytes (52,416 against 104,832 per step on the
 test model). After 100 steps of the synthetic task, bf16 and fp16 end within 5 % of fp32's
 loss drop and fp8 within 8 % (worst of 8 seeds: 1.5, 1.2, 2.6 %); demo 20 prints the curves
-and the loss scale around an injected overflow. Refused for now: tp, pp, cp, ep,
-recomputation and fp8 with ZeRO-3.
+and the loss scale around an injected overflow. Refused for now: tp, pp, cp, ep
+and recomputation.
 
 `--offload host|disk [--offload-dir D]` (`memory/offload.py`, ZeRO-Offload and
 ZeRO-Infinity's NVMe tier): the optimizer state (and under ZeRO-3 the parameter shards)

@@ -16,8 +16,7 @@ dp, tp, pp, cp, ZeRO stage, recomputation, precision, micro-batches), in six cat
                  again, R T' C b), alive until that layer's backward ends
 The total adds them up: an upper bound on the peak, since the activations peak at the
 end of a forward and ZeRO's gradient buffers during the backward. Every category is
-compared with measured bytes by memory/budget_measure.py (`recompute` except under
-ZeRO-3, whose own recomputation nothing watches).
+compared with measured bytes by memory/budget_measure.py.
 
 Bytes per element (parameter, gradient, optimizer state K with AdamW, activation):
     fp64  8 8 16 8   minidist's training today: one dtype, no master copy, K = 2b (m, v)
@@ -39,9 +38,9 @@ the buffers. Activations of one micro-batch of R = B / (dp M) rows of T position
     head, loss  ln_f R T' (C + 1) b, head input R T' C b, softmax R T_c V' b (V' = V, or
                 the padded V / tp), targets R T_c 8, R T_c b (tp: two bool masks, 2 R T_c),
                 the 1/n scale b
-    ZeRO-3      recomputes every block in its backward (parallel/zero/stage3.py), whatever
-                `recompute` says: blocks keep R T' C b, the embedding its ids R T_c 8 and
-                the head its input R T' C b (the loss as above)
+    ZeRO-3      the same: each call keeps its graph for the backward, the unit's
+                parameters cut out of it (parallel/zero/stage3.py); their gathers are in
+                buffers
 A pipeline stage s holds k_s micro-batches at once, schedule_sim.peak_activations (1F1B:
 min(P - s, M); GPipe: M): the first stage also the embedding, the last the head and loss.
 
@@ -197,9 +196,9 @@ def layer_terms(cfg: GPTConfig, plan: MemoryPlan, rows: int, T: int,
 
 
 def _mode(plan: MemoryPlan) -> str:
-    """What a block keeps: ZeRO-3 recomputes every block (zero/stage3.py), whatever
-    `recompute` is."""
-    return "full" if plan.zero == 3 else plan.recompute
+    """What a block keeps: what `recompute` says, under every ZeRO stage (stage 3 keeps each
+    call's graph without the unit's parameters, zero/stage3.py)."""
+    return plan.recompute
 
 
 def micro_batch_terms(cfg: GPTConfig, plan: MemoryPlan, rows: int, T: int,
@@ -208,22 +207,17 @@ def micro_batch_terms(cfg: GPTConfig, plan: MemoryPlan, rows: int, T: int,
     b, C, V, tp = _act(plan), cfg.n_embd, cfg.vocab_size, plan.tp
     Tc = T // plan.cp
     Tl = Tc // tp if plan.sp else Tc
-    hooked = plan.zero == 3                 # zero/stage3.py's hooks keep each call's input only
     n = len(stage_layers(cfg, plan.pp, stage))
     out = {f"{n} layer{'s' * (n != 1)} x {k}": n * v
            for k, v in layer_terms(cfg, plan, rows, T, _mode(plan)).items()}
     if stage == 0:
-        out["embedding: token ids" + ("" if hooked else ", positions")] = \
-            rows * Tc * 8 + (0 if hooked else Tc * 8)
-        if tp > 1 and not hooked:
+        out["embedding: token ids, positions"] = rows * Tc * 8 + Tc * 8
+        if tp > 1:
             out["embedding: vocab-parallel lookup, mask"] = rows * Tc * (C + 1) * b
-        if cfg.dropout > 0 and not hooked:
+        if cfg.dropout > 0:
             out["embedding: dropout input, mask"] = 2 * rows * Tl * C * b
     if stage == plan.pp - 1:
-        if hooked:
-            out["head: input (the ZeRO-3 hook's)"] = rows * Tl * C * b
-        else:
-            out["head: ln_f xhat, 1/sigma; matmul input"] = rows * Tl * (2 * C + 1) * b
+        out["head: ln_f xhat, 1/sigma; matmul input"] = rows * Tl * (2 * C + 1) * b
         Vl = piece_length(V, tp) if tp > 1 else V
         masks = 2 * rows * Tc if tp > 1 else rows * Tc * b
         out["loss: softmax, targets, masks, 1/n"] = rows * Tc * (Vl * b + 8) + masks + b

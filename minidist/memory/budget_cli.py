@@ -162,8 +162,6 @@ def _estimate_table(plan: MemoryPlan, stages) -> None:
     for c in (*CATEGORIES, "total"):
         print(f"  {c:<12}" + "".join(f"{fmt(getattr(e, c)):>14}" for e in stages))
     e = max(stages, key=lambda s: s.total)
-    if plan.zero == 3:
-        print("ZeRO-3 recomputes every block (parallel/zero/stage3.py): each keeps its input only")
     print(f"activations: {e.held} micro-batch(es) held on stage {e.stage}, each:")
     for what, n in e.per_micro_batch.items():
         print(f"    {fmt(n):>10}  {what}")

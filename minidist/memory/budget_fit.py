@@ -27,8 +27,7 @@ fixed, so every plan trains on the same global batch of B sequences).
 
 One rank's view: none; a loop over plans, each a formula.
 Plans skipped: those compose.Plan refuses (a head count or the vocabulary split by tp,
-ZeRO-3 with pp), and ZeRO-3 is listed with recompute=full only: minidist's ZeRO-3
-recomputes every block whatever the setting (zero/stage3.py), so the other two are the same plan.
+ZeRO-3 with pp).
 References: Narayanan et al. 2021, arXiv:2104.04473, Sec. 3 (choosing dp, tp and pp);
     Rajbhandari et al. 2020, arXiv:1910.02054, Sec. 7 (ZeRO's communication).
 Read next: memory/budget_cli.py.
@@ -95,7 +94,7 @@ def candidates(gpus: int, batch: int, rows: int = 1,
                 continue
             for sp in (False, True) if tp > 1 else (False,):
                 for zero in range(4 if pp == 1 else 3) if dp > 1 else (0,):
-                    for rc in ("full",) if zero == 3 else RECOMPUTE:
+                    for rc in RECOMPUTE:
                         out += [MemoryPlan(dp=dp, tp=tp, pp=pp, zero=zero, recompute=rc,
                                            precision=prec, micro_batches=batch // (dp * rows),
                                            sp=sp) for prec in precisions]

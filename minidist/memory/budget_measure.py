@@ -125,7 +125,7 @@ def _on_rank(ctx, cfg: GPTConfig, data_cfg: DataConfig, plan: MemoryPlan, batch:
     return Measured(ctx.rank, stage, {
         "params": mem["params"], "grads": mem["grads"], "optimizer": mem["optimizer"],
         "activations": activations, "buffers": buffers,
-        "recompute": None if plan.zero == 3 else max(rebuilt)})
+        "recompute": max(rebuilt)})
 
 
 def check_measurable(cfg: GPTConfig, plan: MemoryPlan) -> None:

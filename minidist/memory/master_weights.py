@@ -4,8 +4,8 @@
 1-3) and keeps its interface, so train.py cannot tell it is there. The engine still owns
 the gradient sync and the norm; the wrapper adds what mixed precision needs around them:
     - precision.Autocast (the rounded GEMMs, FP32_OPS) is on from a step's first forward
-      to its step(): the backward sees it too, and so does what the backward recomputes
-      (ZeRO-3 runs each block's forward again); under fp16 forward hands back
+      to its step(): the backward sees it too, and so does what the backward recomputes;
+      under fp16 forward hands back
       loss_scale.ScaleGrad(loss): the backward then sees S * loss;
     - it replaces the engine's optimizer by `MasterWeights`: for every object the engine
       updates (DDP: a Parameter; ZeRO: the FlatShard of a unit, so the master copy and m, v

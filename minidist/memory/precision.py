@@ -236,12 +236,8 @@ def plan_policy(plan) -> Policy:
 
 def check_plan(plan, cfg) -> None:
     """ValueError unless mixed precision is built for this Plan and model: dp and ZeRO 1-3
-    of a float32 model, no recomputation (fp8: ZeRO <= 2)."""
+    of a float32 model, no recomputation."""
     other = {k: getattr(plan, k) for k in ("tp", "pp", "cp", "ep") if getattr(plan, k) > 1}
-    if plan.precision == "fp8" and plan.zero == 3:
-        raise ValueError("Plan: precision='fp8' with ZeRO-3 is not built: ZeRO-3's "
-                         "backward runs each block's forward again, and fp8's delayed "
-                         "scales would quantise the rerun differently. Use zero <= 2.")
     if other or cfg.dtype != "float32" or cfg.recompute != "none":
         raise ValueError(
             f"Plan: precision={plan.precision!r} is built for data parallelism and ZeRO "

@@ -18,8 +18,7 @@ Phases:
     backward    an operation's backward rule, and the engine's own gradient sums (a
                 tensor used twice gets its two gradients added; a leaf's .grad += g)
     recompute   a forward that runs INSIDE a backward rule: activation recomputation
-                (memory/recompute.py; ZeRO-3 runs each unit's forward again in its
-                backward, parallel/zero/stage3.py)
+                (memory/recompute.py)
     optimizer   the update and the gradient norm, counted from their formulas
 Model FLOPs = matmul FLOPs of forward + backward: the work the model needs, whatever
 the implementation (PaLM's MFU numerator). Hardware FLOPs = everything counted, both

@@ -106,9 +106,10 @@ def test_fit_keeps_what_fits_sorted_by_traffic():
     assert bf.fit(SMALL, 4, 1, batch=8)[0] == []
 
 
-def test_fit_lists_zero3_once_and_no_sharding_on_one_replica():
+def test_fit_lists_zero3_with_every_recompute_and_no_sharding_on_one_replica():
     plans = bf.candidates(8, 8)
-    assert not [p for p in plans if p.zero == 3 and p.recompute != "full"]
+    z3 = {p.recompute for p in plans if p.zero == 3}
+    assert z3 == set(mb.RECOMPUTE)
     assert not [p for p in plans if p.dp == 1 and p.zero > 0]
     assert not [p for p in plans if p.pp > 1 and p.zero == 3]
 

@@ -293,6 +293,5 @@ def test_every_layout_trains_bitwise_equal_with_recomputation(layout):
     for rank, out in enumerate(runs):
         for mode in modes[1:]:
             _bitwise(out["none"][0], out[mode][0], f"{layout}, rank {rank}, {mode}")
-            # ZeRO-3 recomputes every block itself; inside it nothing is recomputed again
-            want = 0 if plan.zero == 3 else layers * M * STEPS
+            want = layers * M * STEPS                 # ZeRO-3 too: it keeps the graphs
             assert out[mode][1][NAMES[mode]] == want, f"{layout}, rank {rank}, {mode}"

@@ -26,8 +26,9 @@ a padded flat vector and rank r the slice [r S_u, (r+1) S_u) of it):
     stage 3: the model's parameters are placeholders; each unit keeps w_shard only.
         stage3.py wraps the model's hook points (the GPT's embed, each block's forward,
         head): a unit is gathered just before a call that reads it and freed after its
-        last one, the next unit prefetched asynchronously; the backward gathers it again,
-        recomputes the call, backpropagates and reduce-scatters the unit's gradient.
+        last one, the next unit prefetched asynchronously; the call's graph is kept
+        without the unit's parameters, and the backward gathers them again, puts them back
+        into the graph, backpropagates and reduce-scatters the unit's gradient.
     all stages: ||g|| = sqrt(sum_r ||dw_shard_r||^2): each rank's sum of squares (padding
         is zero), all_gather of the W partial sums, added in rank order (bitwise equal on
         every rank); clip by max_norm / (||g|| + 1e-6) (optim.clip_to, as DDP does); then

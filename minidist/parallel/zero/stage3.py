@@ -16,18 +16,25 @@ one autograd Function (`_HookCall`). A unit used by several hook points (the roo
 and head) stays gathered from its first use to its LAST one in each pass; the uses per
 pass are counted from the hook points.
 
-The backward recomputes: a graph built in the forward would keep every gathered array
-alive until its backward, i.e. all of them at once. So stage 3 runs every block's forward
-twice (about 4/3 of the compute of a step). Layers that communicate inside a method
-(tensor-parallel f and g over tp) simply communicate again in the recomputation.
+The backward needs the call's activations and its parameters. The activations are kept:
+the call runs with a graph, as without ZeRO. The parameters are not: the graph's nodes
+hold views of u's gathered buffer (MatMul's W, LayerNorm's w, the tied head's W^T), and
+kept there they would keep every unit gathered at once. So right after the call
+`unpin` cuts every array that lives in the buffer out of its node (remembering the
+offset, shape and strides of the view), and the backward, once it has gathered u again,
+`repin`s the same views of the new buffer: the same numbers, since the parameters change
+only in the optimizer step. Nothing runs twice (re-running each call's forward in the
+backward instead would cost 4/3 of a step's compute). PyTorch's saved-tensor hooks serve
+the same end: pack a saved tensor as something smaller, unpack it in the backward.
 
 One rank's view of hook point k, whose unit is u:
     forward   1. wait for u's all_gather (start it if no prefetch did) and point the
                  Parameters at it; start the gather of hook point k+1's unit (prefetch)
-              2. run the original method under no_grad; keep its input
+              2. run the original method on fresh leaves of its inputs, with a graph;
+                 unpin u's arrays from that graph
               3. count the use; after u's last use in this pass, free u
-    backward  1. gather u again; prefetch hook point k-1's unit
-              2. re-run the method WITH a graph on the saved input; backpropagate dy
+    backward  1. gather u again; prefetch hook point k-1's unit; repin
+              2. backpropagate dy through the kept graph
               3. add the Parameters' .grad into u's flat gradient buffer; after u's last
                  backward use, hand it to the engine (reduce-scatter into dw_shard,
                  engine.py; only on the last micro-batch) and free u
@@ -40,8 +47,9 @@ for it, "-u" = free it; tests/parallel/zero/test_stage3.py checks this trace):
 While block j computes, block j+1's gather is in flight (forward; j-1 in backward): the
 prefetch that hides communication.
 
-Memory: at most the root and two adjacent blocks are gathered at once, and during the
-backward the root's gradient buffer lives beside one block's, so without accumulation
+Memory: the activations are those of stage 0 under the same `recompute` (the graphs, less
+the parameters). At most the root and two adjacent blocks are gathered at once, and during
+the backward the root's gradient buffer lives beside one block's, so without accumulation
     peak_gathered_params = b W (S_0 + max_j (S_{1+j} + S_{2+j}))      (L >= 2)
     peak_unsharded_grads = b W (S_0 + max_j S_{1+j})
 (with M > 1 micro-batches add b W sum_u S_u, the no_sync accumulators; parallel/zero/memory.py).
@@ -56,13 +64,14 @@ freed each on its own group.
 Limits: a wrapped method is differentiable in its positional Tensor arguments and returns
 a Tensor, a tuple whose first item is the Tensor and the rest None, or (y, aux) with aux a
 scalar Tensor (a MoE block's auxiliary losses): the pair travels through the Function as
-one Tensor, concatenate(y.ravel(), [aux]), and is split back exactly. Each hook point runs once per forward pass, and a pass's
-backward ends before the next pass's backward starts (true of every schedule here).
+one Tensor, concatenate(y.ravel(), [aux]), and is split back exactly. Each hook point
+runs once per forward pass, and a pass's backward ends before the next pass's backward
+starts (true of every schedule here). A node that saves a COPY of a parameter (a cast to
+another dtype) keeps it: correct, at the copy's memory.
 
 Reference: Rajbhandari et al. 2020, arXiv:1910.02054, Sec. 5.3 (P_p) and Sec. 7.2.2 (the
     3Ψ volume); Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, Sec. 3.3-3.4
-    (gather/free per unit around module hooks, backward prefetch); Chen et al. 2016,
-    arXiv:1604.06174 (recomputation).
+    (gather/free per unit around module hooks, backward prefetch).
 Read next: parallel/zero/memory.py.
 """
 
@@ -74,9 +83,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minidist.autograd import Function, Tensor, no_grad
+from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
-from minidist.memory.recompute import recomputing
+from minidist.autograd.saved import base_buffer, graph_nodes
 from minidist.nn import Module
 from minidist.parallel import placement
 from minidist.parallel.zero.flat import unit_of
@@ -92,7 +101,7 @@ class HookPoint:
     module: Module
     method: str
     unit: int
-    original: Callable             # the bound method before wrapping (what is recomputed)
+    original: Callable             # the bound method before wrapping (what the call runs)
     extra: tuple[int, ...] = ()    # more units it reads (a MoE block's experts, under ep)
 
     @property
@@ -112,20 +121,20 @@ def gpt_hook_points(model: Module) -> list[tuple[Module, str]]:
 class _HookCall(Function):
     """y = point.original(*args) with the point's unit gathered only inside forward and
     backward; differentiable in the Tensor arguments (`handle`: the unit's shard as a leaf,
-    so that the backward runs even when no argument needs a gradient, e.g. embed)."""
+    so that the backward runs even when no argument needs a gradient, e.g. embed).
+
+    The call's own graph (its `inner` output) is kept for the backward, with the unit's
+    parameters cut out of it (Zero3Hooks.unpin) and put back after the backward's gather."""
 
     @staticmethod
     def forward(ctx, *arrays, hooks: "Zero3Hooks", k: int, args: tuple, kwargs: dict,
                 sources: list, n_handles: int = 1):
-        arrays = arrays[n_handles:]                      # after the units' handles
-        ctx.n_handles = n_handles
-        ctx.hooks, ctx.k, ctx.arrays, ctx.args, ctx.kwargs = hooks, k, arrays, args, kwargs
-        ctx.sources = sources
+        ctx.n_handles, ctx.k, ctx.hooks = n_handles, k, hooks
+        needs = ctx.needs_input_grad[n_handles:]
         hooks.before(k, backward=False)
-        with no_grad():
-            out = hooks.points[k].original(*_fill(args, _inputs(sources, arrays, False)),
-                                           **kwargs)
-        y = hooks.take(k, out)
+        ctx.xs = _inputs(sources, arrays[n_handles:], needs)
+        y = hooks.take(k, hooks.points[k].original(*_fill(args, ctx.xs), **kwargs))
+        ctx.inner, ctx.pins = y, hooks.unpin(k, y)
         hooks.after(k, backward=False)
         return y.data
 
@@ -133,12 +142,11 @@ class _HookCall(Function):
     def backward(ctx, dy):
         h, k = ctx.hooks, ctx.k
         h.before(k, backward=True)
-        xs = _inputs(ctx.sources, ctx.arrays, True)
-        with recomputing():      # MoE stats counted in forward; no nested recomputation
-            out = h.points[k].original(*_fill(ctx.args, xs), **ctx.kwargs)     # recompute
-        _pack(out)[0].backward(dy)
+        h.repin(ctx.pins)
+        inner, ctx.inner = ctx.inner, None
+        inner.backward(dy)
         h.after(k, backward=True)
-        return (*[None] * ctx.n_handles, *[x.grad for x in xs])
+        return (*[None] * ctx.n_handles, *[x.grad for x in ctx.xs])
 
 
 def _pack(out) -> tuple[Tensor, tuple | None, tuple | None]:
@@ -158,11 +166,32 @@ def _pack(out) -> tuple[Tensor, tuple | None, tuple | None]:
     return y, None, rest
 
 
-def _inputs(sources: list, arrays: tuple, requires_grad: bool) -> list:
-    """Fresh leaves on the call's input arrays, with the placement tags of the Tensors that
-    were passed (check mode: a sequence-parallel block must still see x as Shard(1))."""
-    return [placement.carry(src, Tensor(a, requires_grad=requires_grad))
-            for src, a in zip(sources, arrays)]
+def _inputs(sources: list, arrays: tuple, needs: list) -> list:
+    """Fresh leaves on the call's input arrays (requiring a gradient where the Tensor passed
+    did), with the placement tags of those Tensors (check mode: a sequence-parallel block
+    must still see x as Shard(1))."""
+    return [placement.carry(src, Tensor(a, requires_grad=bool(need)))
+            for src, a, need in zip(sources, arrays, needs)]
+
+
+@dataclass
+class _Pin:
+    """Where one saved array of a call's graph sat in a unit's gathered buffer: the slot
+    (ctx, attribute, index in a tuple or list, or None) and the view (byte offset, shape,
+    strides, dtype) to rebuild in the next gather of the same unit."""
+
+    ctx: Any
+    name: str
+    index: int | None
+    unit: int
+    offset: int
+    shape: tuple
+    strides: tuple
+    dtype: Any
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
 def _fill(template: tuple, tensors: list) -> list:
@@ -205,6 +234,7 @@ class Zero3Hooks:
         self.handles = [Tensor(s.data, requires_grad=True) for s in engine.shards]
         self.work: dict[int, object] = {}           # unit -> Work of its all_gather
         self.gathered: set[int] = set()
+        self.buffers: dict[int, np.ndarray] = {}    # unit -> the array its gather filled
         self.grads: dict[int, np.ndarray] = {}      # unit -> full gradient being collected
         self.inner: Tensor | None = None
         self.rest: tuple | None = None
@@ -294,6 +324,7 @@ class Zero3Hooks:
         self._prefetch(i)
         if i not in self.gathered:
             flat = self.work[i].wait().reshape(-1)                 # (W S_u,)
+            self.buffers[i] = base_buffer(flat)
             for p, view in zip(self.e.units[i].params, self.e.units[i].views(flat)):
                 p.data = view
             self.gathered.add(i)
@@ -301,7 +332,52 @@ class Zero3Hooks:
     def _release(self, i: int) -> None:
         self.work.pop(i)
         self.gathered.discard(i)
+        self.buffers.pop(i, None)
         self._free_params(i)
+
+    # --- the call's graph without the unit's parameters between forward and backward ---
+    def unpin(self, k: int, root: Tensor) -> list[_Pin]:
+        """Cut every array of root's graph that lives in a gathered buffer of one of hook
+        point k's units out of its node (the slot is set to None): MatMul's W, LayerNorm's
+        w, a transposed tied head. Freeing the unit then frees its memory, while the
+        graph keeps the activations. Returns where each sat, for repin."""
+        owner = {id(self.buffers[u]): u for u in self.points[k].units if u in self.buffers}
+        pins: list[_Pin] = []
+        for _, ctx in graph_nodes(root):
+            for name, value in list(vars(ctx).items()):
+                if isinstance(value, (tuple, list)):
+                    cut = [j for j, a in enumerate(value)
+                           if self._pin(ctx, name, j, a, owner, pins)]
+                    if cut:
+                        setattr(ctx, name, type(value)(None if j in cut else a
+                                                       for j, a in enumerate(value)))
+                elif self._pin(ctx, name, None, value, owner, pins):
+                    setattr(ctx, name, None)
+        return pins
+
+    def _pin(self, ctx, name: str, index: int | None, a: Any, owner: dict,
+             pins: list) -> bool:
+        if not isinstance(a, np.ndarray):
+            return False
+        buf = base_buffer(a)
+        if id(buf) not in owner:
+            return False
+        pins.append(_Pin(ctx, name, index, owner[id(buf)], _address(a) - _address(buf),
+                         a.shape, a.strides, a.dtype))
+        return True
+
+    def repin(self, pins: list[_Pin]) -> None:
+        """Put every cut array back, as the same view of its unit's NEW gather (which holds
+        the same numbers: the parameters do not change between forward and backward)."""
+        for p in pins:
+            view = np.ndarray(p.shape, p.dtype, buffer=self.buffers[p.unit], offset=p.offset,
+                              strides=p.strides)
+            if p.index is None:
+                setattr(p.ctx, p.name, view)
+            else:
+                items = list(getattr(p.ctx, p.name))
+                items[p.index] = view
+                setattr(p.ctx, p.name, type(getattr(p.ctx, p.name))(items))
 
     def _free_params(self, i: int) -> None:
         for p in self.e.units[i].params:
@@ -317,7 +393,7 @@ class Zero3Hooks:
         return flat
 
     def _collect(self, i: int, flat: np.ndarray) -> None:
-        """flat += every .grad of unit i's Parameters (left by the recomputed backward)."""
+        """flat += every .grad of unit i's Parameters (left by the call's backward)."""
         u = self.e.units[i]
         for view, p in zip(u.views(flat), u.params):
             if p.grad is not None:

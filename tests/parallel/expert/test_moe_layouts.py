@@ -7,6 +7,7 @@ EXPERT_DEFAULT_KEPT: dp, tp, a pp x cp composition and an ep x cp composition); 
 cases and the ZeRO sweeps are marked slow (run them with -m slow)."""
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -254,12 +255,13 @@ def test_layouts_that_would_cut_a_routing_group_are_refused(plan, match):
 
 @pytest.mark.multiproc
 def test_routing_stats_are_counted_once_with_recomputation():
-    # Megatron-LM #1478: the aux loss counted twice with activation recomputation. ZeRO-3
-    # recomputes every block in backward: the loss equals one process (above), and the
-    # per-step routing statistics equal those of a run without recomputation.
+    # Megatron-LM #1478: the aux loss counted twice with activation recomputation. Full
+    # recomputation (here under ZeRO-3) runs every block's forward again in the backward:
+    # the per-step routing statistics equal those of a run without recomputation.
     cfg, plan = _cfg(2, 2), dict(dp=2, ep=2, micro_batches=2)
-    runs = [spawn(2, train_on_rank, cfg, DATA, Plan(zero=z, **plan),
-                  RunConfig(steps=2, global_batch=8), OptimizerConfig(lr=LR))[0] for z in (0, 3)]
+    runs = [spawn(2, train_on_rank, replace(cfg, recompute=rc), DATA, Plan(zero=z, **plan),
+                  RunConfig(steps=2, global_batch=8), OptimizerConfig(lr=LR))[0]
+            for z, rc in ((0, "none"), (3, "full"))]
     for a, b in zip(runs[0].moe, runs[1].moe):
         assert a.keys() == b.keys()
         for layer in a:

@@ -120,12 +120,12 @@ def test_sgd_with_momentum(stage):
 
 
 @pytest.mark.multiproc
-# default: dropout (the recomputed forward's masks); untied head and float32 are slow
+# default: dropout (masks drawn once, kept in the call's graph); untied head and float32 slow
 @pytest.mark.parametrize("extra", [pytest.param(dict(tie_weights=False), marks=pytest.mark.slow),
                                    dict(dropout=0.1),
                                    pytest.param(dict(dtype="float32"), marks=pytest.mark.slow)])
 def test_stage3_variants(extra):
-    """Untied head, dropout (the recomputed forward must draw the same masks), float32."""
+    """Untied head, dropout (its masks kept in the call's graph), float32."""
     cfg = model_config_for(DATA, n_layer=3, n_head=2, n_embd=16, **extra)
     runs = _run(3, 3, 1, cfg=cfg)
     ref = _reference(cfg=cfg)

@@ -160,7 +160,7 @@ def test_hook_points_need_embed_blocks_head():
 # default: with sequence parallelism (ZeRO-3 x tp x sp, the larger composition)
 @pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_zero3_with_tensor_parallelism_matches_single_process(sp):
-    """dp=2 x tp=2: every block's tp collectives run again in the recomputation."""
+    """dp=2 x tp=2: the blocks' tp collectives inside a ZeRO-3 call, forward and backward."""
     ref = train_single_process(TINY, DATA, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR,
                                seed=0)
     plan = Plan(dp=2, tp=2, zero=3, sequence_parallel=sp, check_placements=True)

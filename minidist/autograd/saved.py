@@ -70,6 +70,11 @@ def graph_nodes(root: Tensor | list[Tensor]) -> list[tuple[str, Any]]:
     """(operation name, ctx) of every node reachable from root (or from any of a list of
     roots, each node once), root first: the nodes Tensor.backward visits. The name is the
     Function class, e.g. "MatMul"."""
+    return [(t._node[0].__qualname__.split(".")[0], t._node[1]) for t in graph_tensors(root)]
+
+
+def graph_tensors(root: Tensor | list[Tensor]) -> list[Tensor]:
+    """The Tensors of graph_nodes' nodes (their outputs), root first, each once."""
     out, seen = [], set()
     stack = list(root) if isinstance(root, (list, tuple)) else [root]
     while stack:
@@ -77,8 +82,8 @@ def graph_nodes(root: Tensor | list[Tensor]) -> list[tuple[str, Any]]:
         if id(t) in seen or t._node is None:
             continue
         seen.add(id(t))
-        backward_fn, ctx, parents = t._node
-        out.append((backward_fn.__qualname__.split(".")[0], ctx))
+        out.append(t)
+        _, ctx, parents = t._node
         stack.extend(p for p in parents if p is not None and id(p) not in seen)
         stack.extend(_held_tensors(ctx))
     return out

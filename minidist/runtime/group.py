@@ -321,7 +321,9 @@ class ProcessGroup:
                     self.health.fail(e, f"async {self.failed_call}" if self.failed_call
                                      else f"an async call on group '{self.name}'")
             finally:                                   # a waiter never waits forever
-                work._done.set()
+                done = work._done
+                del fn, work  # kept until the next call, they would keep its result alive
+                done.set()
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()

@@ -85,7 +85,7 @@ import numpy as np
 
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
-from minidist.autograd.saved import base_buffer, graph_nodes
+from minidist.autograd.saved import base_buffer, graph_tensors
 from minidist.nn import Module
 from minidist.parallel import placement
 from minidist.parallel.zero.flat import unit_of
@@ -192,6 +192,11 @@ class _Pin:
 
 def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
+
+
+def _placeholder(a: np.ndarray) -> np.ndarray:
+    """a's shape and dtype, no memory: a zero-stride view of one NaN (loud if computed on)."""
+    return np.broadcast_to(np.array(np.nan, a.dtype), a.shape)
 
 
 def _fill(template: tuple, tensors: list) -> list:
@@ -338,12 +343,17 @@ class Zero3Hooks:
     # --- the call's graph without the unit's parameters between forward and backward ---
     def unpin(self, k: int, root: Tensor) -> list[_Pin]:
         """Cut every array of root's graph that lives in a gathered buffer of one of hook
-        point k's units out of its node (the slot is set to None): MatMul's W, LayerNorm's
-        w, a transposed tied head. Freeing the unit then frees its memory, while the
-        graph keeps the activations. Returns where each sat, for repin."""
+        point k's units out of its node: what a node saved (MatMul's W, LayerNorm's w; the
+        slot is set to None) and the value of a node that is a view of a parameter (the
+        tied head's W^T; a NaN placeholder of its shape, as the Parameters get). Freeing
+        the unit then frees its memory, while the graph keeps the activations. Returns
+        where each sat, for repin."""
         owner = {id(self.buffers[u]): u for u in self.points[k].units if u in self.buffers}
         pins: list[_Pin] = []
-        for _, ctx in graph_nodes(root):
+        for t in graph_tensors(root):
+            if self._pin(t, "data", None, t.data, owner, pins):
+                t.data = _placeholder(t.data)
+            ctx = t._node[1]
             for name, value in list(vars(ctx).items()):
                 if isinstance(value, (tuple, list)):
                     cut = [j for j, a in enumerate(value)
@@ -381,7 +391,7 @@ class Zero3Hooks:
 
     def _free_params(self, i: int) -> None:
         for p in self.e.units[i].params:
-            p.data = np.broadcast_to(np.array(np.nan, p.data.dtype), p.data.shape)
+            p.data = _placeholder(p.data)
 
     # --- gradients ---
     def _new_grad_buffer(self, i: int) -> np.ndarray:

@@ -123,6 +123,40 @@ def test_accumulation_reduces_only_on_the_last_micro_batch():
     assert memory["peak_gathered_params"] > 0
 
 
+def _buffers_alive_after_forward(ctx):
+    """(gathered buffers still alive after the forward, gathers in the forward): unpin must
+    let every gather go."""
+    import gc
+    import weakref
+    model = GPT(TINY)
+    engine = ZeroEngine(model, ctx.world, 3, algo="ring")
+    h, refs = engine.stage3, []
+    acquire = h._acquire
+
+    def watched_acquire(i):
+        new = i not in h.gathered
+        acquire(i)
+        if new:
+            refs.append(weakref.ref(h.buffers[i]))
+
+    h._acquire = watched_acquire
+    idx = np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 8))
+    _, loss = engine.forward(idx, idx, n_tokens=16)
+    gc.collect()
+    alive, gathers = sum(r() is not None for r in refs), len(refs)
+    loss.backward()                                   # and the backward still runs
+    return alive, gathers
+
+
+@pytest.mark.multiproc
+def test_the_forward_keeps_no_gathered_parameters_alive():
+    """Each call's graph is kept for the backward, yet once its unit is freed nothing holds
+    the gathered buffer: the views its nodes saved (W of each matmul, LayerNorm's w, the
+    tied head's W^T) were cut out (unpin). Without it, all 3 gathers would still be alive."""
+    alive, gathers = spawn(2, _buffers_alive_after_forward)[0]
+    assert gathers == 3 and alive == 0
+
+
 def _two_aux_are_refused(ctx):
     engine = ZeroEngine(GPT(TINY), ctx.world, 3)
     one = Tensor(np.array(1.0))

@@ -39,7 +39,7 @@ import sys
 from minidist.cli import CliParser, at_least
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
-BENCHES = ("collectives", "autograd", "train", "pipeline", "checkpoint", "throughput",
+BENCHES = ("collectives", "autograd", "compare", "train", "pipeline", "checkpoint", "throughput",
            "recompute", "observe", "offload", "determinism")
 INTERRUPTED = 128 + signal.SIGINT           # the shells' code for "ended by SIGINT"
 STDOUT_CLOSED = 128 + signal.SIGPIPE        # ... and for "ended by SIGPIPE"

@@ -166,30 +166,39 @@ def op_breakdown(model: GPT, x, y, steps: int = 3) -> dict:
     return {k: (v[0] / steps * 1e3, v[1] // steps) for k, v in table.items()}
 
 
-def _torch_loss(P: dict, xt, yt, cfg: GPTConfig):
-    """GPT forward + mean cross-entropy in PyTorch, op for op as nn/gpt.py computes it."""
-    import torch
+def _torch_loss(P, xt, yt, cfg: GPTConfig):
+    """GPT forward + mean cross-entropy in PyTorch, op for op as nn/gpt.py computes it.
+    P maps minidist's parameter names to torch tensors (a dict, or anything with [])."""
     import torch.nn.functional as tF
 
     B, T = xt.shape
-    C, H = cfg.n_embd, cfg.n_head
-    future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    C = cfg.n_embd
     h = P["wte.weight"][xt] + P["wpe.weight"][:T]                            # (B, T, C)
     for i in range(cfg.n_layer):
-        b = f"blocks.{i}."
-        a = tF.layer_norm(h, (C,), P[b + "ln_1.weight"], P[b + "ln_1.bias"], 1e-5)
-        q, k, v = (a @ P[b + "attn.qkv.weight"] + P[b + "attn.qkv.bias"]).split(C, -1)
-        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / (C // H) ** 0.5)              # (B, H, T, T)
-        att = torch.softmax(att.masked_fill(future, float("-inf")), dim=-1)
-        o = (att @ v).transpose(1, 2).reshape(B, T, C)                         # (B, T, C)
-        h = h + o @ P[b + "attn.proj.weight"] + P[b + "attn.proj.bias"]
-        a = tF.layer_norm(h, (C,), P[b + "ln_2.weight"], P[b + "ln_2.bias"], 1e-5)
-        a = tF.gelu(a @ P[b + "mlp.fc.weight"] + P[b + "mlp.fc.bias"], approximate="tanh")
-        h = h + a @ P[b + "mlp.proj.weight"] + P[b + "mlp.proj.bias"]
+        h = torch_block(P, f"blocks.{i}.", h, cfg)
     h = tF.layer_norm(h, (C,), P["ln_f.weight"], P["ln_f.bias"], 1e-5)
     logits = h @ P["wte.weight"].T                                           # (B, T, V)
     return tF.cross_entropy(logits.reshape(B * T, -1), yt.reshape(-1), ignore_index=-100)
+
+
+def torch_block(P, b: str, h, cfg: GPTConfig):
+    """One Block in PyTorch: h (B, T, C) -> (B, T, C), parameters P[b + name]."""
+    import torch
+    import torch.nn.functional as tF
+
+    B, T, C = h.shape
+    H = cfg.n_head
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    a = tF.layer_norm(h, (C,), P[b + "ln_1.weight"], P[b + "ln_1.bias"], 1e-5)
+    q, k, v = (a @ P[b + "attn.qkv.weight"] + P[b + "attn.qkv.bias"]).split(C, -1)
+    q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / (C // H) ** 0.5)              # (B, H, T, T)
+    att = torch.softmax(att.masked_fill(future, float("-inf")), dim=-1)
+    o = (att @ v).transpose(1, 2).reshape(B, T, C)                         # (B, T, C)
+    h = h + o @ P[b + "attn.proj.weight"] + P[b + "attn.proj.bias"]
+    a = tF.layer_norm(h, (C,), P[b + "ln_2.weight"], P[b + "ln_2.bias"], 1e-5)
+    a = tF.gelu(a @ P[b + "mlp.fc.weight"] + P[b + "mlp.fc.bias"], approximate="tanh")
+    return h + a @ P[b + "mlp.proj.weight"] + P[b + "mlp.proj.bias"]
 
 
 def torch_step_fn(model: GPT, x, y):
@@ -214,7 +223,7 @@ def torch_step_fn(model: GPT, x, y):
     return step, lambda: float(_torch_loss(P, xt, yt, model.cfg).item())
 
 
-def _have_torch() -> bool:
+def have_torch() -> bool:
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -275,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run([sys.executable, "-m", "minidist.bench.autograd", *argv],
                               env=env).returncode
     keep_freed_memory()            # as every rank does (`python -m minidist` did it already)
-    use_torch = not args.no_torch and _have_torch()
+    use_torch = not args.no_torch and have_torch()
     threads = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     print(f"autograd bench · numpy {np.__version__} · BLAS threads {threads} · "
           f"torch {'on' if use_torch else 'not installed / off'} · medians of {args.repeats}")

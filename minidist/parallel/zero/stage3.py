@@ -142,9 +142,10 @@ class _HookCall(Function):
     def backward(ctx, dy):
         h, k = ctx.hooks, ctx.k
         h.before(k, backward=True)
-        h.repin(ctx.pins)
-        inner, ctx.inner = ctx.inner, None
+        (inner, pins), ctx.inner, ctx.pins = (ctx.inner, ctx.pins), None, None
+        h.repin(pins)
         inner.backward(dy)
+        del inner, pins          # the graph, and with it the gather's views, go now
         h.after(k, backward=True)
         return (*[None] * ctx.n_handles, *[x.grad for x in ctx.xs])
 

@@ -124,7 +124,8 @@ def test_accumulation_reduces_only_on_the_last_micro_batch():
 
 
 def _buffers_alive_after_forward(ctx):
-    """(gathered buffers still alive after the forward, gathers in the forward): unpin must
+    """(gathered buffers alive after the forward, gathers in it; the same for the
+    backward, while the loss and its graph are still held): unpin and the backward must
     let every gather go."""
     import gc
     import weakref
@@ -144,17 +145,20 @@ def _buffers_alive_after_forward(ctx):
     _, loss = engine.forward(idx, idx, n_tokens=16)
     gc.collect()
     alive, gathers = sum(r() is not None for r in refs), len(refs)
-    loss.backward()                                   # and the backward still runs
-    return alive, gathers
+    loss.backward()                           # gathers again, and lets go of those too
+    gc.collect()
+    return alive, gathers, sum(r() is not None for r in refs[gathers:]), len(refs) - gathers
 
 
 @pytest.mark.multiproc
-def test_the_forward_keeps_no_gathered_parameters_alive():
+def test_no_gathered_parameters_stay_alive_after_forward_or_backward():
     """Each call's graph is kept for the backward, yet once its unit is freed nothing holds
     the gathered buffer: the views its nodes saved (W of each matmul, LayerNorm's w, the
-    tied head's W^T) were cut out (unpin). Without it, all 3 gathers would still be alive."""
-    alive, gathers = spawn(2, _buffers_alive_after_forward)[0]
-    assert gathers == 3 and alive == 0
+    tied head's W^T) were cut out (unpin). Without it, all 3 gathers would still be alive.
+    The backward's gathers go too once each call's backward is done, though the loss (and
+    the calls' nodes) are still held."""
+    alive, gathers, alive_b, gathers_b = spawn(2, _buffers_alive_after_forward)[0]
+    assert (gathers, alive) == (3, 0) and (gathers_b, alive_b) == (3, 0)
 
 
 def _two_aux_are_refused(ctx):

@@ -70,11 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def cells(values: dict, marks: dict | None = None) -> str:
     """One row's numbers by category: exact bytes below 10 MB, else rounded (1.23 GB);
-    None (not measured) as '-'; a category in `marks` gets '!' (differs from the estimate)."""
+    a category in `marks` gets '!' (differs from the estimate)."""
     out = ""
     for c in MEASURED:
         v = values[c]
-        text = "-" if v is None else f"{v:,}" if v < 10 ** 7 else fmt(v)
+        text = f"{v:,}" if v < 10 ** 7 else fmt(v)
         out += f"{text + ('!' if marks and c in marks else ''):>{WIDTH[c]}}"
     return out
 
@@ -86,8 +86,7 @@ def main(argv=None) -> int:
     print(f"demo 22 · memory budget · GPT {cfg.n_layer} layers, C={cfg.n_embd}, "
           f"{cfg.n_head} heads, T={cfg.block_size}, float64 · global batch {a.batch}")
     print("bytes one rank holds: est = the estimate (memory/budget.py), meas = counted in one "
-          "step\non real ranks; '!' where meas differs from est, '-' not measured (ZeRO-3 "
-          "recomputes on its own)")
+          "step\non real ranks; '!' where meas differs from est")
     print(f"{'plan':<{PLAN}}{'stage':>6}{'':6}" + "".join(f"{c:>{WIDTH[c]}}" for c in MEASURED))
     wrong, ranks = [], 0
     for text, plan in zip(texts, plans):
@@ -96,7 +95,7 @@ def main(argv=None) -> int:
         if len(text) >= PLAN:                        # a long plan gets a line of its own
             print(text)
         for stage, cats in rows.items():
-            differ = {c for c, (e, g) in cats.items() if g is not None and e != g}
+            differ = {c for c, (e, g) in cats.items() if e != g}
             name = "" if len(text) >= PLAN else text
             print(f"{name:<{PLAN}}{stage:>6}{'est':>6}"
                   + cells({c: e for c, (e, _) in cats.items()}))

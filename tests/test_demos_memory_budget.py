@@ -31,10 +31,8 @@ def test_memory_budget_demo_matches_every_plan_and_zero_figure_1():
     rows = _rows(out)
     assert len(rows) == 10, text                 # 9 plans, the pipeline's 2 stages
     assert "!" not in "".join(" ".join(meas) for _, meas in rows), text
-    for est, meas in rows:
-        measured = [v for e, v in zip(est[-6:], meas[1:]) if v != "-"]
-        assert measured == [e for e, v in zip(est[-6:], meas[1:]) if v != "-"], (est, meas)
-    assert sum(meas.count("-") for _, meas in rows) == 1       # ZeRO-3's recompute only
+    for est, meas in rows:                                   # every category, ZeRO-3's too
+        assert meas[1:] == est[-6:], (est, meas)
     assert "stage 0 120.0, stage 1 31.4, stage 2 16.6, stage 3 1.9" in text
     assert out[-1] == ("OK: estimated bytes = measured, to the byte, for 9 plans on 19 ranks; "
                        "ZeRO's Fig. 1 = the paper's")

@@ -827,7 +827,7 @@ class Observer:
     Users: the FLOP ledger (observe/flops.py), the memory ledger (memory/ledger.py), a
     step's trace (observe/run_dir.py) and the placement check (parallel/placement.py).
     An observer may wrap `result._node`'s backward rule to see the backward of that node,
-    whoever runs it (Tensor.backward, a split backward, ZeRO-3's re-run).
+    whoever runs it (Tensor.backward, a split backward, a ZeRO-3 call's own backward).
     """
 
     def forward(self, fn: type, ctx: Context, args: tuple, arrays: list, kwargs: dict,

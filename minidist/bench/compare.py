@@ -66,7 +66,7 @@ def model_config() -> GPTConfig:
 
 @dataclass(frozen=True)
 class Measures:
-    """One round of one system (seconds; None where not measured)."""
+    """One round of one system, in seconds."""
 
     all_reduce: dict                 # {"8 B": s, "16 MiB": s}
     alone: float                     # step of one of 2 ranks training alone, 4 rows

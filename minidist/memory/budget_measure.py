@@ -15,8 +15,7 @@ counts them, so that every formula there is checked against the arrays themselve
                                         input are kept arrays, not new ones
 Each micro-batch gets arrays of its own (copies), as a data loader hands them out:
 micro_batching.micro_batches cuts views of one global batch, and a view counts as its whole
-base buffer. ZeRO-3's own recomputation (zero/stage3.py) calls no watcher: its `recompute` is
-not measured (None). train.py's train_on_rank returns engine.memory() (RankResult.memory)
+base buffer. train.py's train_on_rank returns engine.memory() (RankResult.memory)
 but cannot look into a step's graphs, so the step here is assembled from the same parts
 (compose.build, micro_batching.micro_batches, grad_accumulation or PipelineStage.step); the
 tests check that its engine.memory() is RankResult.memory.
@@ -55,8 +54,7 @@ DTYPES = {"fp64": "float64", "fp32": "float32"}
 
 @dataclass(frozen=True)
 class Measured:
-    """What one rank counted: its stage, and bytes by category (MEASURED; recompute None
-    where nothing watched it)."""
+    """What one rank counted: its stage, and bytes by category (MEASURED)."""
 
     rank: int
     stage: int
@@ -148,10 +146,10 @@ def measure(cfg: GPTConfig, data_cfg: DataConfig, plan: MemoryPlan, batch: int,
 
 
 def compare(cfg: GPTConfig, data_cfg: DataConfig, plan: MemoryPlan, batch: int,
-            seed: int = 0) -> dict[int, dict[str, tuple[int, int | None]]]:
+            seed: int = 0) -> dict[int, dict[str, tuple[int, int]]]:
     """{stage: {category: (estimated, measured)}} after one step on real ranks; measured
     is the value of the stage's rank farthest from the estimate (all ranks of a stage
-    should agree), None where it is not measured."""
+    should agree)."""
     stages = estimate_stages(cfg, plan, batch, data_cfg.block_size)
     runs = measure(cfg, data_cfg, plan, batch, seed)
     out: dict[int, dict] = {}
@@ -159,8 +157,7 @@ def compare(cfg: GPTConfig, data_cfg: DataConfig, plan: MemoryPlan, batch: int,
         mine = [m.bytes for m in runs if m.stage == est.stage]
         out[est.stage] = {}
         for c in MEASURED:
-            values = [m[c] for m in mine if m[c] is not None]
-            got = max(values, key=lambda v: abs(v - getattr(est, c))) if values else None
+            got = max((m[c] for m in mine), key=lambda v: abs(v - getattr(est, c)))
             out[est.stage][c] = (getattr(est, c), got)
     return out
 

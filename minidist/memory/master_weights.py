@@ -33,7 +33,7 @@ Memory (per rank, Ψ parameters on this rank's engine, AdamW, grad_reduce "low")
 
 Limits: full_params() is the model copy (upcast to fp32), full_optimizer_state() the fp32
 m and v; the master itself is not in them, so load_full_state (resuming) is refused.
-Under ZeRO-3 each block's input is a leaf of the recomputed graph, so the activation
+Under ZeRO-3 each block's input is a leaf of the call's own graph, so the activation
 gradient crossing a block boundary is stored, rounded, in its dtype (DDP keeps it fp32).
 
 References: Micikevicius et al. 2018, arXiv:1710.03740, Sec. 3.1 (master copy) and 3.2;

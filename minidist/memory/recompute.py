@@ -33,8 +33,8 @@ One rank's view of y = checkpoint(fn, x, key) (a Block: x (B, T, C), key a Dropo
               2. keep x's array and the other arguments (the key); return fn's result,
                  a (y, aux) pair carried as one Tensor and split back (`_pack`)
     backward  1. fresh leaves on the kept arrays (with their placement tags)
-              2. inside recomputing(): run fn again WITH a graph (nested checkpoints and
-                 ZeRO-3's own recomputation run plainly here: no third forward)
+              2. inside recomputing(): run fn again WITH a graph (nested checkpoints
+                 run plainly here: no third forward)
               3. backpropagate dy through the copy: the parameters' .grad accumulate as
                  usual; return dL/dx; the rebuilt graph is dropped when this returns
 Kept per layer and rank (b bytes per element, T' = T/W under sequence parallelism; the
@@ -55,8 +55,9 @@ the recomputation's backward, so its grad hook fires there (and twice if fn's pa
 are also used outside fn). Under zero-bubble schedules (autograd/split.py) a checkpointed
 block computes its weight gradients together with its input gradient, in B. Under context
 parallelism only "full" applies (ring attention already rebuilds its probabilities block
-by block; nn/attention.py refuses "selective" there). Under ZeRO-3, whose backward runs
-every block again anyway (parallel/zero/stage3.py, inside recomputing()), both are no-ops.
+by block; nn/attention.py refuses "selective" there). Under ZeRO-3 both work as under
+every other stage: stage 3 keeps each call's graph (parallel/zero/stage3.py), and a
+checkpointed block inside it keeps only its input there.
 References: Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
     arXiv:1604.06174, Sec. 4 (recompute dropped segments, one extra forward); Korthikanti
     et al. 2022, arXiv:2205.05198, Sec. 5 (selective recomputation) and Table 2; PyTorch's

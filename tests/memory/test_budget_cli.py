@@ -79,7 +79,7 @@ def test_measure_prints_both_and_ends_ok(capsys):
 
 
 def test_a_wrong_estimate_is_a_mismatch(capsys):
-    rows = {0: {"params": (100, 100), "activations": (104, 100), "recompute": (7, None)}}
+    rows = {0: {"params": (100, 100), "activations": (104, 100), "recompute": (7, 7)}}
     assert print_comparison(rows) == 0                  # 4% of activations: within 5%
     rows[0]["params"] = (100, 101)
     assert print_comparison(rows) == 1

@@ -4,8 +4,8 @@
     h = F.gelu(x @ w1 + b1)                  # (B, T, F)
     loss = F.cross_entropy(logits, targets)  # logits (B, T, V), targets (B, T) int
 
-This module defines concatenate/split, relu, embedding, dropout,
-where/masked_fill, and re-exports matmul and the elementwise ops (tensor.py) and
+This module defines concatenate/split, relu, embedding (its backward's add_rows_at),
+dropout, where/masked_fill, linear, and re-exports matmul and the elementwise ops (tensor.py) and
 the fused ops with hand-written backward (fused.py). Every function accepts Tensors and
 constants (Python numbers, xp arrays) and returns a Tensor.
 
@@ -132,6 +132,9 @@ def add_rows_at(dw: Any, ids: Any, rows: Any) -> None:
     n = ids.shape[0]
     if n == 0:
         return
+    if xp.__name__ != "numpy":
+        xp.add.at(dw, ids, rows)
+        return
     order = xp.argsort(ids, kind="stable")                 # the rows of each id, in order
     sorted_ids = ids[order]
     first = xp.empty(n, dtype=bool)
@@ -140,7 +143,7 @@ def add_rows_at(dw: Any, ids: Any, rows: Any) -> None:
     starts = xp.flatnonzero(first)
     occurrence = xp.arange(n) - starts[xp.cumsum(first) - 1]  # 0, 1, ... within each id
     rounds = int(occurrence.max()) + 1
-    if xp.__name__ != "numpy" or rounds * ROUND_COST > n * rows.shape[1]:
+    if rounds * ROUND_COST > n * rows.shape[1]:
         xp.add.at(dw, ids, rows)
         return
     by_round = order[xp.argsort(occurrence, kind="stable")]  # round 0's rows, round 1's...

@@ -166,16 +166,17 @@ def op_breakdown(model: GPT, x, y, steps: int = 3) -> dict:
     return {k: (v[0] / steps * 1e3, v[1] // steps) for k, v in table.items()}
 
 
-def _torch_loss(P, xt, yt, cfg: GPTConfig):
+def torch_loss(P, xt, yt, cfg: GPTConfig, block=None):
     """GPT forward + mean cross-entropy in PyTorch, op for op as nn/gpt.py computes it.
-    P maps minidist's parameter names to torch tensors (a dict, or anything with [])."""
+    P maps minidist's parameter names to torch tensors (a dict, or anything with []);
+    block(i, h) runs block i (default: torch_block on P's "blocks.i." parameters)."""
     import torch.nn.functional as tF
 
     B, T = xt.shape
     C = cfg.n_embd
     h = P["wte.weight"][xt] + P["wpe.weight"][:T]                            # (B, T, C)
     for i in range(cfg.n_layer):
-        h = torch_block(P, f"blocks.{i}.", h, cfg)
+        h = torch_block(P, f"blocks.{i}.", h, cfg) if block is None else block(i, h)
     h = tF.layer_norm(h, (C,), P["ln_f.weight"], P["ln_f.bias"], 1e-5)
     logits = h @ P["wte.weight"].T                                           # (B, T, V)
     return tF.cross_entropy(logits.reshape(B * T, -1), yt.reshape(-1), ignore_index=-100)
@@ -212,7 +213,7 @@ def torch_step_fn(model: GPT, x, y):
 
     def step() -> tuple[float, float, float]:
         t0 = time.perf_counter()
-        loss = _torch_loss(P, xt, yt, model.cfg)
+        loss = torch_loss(P, xt, yt, model.cfg)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -220,7 +221,7 @@ def torch_step_fn(model: GPT, x, y):
         opt.zero_grad(set_to_none=True)
         return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-    return step, lambda: float(_torch_loss(P, xt, yt, model.cfg).item())
+    return step, lambda: float(torch_loss(P, xt, yt, model.cfg).item())
 
 
 def have_torch() -> bool:

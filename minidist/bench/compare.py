@@ -131,14 +131,7 @@ def torch_gpt(cfg: GPTConfig, state: dict):
             self.blocks = torch.nn.ModuleList(Block(i) for i in range(cfg.n_layer))
 
         def forward(self, x, y):
-            import torch.nn.functional as tF
-            P, (B, T), C = _Named(self.p), x.shape, cfg.n_embd
-            h = P["wte.weight"][x] + P["wpe.weight"][:T]
-            for block in self.blocks:
-                h = block(h)
-            h = tF.layer_norm(h, (C,), P["ln_f.weight"], P["ln_f.bias"], 1e-5)
-            logits = h @ P["wte.weight"].T
-            return tF.cross_entropy(logits.reshape(B * T, -1), y.reshape(-1), ignore_index=-100)
+            return ag.torch_loss(_Named(self.p), x, y, cfg, lambda i, h: self.blocks[i](h))
 
     return Model()
 

@@ -31,6 +31,7 @@ Read next: nn/moe.py.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,7 @@ def attention_weights(q: Tensor, k: Tensor, q_pos, k_pos, drop: Dropout,
                            3: (np.asarray(k_pos), T)})
 
 
-def causal_mask(q_pos, k_pos, dtype) -> object:
+def causal_mask(q_pos, k_pos, dtype) -> Any:
     """M (Tq, Tk): -inf where key position > query position (the future), else 0.
 
     Added, not filled in: x + 0 is x and x + (-inf) is -inf, so the scores are those of
@@ -78,7 +79,9 @@ def causal_mask(q_pos, k_pos, dtype) -> object:
     slower) and its backward passes the gradient on untouched (the softmax's is already 0
     in the future, where its output is 0)."""
     future = np.asarray(k_pos)[None, :] > np.asarray(q_pos)[:, None]
-    return backend.xp.asarray(np.where(future, -np.inf, 0.0).astype(dtype))
+    mask = np.zeros(future.shape, dtype)
+    mask[future] = -np.inf
+    return backend.xp.asarray(mask)
 
 
 class LocalAttention:

@@ -31,7 +31,7 @@ def test_torch_twin_matches_loss_and_gradients():
     _, loss = model(x, y)
     loss.backward()
     P = {n: torch.tensor(v, requires_grad=True) for n, v in model.state_dict().items()}
-    ref = bench._torch_loss(P, torch.tensor(x), torch.tensor(y), CFG)
+    ref = bench.torch_loss(P, torch.tensor(x), torch.tensor(y), CFG)
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), abs=1e-13)
     for name, p in model.named_parameters():

@@ -177,11 +177,11 @@ def _inputs(sources: list, arrays: tuple, needs: list) -> list:
 
 @dataclass
 class _Pin:
-    """Where one saved array of a call's graph sat in a unit's gathered buffer: the slot
-    (ctx, attribute, index in a tuple or list, or None) and the view (byte offset, shape,
-    strides, dtype) to rebuild in the next gather of the same unit."""
+    """Where one array of a call's graph sat in a unit's gathered buffer: the slot (its
+    holder, a node's ctx or a Tensor; the attribute; the index in a tuple or list, or None)
+    and the view (byte offset, shape, strides, dtype) to rebuild in the unit's next gather."""
 
-    ctx: Any
+    holder: Any
     name: str
     index: int | None
     unit: int
@@ -189,6 +189,19 @@ class _Pin:
     shape: tuple
     strides: tuple
     dtype: Any
+
+
+def _pin(holder, name: str, index: int | None, a: Any, owner: dict, pins: list) -> bool:
+    """If `a` lives in one of the buffers of `owner` ({id(buffer): unit}), append its _Pin
+    to `pins` and say so (the caller then empties the slot)."""
+    if not isinstance(a, np.ndarray):
+        return False
+    buf = base_buffer(a)
+    if id(buf) not in owner:
+        return False
+    pins.append(_Pin(holder, name, index, owner[id(buf)], _address(a) - _address(buf),
+                     a.shape, a.strides, a.dtype))
+    return True
 
 
 def _address(a: np.ndarray) -> int:
@@ -352,30 +365,19 @@ class Zero3Hooks:
         owner = {id(self.buffers[u]): u for u in self.points[k].units if u in self.buffers}
         pins: list[_Pin] = []
         for t in graph_tensors(root):
-            if self._pin(t, "data", None, t.data, owner, pins):
+            if _pin(t, "data", None, t.data, owner, pins):
                 t.data = _placeholder(t.data)
             ctx = t._node[1]
             for name, value in list(vars(ctx).items()):
                 if isinstance(value, (tuple, list)):
                     cut = [j for j, a in enumerate(value)
-                           if self._pin(ctx, name, j, a, owner, pins)]
+                           if _pin(ctx, name, j, a, owner, pins)]
                     if cut:
                         setattr(ctx, name, type(value)(None if j in cut else a
                                                        for j, a in enumerate(value)))
-                elif self._pin(ctx, name, None, value, owner, pins):
+                elif _pin(ctx, name, None, value, owner, pins):
                     setattr(ctx, name, None)
         return pins
-
-    def _pin(self, ctx, name: str, index: int | None, a: Any, owner: dict,
-             pins: list) -> bool:
-        if not isinstance(a, np.ndarray):
-            return False
-        buf = base_buffer(a)
-        if id(buf) not in owner:
-            return False
-        pins.append(_Pin(ctx, name, index, owner[id(buf)], _address(a) - _address(buf),
-                         a.shape, a.strides, a.dtype))
-        return True
 
     def repin(self, pins: list[_Pin]) -> None:
         """Put every cut array back, as the same view of its unit's NEW gather (which holds
@@ -384,11 +386,11 @@ class Zero3Hooks:
             view = np.ndarray(p.shape, p.dtype, buffer=self.buffers[p.unit], offset=p.offset,
                               strides=p.strides)
             if p.index is None:
-                setattr(p.ctx, p.name, view)
+                setattr(p.holder, p.name, view)
             else:
-                items = list(getattr(p.ctx, p.name))
+                items = list(getattr(p.holder, p.name))
                 items[p.index] = view
-                setattr(p.ctx, p.name, type(getattr(p.ctx, p.name))(items))
+                setattr(p.holder, p.name, type(getattr(p.holder, p.name))(items))
 
     def _free_params(self, i: int) -> None:
         for p in self.e.units[i].params:

@@ -6,8 +6,9 @@ simulation (schedule_sim.simulate) with this machine's costs, each stage's media
 and a real training step on P ranks, each action timed from the arrival of its input
 (parallel/pipeline/stage.py), so that waiting for a neighbour is idle. What the simulation
 leaves out is printed beside it: the latency of a message its receiver already waited for
-(the send thread's hand-off, the copy, the receiver's wake-up at its doorbell,
-runtime/doorbell.py: medians of 0.4-0.8 ms here) and the gap before an action that
+(the copy in and out, the receiver's wake-up at its doorbell, runtime/doorbell.py:
+medians of 25-40 us here since sends are eager, collectives/api.py's send; 240-430 us
+when a worker thread sent them) and the gap before an action that
 receives nothing (the Python between actions: ~20 us). Counted
 exactly: the (micro-batch, chunk) activations a stage holds at most, the bytes their
 graphs keep, and the bytes each stage sends per step, each against its formula.

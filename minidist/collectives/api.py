@@ -10,7 +10,8 @@ arguments. Each one
     4. opens exactly one header scope, `group.collective(op, x, ...)`, so the call
        is numbered, recorded in the flight recorder and stamped on every message;
     5. runs the algorithm, or with async_op=True hands it to the group's FIFO
-       worker and returns its Work (wait() gives the result).
+       worker and returns its Work (wait() gives the result). An async send that
+       cannot have to wait runs at once instead (the eager send, see send()).
 The lean path: a synchronous call whose signature (op, dtype, shape, root, reduce
 op, algo) was validated before runs steps 3-5 prepared (collectives/prepared.py): after one
 dict lookup, straight into its header scope and algorithm. A small all_reduce costs
@@ -56,6 +57,7 @@ import numpy as np
 from minidist.collectives import all_to_all as a2a
 from minidist.collectives import cost, direct, halving_doubling, prepared, ring, tree
 from minidist.collectives.reduce_ops import check_op
+from minidist.runtime.group import Work
 from minidist.runtime.world import world
 
 _ALGOS: dict[str, dict[str, Callable]] = {
@@ -323,11 +325,24 @@ def send(x: np.ndarray, dst: int, group=None, tag: int = 0, async_op: bool = Fal
     slots: runtime/p2p.py); async_op=True returns at once with a Work, sends on this
     group's worker in program order (do not modify x before wait()).
     Cost: x.nbytes sent, one copy in and one out.
+
+    The eager send (MPI's eager protocol, in one line): with async_op=True, if nothing is
+    queued on the group's worker and x fits in the free slots of the mailbox to dst, the
+    copy-in cannot wait for the receiver, so it is done here, now, and the Work returned
+    is already complete. Handing it to the worker instead costs the receiver the worker's
+    wake-up and its turn at the interpreter lock while this thread computes on: measured
+    on a pipeline's messages here, a median of 290 us from send to receive (up to 4 ms)
+    against 30 us eager (bench/pipeline.py). Program order is kept: a send queued behind
+    another goes to the worker.
     """
     g = _group(group)
     x = _array(x, "send")
     dst = _other_rank(dst, g, "send", "dst")
     tag = _tag(tag, "send")
+    eager = getattr(g, "sends_eagerly", None)   # (runtime/mpi.py runs every call inline)
+    if async_op and eager is not None and eager(x, dst):
+        _run(g, "send", x, lambda: g.send(x, dst), False, p2p=(g.rank, dst, tag))
+        return Work.completed()
     return _run(g, "send", x, lambda: g.send(x, dst), async_op, p2p=(g.rank, dst, tag))
 
 

@@ -112,6 +112,14 @@ class Work:
         self._error: BaseException | None = None
         self._stats = stats
 
+    @classmethod
+    def completed(cls, result: Any = None) -> "Work":
+        """The handle of a call that already ran: wait() returns `result` at once."""
+        work = cls()
+        work._result = result
+        work._done.set()
+        return work
+
     def is_completed(self) -> bool:
         return self._done.is_set()
 
@@ -187,6 +195,11 @@ class ProcessGroup:
     # --- point to point (group ranks) ---
     def send(self, x: np.ndarray, dst: int) -> None:
         self.mail.send(np.ascontiguousarray(x), self._peer(dst, "dst"))
+
+    def sends_eagerly(self, x: np.ndarray, dst: int) -> bool:
+        """True if send(x, dst) would not wait now: nothing is queued on this group's
+        worker and x fits in the free slots of the mailbox to dst (runtime/p2p.py)."""
+        return self._pending == 0 and self.mail.fits(self._peer(dst, "dst"), x.nbytes)
 
     def recv(self, src: int, out: np.ndarray, combine: Callable | None = None) -> np.ndarray:
         return self.mail.recv(self._peer(src, "src"), out, combine)

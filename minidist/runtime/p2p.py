@@ -172,6 +172,12 @@ class Mailboxes:
             f"{out.dtype} in call [{call.describe(mine, names)}]. The ranks called different "
             "collectives (or the same one with different arguments) at this point.")
 
+    def fits(self, dst: int, nbytes: int) -> bool:
+        """True if a message of nbytes to dst fits in the free slots of its channel now,
+        so that send() would copy it in without waiting for the receiver."""
+        ch = self.out[dst]
+        return max(1, -(-nbytes // ch.slot_bytes)) <= ch.nslots - (ch.done - ch.tail())
+
     # --- whole messages ---
     def send(self, x: np.ndarray, dst: int) -> None:
         ch, data = self.out[dst], byte_view(x)

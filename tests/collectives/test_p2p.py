@@ -1,6 +1,8 @@
 """Public send / recv: numbered like collectives, so a wrong message is named, a missing one
 is a timeout naming the pending recv, and bad arguments fail before anything is sent."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -27,6 +29,31 @@ def test_send_and_recv_deliver_in_order_and_count_bytes():
     sent, (a, b, received) = spawn(2, _pair)
     assert a == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and b == [1, 1, 1, 1]
     assert sent == received == 48 + 16
+
+
+def _eager_then_queued(ctx):
+    """Slots of 4 KiB x 4: 4 KiB fits (eager), 20 KiB cannot until the receiver drains."""
+    g = ctx.world
+    if g.rank == 0:
+        small = C.send(np.full(512, 1.0), 1, group=g, tag=1, async_op=True)
+        eager = small.is_completed()                 # done before the receiver even looks
+        big = C.send(np.full(2560, 2.0), 1, group=g, tag=2, async_op=True)
+        behind = C.send(np.full(512, 3.0), 1, group=g, tag=3, async_op=True)
+        queued = (big.is_completed(), behind.is_completed())   # the receiver sleeps yet
+        small.wait(), big.wait(), behind.wait()
+        return eager, queued
+    time.sleep(0.3)
+    return [float(C.recv(np.empty(n), 0, group=g, tag=t).sum())
+            for n, t in ((512, 1), (2560, 2), (512, 3))]
+
+
+@pytest.mark.multiproc
+def test_an_async_send_that_fits_is_eager_and_one_queued_behind_keeps_its_order(monkeypatch):
+    monkeypatch.setenv("MINIDIST_SLOT_BYTES", "4096")
+    monkeypatch.setenv("MINIDIST_SLOTS", "4")
+    (eager, queued), sums = spawn(2, _eager_then_queued)
+    assert eager is True and queued == (False, False)
+    assert sums == [512.0, 5120.0, 1536.0]
 
 
 def _wrong_tag(ctx):

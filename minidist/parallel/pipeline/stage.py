@@ -33,8 +33,9 @@ One rank's view (stage s of P, one step, M micro-batches):
        backpropagates sum(y * dy) + aux, whose gradient into y is exactly dy)
     2. wait for this stage's sends; sum the tied embedding's gradient over the embedding
        group; the engine's step() then reduces over dp (dp x cp) and updates.
-Every receive blocks until its message is there; every send is asynchronous (one worker
-thread per link), so a stage never waits for a neighbour to take a message.
+Every receive blocks until its message is there; every send is asynchronous, so a stage
+never waits for a neighbour to take a message: copied into the link's mailbox at once when
+it fits (the eager send, collectives/api.py), else by the link's worker thread.
 
 Links. Each direction of each boundary is a 2-rank group of its own, one for activations
 and one for gradients ("pp<line>.act0>1", "pp<line>.grad1>0"): its FIFO order is the
@@ -159,7 +160,8 @@ class Links:
         self.works: list = []
 
     def send(self, kind: str, dst: int, x: np.ndarray, micro_batch: int) -> None:
-        """Asynchronous: this link's worker thread sends; wait_all() before the step ends."""
+        """Asynchronous (eager when the mailbox has room, else on this link's worker
+        thread); wait_all() before the step ends."""
         x = np.ascontiguousarray(backend.to_numpy(x))
         self.works.append(C.send(x, 1, group=self.out[kind, dst], tag=micro_batch,
                                  async_op=True))

@@ -96,18 +96,21 @@ def combine(nodes: list[Node], count: int) -> Any:
             raise ValueError(f"combine: [{lo}, {hi}) is not a node of the tree over "
                              f"{count} grains")
         table[(lo, hi)] = value
+    return _subtree(table, 0, 1 << (count - 1).bit_length(), count)
 
-    def node(lo: int, size: int) -> Any:
-        if (lo, lo + size) in table:
-            return table[(lo, lo + size)]
-        if size == 1:
-            raise ValueError(f"combine: grain {lo} of {count} is in no node; every grain "
-                             f"must be pushed by exactly one rank")
-        half = size // 2
-        left = node(lo, half)
-        return left if lo + half >= count else left + node(lo + half, half)
 
-    return node(0, 1 << (count - 1).bit_length())
+def _subtree(table: dict, lo: int, size: int, count: int) -> Any:
+    """The sum of the aligned node [lo, lo + size) from the nodes in `table`. (A module
+    function, not a closure inside combine: a recursive closure is a reference cycle,
+    which would keep every node's array alive until the garbage collector runs.)"""
+    if (lo, lo + size) in table:
+        return table[(lo, lo + size)]
+    if size == 1:
+        raise ValueError(f"combine: grain {lo} of {count} is in no node; every grain "
+                         f"must be pushed by exactly one rank")
+    half = size // 2
+    left = _subtree(table, lo, half, count)
+    return left if lo + half >= count else left + _subtree(table, lo + half, half, count)
 
 
 def stacked_nodes(values: Any, index: Sequence[int]) -> list[Node]:
@@ -137,23 +140,29 @@ def gather_nodes(nodes: list[Node], shape: tuple, dtype,
                  all_gather: Callable[[np.ndarray], np.ndarray], bound: int) -> list[Node]:
     """Every rank's nodes (values of `shape`), through all_gather(array) -> (W, *shape): a
     collective over the group that holds the other grains (parallel/ passes one, so that
-    this module needs no runtime). bound: the most nodes any rank of the group has (the
-    callers' ranks hold equally many grains, and a rank's nodes are at most its grains).
-    One collective: each rank's ranges (int64, [-1, -1] past its count) and values, padded
-    to `bound` nodes, travel as the bytes of one buffer."""
+    this module needs no runtime). bound: the most nodes any rank of the group may have
+    (the callers' ranks hold equally many grains, and a rank's nodes are at most its
+    grains); a rank with more is an error.
+    Two collectives: the ranks' node counts (8 B each), then each rank's ranges (int64)
+    and values as the bytes of one buffer, padded to the largest count (not to `bound`:
+    a tensor-parallel rank's tiles often form fewer nodes than tiles, and every padding
+    node would travel and be copied for nothing)."""
     if len(nodes) > bound:
         raise ValueError(f"gather_nodes: {len(nodes)} nodes, more than bound={bound}")
+    most = int(all_gather(np.array([len(nodes)], np.int64)).max())
     size, dtype = int(np.prod(shape, dtype=np.int64)), np.dtype(dtype)
-    ranges = np.full((bound, 2), -1, np.int64)
-    values = np.zeros((bound, size), dtype)
+    head = 16 * most                                  # (lo, hi) int64 pairs
+    buf = np.empty(head + most * size * dtype.itemsize, np.uint8)
+    ranges = buf[:head].view(np.int64).reshape(most, 2)
+    values = buf[head:].view(dtype).reshape(most, size)
+    ranges[...] = -1
+    values[len(nodes):] = 0                           # padding: sent, never read
     for j, (lo, hi, v) in enumerate(nodes):
         ranges[j], values[j] = (lo, hi), np.asarray(v).reshape(-1)
-    buf = np.concatenate([ranges.view(np.uint8).reshape(-1), values.view(np.uint8).reshape(-1)])
-    head = ranges.nbytes
     out = []
     for row in all_gather(buf):                                        # (W, bytes)
-        theirs = row[:head].view(np.int64).reshape(bound, 2)
-        vals = row[head:].view(dtype).reshape(bound, size)
+        theirs = row[:head].view(np.int64).reshape(most, 2)
+        vals = row[head:].view(dtype).reshape(most, size)
         out += [(int(lo), int(hi), vals[j].reshape(shape))
                 for j, (lo, hi) in enumerate(theirs) if lo >= 0]
     return out

@@ -35,9 +35,10 @@ How each grain is summed:
     on an alias whose gradient is that grain's (kept per micro-batch in flight under pp).
     The grains are added in the tree over the expert's replicas (edp), and their roots
     replace the experts' slices of the dense root.
-    Positions (`--token-tiles N`, `context.py`, `attention.py`): every sum over positions is
-    a tree over runs of T/N positions: matmul rows and dW, embeddings, LayerNorms, biases
-    and the loss. Attention computes each query run over all-gathered K and V, and adds dK
+    Positions (`--token-tiles N`, `context.py`, `attention.py`): the matmuls' rows and dW
+    and the embeddings' sums are trees over N leaves, leaf j the run of T/N positions j of
+    every row of the micro-batch; LayerNorms, biases and the loss sum single tokens in
+    the tree. Attention computes each query run over all-gathered K and V, and adds dK
     and dV over the runs in the tree. Context parallelism needs it: a cp rank holds whole
     runs (N a multiple of 2cp for the zig-zag layout), and exchanges its nodes over cp
     (under SP over tp, then cp).

@@ -9,8 +9,9 @@ gradients, the loss, and, inside attention, dK and dV (sums over queries). The p
 adds the partial sums in the gradient sync over dp x cp; here, with --token-tiles N, the
 sequence is cut into N runs of T / N positions (each cp rank must hold whole runs: N a
 multiple of 2 cp for the zig-zag layout, of cp for the contiguous one), and:
-    - the tiled matmuls multiply one run of rows per BLAS call and sum dW over the runs
-      in the aligned tree over their global index (matmul.TiledMatMul, rows);
+    - the tiled matmuls multiply one run of every row of the micro-batch per BLAS call and
+      sum dW over the runs in the aligned tree over their global index (matmul.TiledMatMul,
+      rows: a rank holds one node per block of aligned runs, whatever the rows);
     - attention computes each query run over the whole sequence's K and V
       (deterministic/attention.py), dK and dV summed over the runs in the same tree;
     - the embeddings add each run into a table of its own, summed in the tree; LayerNorm,

@@ -105,9 +105,11 @@ class TreeEmbeddingFunction(F.Embedding):
         (ids,) = ctx.saved_tensors
         rows = ids.reshape(-1, ids.shape[-1])                          # (B, T_r)
         index, count = ctx.tokens.leaves(rows.shape)
-        leaf = xp.repeat(xp.arange(len(index)), rows.size // len(index))
+        tokens = ctx.tokens.split(rows)                                # (leaves, L)
+        leaf = xp.repeat(xp.arange(len(index)), tokens.shape[1])
         parts = xp.zeros((len(index),) + tuple(ctx.shape), dtype=g.dtype)
-        xp.add.at(parts, (leaf, rows.reshape(-1)), g.reshape(-1, ctx.shape[1]))
+        grads = ctx.tokens.split(g.reshape(rows.shape + (ctx.shape[1],)))   # (leaves, L, C)
+        xp.add.at(parts, (leaf, tokens.reshape(-1)), grads.reshape(-1, ctx.shape[1]))
         return tree_over_tiles(parts, index, count, ctx.tokens.exchange), None
 
 

@@ -44,8 +44,13 @@ tiled Linear one, in the single process (no exchange) and in every layout alike.
 Rows (--token-tiles N, what context parallelism needs: a cp rank holds some positions of
 every sequence, so the sum over M tokens of dW is cut too, and a BLAS result also depends
 on the number of rows): with `rows`, a Tokens of N runs per sequence, x is cut into runs
-of T / N positions, every call multiplies one run, and dW is summed over the runs in the
-aligned tree, exchanged over cp (deterministic/context.py).
+of T / N positions, every call multiplies one run of every row of the micro-batch (a leaf:
+B T / N rows, the same in every layout, since a layout cuts positions, never the rows of a
+grain), and dW is summed over the N leaves in the aligned tree, exchanged over cp
+(deterministic/context.py). A leaf per (row, run) would give the same guarantee, but a
+cp rank would then hold B separate nodes of a whole dW per run, where it now holds one;
+measured on the bench model (cp=2, grain 8, 4 runs): 2.98x the plain mode's step, now
+1.56x (`python -m minidist bench determinism --layouts cp=2 --grains max --token-tiles 4`).
 Reference: the problem is the one of Demmel & Nguyen 2013 ("Fast reproducible
     floating-point summation"); fixed-split reductions are also how cuBLAS/cuDNN's
     deterministic modes are described (a fixed order per output element).
@@ -55,8 +60,7 @@ Read next: deterministic/layers.py (the layers that use them), then deterministi
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -96,6 +100,9 @@ def tree_over_tiles(parts, index: tuple[int, ...], count: int, exchange=None, va
     """The aligned-tree sum over axis 0 of parts (one entry per tile of global index
     index[j]), those of index >= valid left out; the other tiles' nodes through `exchange`
     (an all_gather over their owners) when this rank does not hold them all."""
+    if any(a > b for a, b in zip(index, index[1:])):   # my leaves out of index order
+        order = np.argsort(index, kind="stable")
+        parts, index = parts[order], tuple(index[j] for j in order)
     keep = [j for j, i in enumerate(index) if valid is None or i < valid]
     nodes = stacked_nodes(parts[keep] if len(keep) < len(index) else parts,
                           [index[j] for j in keep])
@@ -108,7 +115,8 @@ class TiledMatMul(Function):
     """y = x @ W over the tiles of W (module docstring); x (..., K_r), W (K_r, N_r).
     rows (a Tokens with `per_sequence` leaves, the deterministic mode under context
     parallelism): x (B, T_r, K_r) is cut into runs of T / per_sequence positions too, each
-    BLAS call multiplies one run (a result depends on the number of rows as well), and
+    BLAS call multiplies one run of every row (Tokens.split: a result depends on the
+    number of rows as well), and
     dW is summed over the runs in the aligned tree (exchanged when other ranks hold other
     positions); None: all the rows in one call."""
 
@@ -119,30 +127,32 @@ class TiledMatMul(Function):
         if w.shape != (kl * t.k, nl * t.n) or x.shape[-1] != kl * t.k:
             raise ValueError(f"TiledMatMul: x {x.shape} @ W {w.shape} does not match {kl} x "
                              f"{nl} tiles of {t.k} x {t.n}.")
-        M = math.prod(x.shape[:-1])
-        mt = 1 if rows is None else len(rows.leaves(x.shape)[0])       # runs of rows
-        xt = xp.ascontiguousarray(x.reshape(mt, M // mt, kl, t.k).transpose(2, 0, 1, 3))
+        xs = _leaf_rows(x, rows)                                       # (mt, m, K_r)
+        mt, m = xs.shape[:2]
+        xt = xp.ascontiguousarray(xs.reshape(mt, m, kl, t.k).transpose(2, 0, 1, 3))
         wt = xp.ascontiguousarray(w.reshape(kl, t.k, nl, t.n).transpose(0, 2, 1, 3))
         parts = xt[:, None] @ wt[:, :, None]                           # (kl, nl, mt, m, n)
         split = t.exchange if kl < t.nk else None
         y = tree_over_tiles(parts, t.k_index, t.nk, split)             # (nl, mt, m, n)
         ctx.save_for_backward(xt, wt)
         ctx.tiles, ctx.rows, ctx.x_shape = t, rows, x.shape
-        return y.transpose(1, 2, 0, 3).reshape(x.shape[:-1] + (nl * t.n,))
+        return _unleaf_rows(y.transpose(1, 2, 0, 3).reshape(mt, m, nl * t.n), x.shape, rows)
 
     @staticmethod
     def backward(ctx: Context, g):
         xp, t, rows = backend.xp, ctx.tiles, ctx.rows
         xt, wt = ctx.saved_tensors                                     # (kl, mt, m, k)
         kl, mt, m, nl = xt.shape[0], xt.shape[1], xt.shape[2], wt.shape[1]
-        gt = xp.ascontiguousarray(g.reshape(mt, m, nl, t.n).transpose(2, 0, 1, 3))
+        gs = _leaf_rows(g, rows)                                       # (mt, m, N_r)
+        gt = xp.ascontiguousarray(gs.reshape(mt, m, nl, t.n).transpose(2, 0, 1, 3))
         dx = dw = None
         if ctx.needs_input_grad[0]:
             wT = xp.ascontiguousarray(wt.swapaxes(-1, -2))             # (kl, nl, n, k)
             parts = (gt[None] @ wT[:, :, None]).swapaxes(0, 1)         # (nl, kl, mt, m, k)
             split = t.exchange if nl < t.nn else None
             d = tree_over_tiles(parts, t.n_index, t.nn, split, t.n_valid)   # (kl, mt, m, k)
-            dx = d.transpose(1, 2, 0, 3).reshape(ctx.x_shape)
+            dx = _unleaf_rows(d.transpose(1, 2, 0, 3).reshape(mt, m, kl * t.k), ctx.x_shape,
+                              rows)
         if ctx.needs_input_grad[1]:
             xT = xp.ascontiguousarray(xt.swapaxes(-1, -2))             # (kl, mt, k, m)
             d = xT[:, None] @ gt[None]                                 # (kl, nl, mt, k, n)
@@ -155,9 +165,29 @@ class TiledMatMul(Function):
         return dx, dw
 
 
+def _leaf_rows(x, rows: "Tokens | None"):
+    """x (..., K) as (leaves, rows of a leaf, K): all rows in one leaf, or rows' runs."""
+    return x.reshape(1, -1, x.shape[-1]) if rows is None else rows.split(x)
+
+
+def _unleaf_rows(y, shape: tuple, rows: "Tokens | None"):
+    """_leaf_rows' inverse for an output y (leaves, rows of a leaf, N) of x's `shape`."""
+    if rows is None:
+        return y.reshape(shape[:-1] + y.shape[-1:])
+    return rows.join(y, shape[0])
+
+
 def tiled_matmul(x, w, tiles: Tiles, rows: "Tokens | None" = None):
     """x @ w over `tiles` (and runs of `rows`: TiledMatMul), a Tensor."""
     return TiledMatMul.apply(x, w, tiles=tiles, rows=rows)
+
+
+def fold(j: int, n: int) -> int:
+    """The place of run j of n in the tree over runs: 0, n-1, 1, n-2, ... from both ends
+    inwards, the order in which the zig-zag layout of context parallelism deals chunks to
+    its ranks (rank r: chunks r and 2 cp - 1 - r), so that a cp rank's runs are adjacent
+    leaves, one node of the tree (or few) instead of two per chunk pair."""
+    return 2 * j if 2 * j < n else 2 * (n - 1 - j) + 1
 
 
 @dataclass(frozen=True)
@@ -166,17 +196,25 @@ class Tokens:
     b T + t is row b at global position t. positions(rows) -> (global positions, T) of
     this rank's positions (None: it holds all T = rows of them); exchange all-gathers an
     array over the ranks that hold the other positions (None: there are none).
-    per_sequence: leaves per sequence, each a run of T / per_sequence positions (None: one
-    token per leaf); this rank's positions must be whole runs."""
+    per_sequence: N leaves, leaf j the run of positions [j T / N, (j+1) T / N) of every
+    row, global index fold(j, N) (None: one token per leaf, index b T + t); this rank's
+    positions must be whole runs."""
 
     positions: Callable | None = None
     exchange: Callable | None = None
     per_sequence: int | None = None
+    _known: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def leaves(self, shape: tuple) -> tuple[tuple[int, ...], int]:
-        """(global index of each of my leaves, in the order of my rows; number of leaves
-        in the B sequences) for an activation of `shape` (B, rows, ...)."""
-        B, rows = shape[:2]
+        """(global index of each of my leaves, in the order of my positions; number of leaves
+        in the B sequences) for an activation of `shape` (B, rows, ...); worked out once
+        per (B, rows), since every layer of every step asks again."""
+        key = tuple(shape[:2])
+        if key not in self._known:
+            self._known[key] = self._leaves(*key)
+        return self._known[key]
+
+    def _leaves(self, B: int, rows: int) -> tuple[tuple[int, ...], int]:
         pos, T = (np.arange(rows), rows) if self.positions is None else self.positions(rows)
         pos = np.asarray(pos)
         per = T if self.per_sequence is None else self.per_sequence
@@ -189,15 +227,36 @@ class Tokens:
             raise ValueError(f"Tokens: {rows} positions of T={T} are not whole runs of "
                              f"{run} (T / {per}); use a token tile count that the layout's "
                              f"position shards hold whole.")
-        index = (np.arange(B)[:, None] * per + pos[::run][None] // run).reshape(-1)
-        return tuple(int(i) for i in index), B * per
+        if self.per_sequence is None:                  # one token per leaf: b T + t
+            index = (np.arange(B)[:, None] * T + pos[None]).reshape(-1)
+            return tuple(int(i) for i in index), B * T
+        return tuple(fold(int(j), per) for j in pos[::run] // run), per   # run j: fold(j)
+
+    def split(self, x):
+        """x (B, rows, ...) -> (m, L, ...): my m leaves, each its L elements in a row, in
+        the order the leaf adds them (row-major: row b's positions, then row b+1's). One
+        token per leaf: a view; runs: a copy, run j of row 0, of row 1, ..."""
+        B, rows, rest = x.shape[0], x.shape[1], x.shape[2:]
+        m = len(self.leaves(x.shape)[0])
+        if self.per_sequence is None:
+            return x.reshape((m, 1) + rest)
+        runs = x.reshape((B, m, rows // m) + rest).swapaxes(0, 1)
+        return backend.xp.ascontiguousarray(runs).reshape((m, B * (rows // m)) + rest)
+
+    def join(self, parts, B: int):
+        """split's inverse: parts (m, L, ...) -> (B, rows, ...)."""
+        m, L, rest = parts.shape[0], parts.shape[1], parts.shape[2:]
+        if self.per_sequence is None:
+            return parts.reshape((B, m // B) + rest)
+        runs = parts.reshape((m, B, L // B) + rest).swapaxes(0, 1)
+        return backend.xp.ascontiguousarray(runs).reshape((B, m * (L // B)) + rest)
 
     def sum(self, values):
         """values (B, rows, ...) -> (...): the aligned-tree sum over all B T tokens (the
         other ranks' positions through exchange), the same bits on every rank; a leaf of
         several positions adds them first (NumPy's sum over the run)."""
         index, count = self.leaves(values.shape)
-        parts = values.reshape((len(index), -1) + values.shape[2:])
+        parts = self.split(values)
         parts = parts[:, 0] if parts.shape[1] == 1 else parts.sum(axis=1)
         return tree_over_tiles(parts, index, count, self.exchange).copy()
 

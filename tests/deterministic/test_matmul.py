@@ -9,7 +9,7 @@ import pytest
 
 from minidist import collectives as C
 from minidist.autograd import Tensor
-from minidist.deterministic.matmul import Tiles, tiled_matmul, tree_over_tiles
+from minidist.deterministic.matmul import Tiles, Tokens, fold, tiled_matmul, tree_over_tiles
 from minidist.deterministic.tree_sum import TreeSum, combine, stacked_nodes
 from minidist.runtime import spawn
 
@@ -46,6 +46,24 @@ def test_stacked_nodes_are_treesum_nodes_for_any_runs(count):
     rest = [i for i in range(count) if i % 3 != 1]
     assert np.array_equal(combine(stacked_nodes(v[odd], odd) + stacked_nodes(v[rest], rest),
                                   count), ref)
+
+
+def test_a_leaf_of_token_runs_is_one_run_of_every_row_and_join_undoes_split():
+    """Tokens(per_sequence=4) over T = 8 (runs of 2) on a rank holding positions 0-1 and
+    6-7 (zig-zag, cp=2): 2 leaves, runs 0 and 3, each both rows' 2 positions, row-major,
+    at places 0 and 1 of the tree (fold: one node); one token per leaf (no
+    per_sequence): a leaf per (row, position), index b T + t."""
+    x = np.arange(2 * 4 * 3).reshape(2, 4, 3)                    # (B, rows, C)
+    runs = Tokens(positions=lambda rows: (np.array([0, 1, 6, 7]), 8), per_sequence=4)
+    assert runs.leaves(x.shape) == ((0, 1), 4)
+    assert [fold(j, 8) for j in range(8)] == [0, 2, 4, 6, 7, 5, 3, 1]
+    assert sorted(fold(j, 5) for j in range(5)) == list(range(5))
+    parts = runs.split(x)                                         # (2 leaves, 4, C)
+    assert np.array_equal(parts[1], np.concatenate([x[0, 2:], x[1, 2:]]))
+    assert np.array_equal(runs.join(parts, 2), x)
+    single = Tokens(positions=lambda rows: (np.array([0, 1, 6, 7]), 8))
+    assert single.leaves(x.shape) == ((0, 1, 6, 7, 8, 9, 14, 15), 16)
+    assert np.array_equal(single.join(single.split(x), 2), x)
 
 
 def test_tiled_matmul_and_its_gradients_equal_the_plain_ones_to_rounding():

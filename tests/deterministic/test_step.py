@@ -296,17 +296,18 @@ def test_every_moe_factorisation_of_w_up_to_8_equals_the_single_process(dtype, p
         _same(run, _moe_reference(dtype, batch), f"{plan.describe()} ZeRO-{plan.zero} rank {r}")
 
 
-def _rank_tt(ctx, cfg, plan, token_tiles, batch=B):
+def _rank_tt(ctx, cfg, plan, token_tiles, batch=B, grain=1):
     return train_on_rank(ctx, cfg, DATA, plan,
                          RunConfig(steps=STEPS, global_batch=batch, deterministic=True,
-                                   token_tiles=token_tiles),
+                                   token_tiles=token_tiles, grain=grain),
                          OptimizerConfig(lr=LR, clip_grad=CLIP))
 
 
 @functools.lru_cache(maxsize=16)
-def _tiled_reference(dtype: str, batch: int, token_tiles: int):
+def _tiled_reference(dtype: str, batch: int, token_tiles: int, grain: int = 1):
     return train_single_process(_cfg4(dtype), DATA, steps=STEPS, global_batch=batch, lr=LR,
-                                clip_grad=CLIP, deterministic=True, token_tiles=token_tiles)
+                                clip_grad=CLIP, deterministic=True, token_tiles=token_tiles,
+                                grain=grain)
 
 
 CP_PLANS = [Plan(cp=2), Plan(cp=2, cp_layout="contiguous"), Plan(cp=4, cp_algo="ulysses"),
@@ -324,6 +325,22 @@ def test_context_parallel_layouts_equal_the_single_process_bit_for_bit(dtype, pl
     tree over the runs, exchanged over cp; attention over all-gathered K and V."""
     for r, run in enumerate(spawn(plan.world_size, _rank_tt, _cfg4(dtype), plan, 8)):
         _same(run, _tiled_reference(dtype, B, 8), f"{plan.describe()} rank {r}")
+
+
+GRAIN_CP_PLANS = [Plan(cp=2), Plan(dp=2, cp=2, zero=1), Plan(tp=2, sequence_parallel=True),
+                  Plan(cp=2, tp=2, cp_layout="contiguous")]
+
+
+@pytest.mark.parametrize("plan", [GRAIN_CP_PLANS[0]] + [pytest.param(p, marks=pytest.mark.slow)
+                                                        for p in GRAIN_CP_PLANS[1:]],
+                         ids=[f"{p.describe()}-{p.cp_layout}" for p in GRAIN_CP_PLANS])
+def test_token_runs_of_a_larger_grain_are_bitwise_across_layouts(plan):
+    """grain=2, token_tiles=4: a leaf is a run of 2 positions of both rows of the grain
+    (one BLAS call, one table), whichever rank holds it."""
+    ref = _tiled_reference("float32", B, 4, 2)
+    for r, run in enumerate(spawn(plan.world_size, _rank_tt, _cfg4("float32"), plan, 4,
+                                  B, 2)):
+        _same(run, ref, f"{plan.describe()} grain 2 token_tiles=4 rank {r}")
 
 
 @pytest.mark.slow      # its refusal also runs by default in test_attention.py

@@ -11,7 +11,9 @@ optimizer, and calls only these:
     engine.step(lr, clip_grad)   finish communication, clip by the GLOBAL norm,
                                  update; returns that norm
     engine.full_params()         COLLECTIVE: {name: full global array}, in the
-                                 single-process model's order (baseline.py's params)
+                                 single-process model's order (baseline.py's params);
+                                 these and full_optimizer_state()'s are new arrays, the
+                                 caller's own (an asynchronous checkpoint keeps them)
     engine.full_optimizer_state()  COLLECTIVE: the single-process optimizer's state_dict():
                                  "step", "m.i", "v.i" (AdamW) or "momentum_buffer.i" (SGD),
                                  i = index in the single-process model.parameters()

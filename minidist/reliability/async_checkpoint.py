@@ -17,7 +17,8 @@ written, and recovery restarts from k-1. Call `wait()` to commit at once.
 
 One rank's view: see AsyncCheckpointer.
 Cost on the training thread: copying the state it is given (S bytes: every rank passes
-the full state) and one barrier per snapshot; the write (~S/W bytes, each hashed once) and
+the full state; none when the caller owns the arrays, as train.py's hook does: the
+engine's full state is made of new arrays) and one barrier per snapshot; the write (~S/W bytes, each hashed once) and
 rank 0's commit run on this process's background thread.
 
 Reference: CheckFreq -- Mohan, Phanishayee, Chidambaram 2021, FAST '21 (snapshot, then
@@ -46,9 +47,9 @@ from minidist.reliability.checkpoint_format import state_meta, step_name
 NICE = 10
 
 
-def _copy(state: CheckpointState) -> CheckpointState:
-    """A private copy (checked with `meta`): what the background thread writes."""
-    meta = state_meta(state)
+def _copy(state: CheckpointState, meta: dict) -> CheckpointState:
+    """A private copy (`meta`: state_meta(state), which checked it): what the background
+    thread writes."""
     dup = lambda v: v.copy() if isinstance(v, (np.ndarray, np.generic)) else v  # noqa: E731
     return CheckpointState(int(state.step), {k: v.copy() for k, v in state.params.items()},
                            {k: dup(v) for k, v in state.optimizer.items()}, meta["rng"],
@@ -92,13 +93,16 @@ class AsyncCheckpointer:
         """True while the background thread is writing."""
         return self._thread is not None and self._thread.is_alive()
 
-    def snapshot(self, state: CheckpointState) -> float:
+    def snapshot(self, state: CheckpointState, *, owned: bool = False) -> float:
         """Copy `state`, commit the previous snapshot, write this one in the background;
-        return the seconds waited for the previous write."""
+        return the seconds waited for the previous write. owned=True: the caller hands
+        over arrays that nothing else holds or changes (engine.full_params() and
+        full_optimizer_state() return such), so they are written without a copy."""
         if self._closed:
             raise CheckpointError(f"{self.prefix}snapshot after close(): make a new "
                                   f"AsyncCheckpointer to save again")
-        copy = _copy(state)
+        meta = state_meta(state)           # what is not storable is refused here, not later
+        copy = state if owned else _copy(state, meta)
         t0, busy = time.perf_counter(), self.busy
         if busy:
             self.phase("snapshot_waiting")

@@ -188,7 +188,22 @@ def manifest_bytes(state: CheckpointState, world: int, markers: list[dict]) -> b
             "files": {m["file"]: {"size": m["size"], "header_sha256": m["header_sha256"]}
                       for m in markers},
             "state": state_meta(state)}
-    return json.dumps({**body, "checksum": _checksum(body)}, indent=1).encode()
+    return _readable_json({**body, "checksum": _checksum(body)})
+
+
+def _readable_json(body: dict) -> bytes:
+    """body as JSON with a line per top-level key, and per tensor and per file inside
+    "tensors" and "files": readable, and written by json's C encoder (indent= switches to
+    its pure-Python one, which took ~6 ms of a save's CPU for 150 tensors here, on the core
+    that trains, since an asynchronous save commits in the background)."""
+    lines = []
+    for key, value in body.items():
+        if key in ("tensors", "files") and isinstance(value, dict) and value:
+            inner = ",\n  ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            lines.append(f"{json.dumps(key)}: {{\n  {inner}\n }}")
+        else:
+            lines.append(f"{json.dumps(key)}: {json.dumps(value)}")
+    return ("{\n " + ",\n ".join(lines) + "\n}\n").encode()
 
 
 def _parse_manifest(path: Path, dir_fd: int) -> dict:

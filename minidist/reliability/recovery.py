@@ -143,7 +143,7 @@ class RankCheckpoints:
             extra={**self.extra, "hooks": {name: hook.state_dict()
                                            for name, hook in self.hooks.items()}})
         if self.writer is not None:
-            self.writer.snapshot(state)
+            self.writer.snapshot(state, owned=True)     # the engine's arrays are copies
         else:
             ckpt.save(state, self.policy.root, rank=self.rank, world=self.world,
                       barrier=self.barrier, keep=self.policy.keep, on_phase=self._phase(s),

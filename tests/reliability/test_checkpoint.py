@@ -346,6 +346,20 @@ class _Gate:
             self.committed.set()
 
 
+def test_an_owned_snapshot_is_written_without_a_copy_and_loads_the_same(tmp_path):
+    """owned=True (train.py's hook: the engine's full state is new arrays): the arrays
+    handed over are the ones written, and the checkpoint loads as the state."""
+    gate = _Gate()
+    writer = AsyncCheckpointer(tmp_path, keep=2, on_phase=gate)
+    state = _state(1)
+    writer.snapshot(state, owned=True)
+    assert gate.entered.wait(10) and writer.busy
+    assert writer._thread._args[1] is state             # no copy on the training thread
+    gate.release.set()
+    assert writer.close() == tmp_path / "step00000001"
+    _assert_same(load(latest(tmp_path).path), _state(1))
+
+
 def test_async_snapshot_returns_while_its_write_is_still_running(tmp_path):
     gate = _Gate()
     writer = AsyncCheckpointer(tmp_path, keep=2, on_phase=gate)

@@ -224,9 +224,9 @@ class ZeroEngine(Engine):
                 continue
             prefix, i = key.rsplit(".", 1)
             u = self.units[int(i)]
-            full = self._all_gather(value, unit=int(i)).reshape(-1)
-            for slot, view in zip(u.slots, u.views(full)):
-                state[f"{prefix}.{slot.index}"] = view.copy()
+            full = self._all_gather(value, unit=int(i)).reshape(-1)     # a new array:
+            for slot, view in zip(u.slots, u.views(full)):                # its views are
+                state[f"{prefix}.{slot.index}"] = view                     # the caller's
         return self._global_state(state)
 
     def load_full_state(self, params: dict, optimizer_state: dict) -> None:

@@ -112,6 +112,22 @@ class Engine:
         finally:
             self._sync = previous
 
+    @property
+    def overlaps_backward(self) -> bool:
+        """True if a backward outside no_sync() starts reducing the gradients it finished
+        while the rest of the backward runs (DDP's hooks); a pipeline stage then runs each
+        chunk's last backward outside no_sync() (parallel/pipeline/stage.py). False here:
+        the reduction waits for step()."""
+        return False
+
+    def hold(self, p) -> None:
+        """p's gradient will not be final when its backward ends: the caller adds to it in
+        place (local_grad) and then calls release(p); until then its reduction does not
+        start (the tied wte of a pipeline). Nothing to do where it waits for step()."""
+
+    def release(self, p) -> None:
+        """hold(p)'s end: p's gradient is final now."""
+
 
 def state_layout(opt) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     """(name, scalar keys, per-parameter prefixes) of opt.state_dict(): what a loaded

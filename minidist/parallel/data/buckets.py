@@ -135,8 +135,16 @@ class BucketedDataParallel(DataParallel):
             raise RuntimeError(f"{self.group.prefix} DataParallel: a backward reached "
                                f"bucket {b.index} after its all-reduce started; call step() "
                                "first, and run accumulation backwards inside no_sync().")
-        if not self._sync:
+        if not self._sync or id(p) in self._held:
             return
+        self._count(b)
+
+    def release(self, p: Parameter) -> None:
+        """p is ready: its bucket starts when complete and those before it have."""
+        if self._sync:
+            self._count(self._bucket_of[id(p)])
+
+    def _count(self, b: _Bucket) -> None:
         b.ready += 1
         if self.overlap and b.ready == len(b.params):
             self._launch_in_order(force=False)

@@ -24,6 +24,9 @@ waits for the sums. Two details make it right rather than merely plausible:
       sends their tokens to different experts). So all-reduces start in one fixed order,
       reverse registration (roughly the order backward finishes them): a finished
       gradient waits until every gradient before it in that order has started.
+A pipeline stage (parallel/pipeline/stage.py) runs each chunk's last backward outside
+no_sync(), so its hooks start the sums during the schedule; hold(p) keeps the tied wte's
+sum back until its two stages' shares are added (release(p)).
 
 The fast path, parallel/data/buckets.py: one collective per tensor costs a latency per
 parameter and a copy in and out of .grad. data_buckets.BucketedDataParallel, a subclass,
@@ -110,6 +113,7 @@ class DataParallel(Engine):
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.opt = make_optimizer(optimizer, self.params, lr, weight_decay, betas, momentum)
         self.steps = 0
+        self._held: set[int] = set()     # ids of parameters whose hook is not final (hold)
         self._setup_gradients(bucket_bytes)
         for p in self.params:
             p.register_grad_hook(self._on_grad_ready)
@@ -129,7 +133,21 @@ class DataParallel(Engine):
             raise RuntimeError(f"{self.group.prefix} DataParallel: a backward reached a "
                                "gradient after its all-reduce started; call step() first, "
                                "and run accumulation backwards inside no_sync().")
-        if self._sync:                                     # no_sync(): just accumulate
+        if self._sync and id(p) not in self._held:        # no_sync(): just accumulate
+            self._ready.add(id(p))
+            if self.overlap:
+                self._start_in_order(force=False)
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return self.overlap
+
+    def hold(self, p: Parameter) -> None:
+        self._held.add(id(p))
+
+    def release(self, p: Parameter) -> None:
+        """p is ready: its all-reduce starts when those before it in the order have."""
+        if self._sync:
             self._ready.add(id(p))
             if self.overlap:
                 self._start_in_order(force=False)

@@ -22,7 +22,8 @@ embedding group, `sync_tied`), so both copies take the same update and stay bitw
 equal; the first stage owns wte for the norm and the gathered parameters.
 
 One rank's view (stage s of P, one step, M micro-batches):
-    1. for each action of schedules[s], in order (the whole schedule inside no_sync()):
+    1. for each action of schedules[s], in order (inside no_sync(), but for each chunk's
+       last backward under an overlapping engine: see PipelineStage.step):
        F(m, c): x = recv activation of micro-batch m (or embed it on virtual stage 0);
                 run chunk c's layers; send the output on (or compute micro-batch m's loss
                 on the last virtual stage, after checking that the input is micro-batch m)
@@ -32,7 +33,8 @@ One rank's view (stage s of P, one step, M micro-batches):
        (a MoE block's auxiliary losses are a term of the loss on its own stage: its B
        backpropagates sum(y * dy) + aux, whose gradient into y is exactly dy)
     2. wait for this stage's sends; sum the tied embedding's gradient over the embedding
-       group; the engine's step() then reduces over dp (dp x cp) and updates.
+       group; the engine's step() then finishes the reduction over dp (dp x cp), which
+       each chunk's last backward started (DDP), and updates.
 Every receive blocks until its message is there; every send is asynchronous, so a stage
 never waits for a neighbour to take a message: copied into the link's mailbox at once when
 it fits (the eager send, collectives/api.py), else by the link's worker thread.
@@ -62,6 +64,7 @@ parallel/pipeline/schedule_sim.py.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -243,18 +246,33 @@ class PipelineStage:
 
     # --- one step ---
     def step(self, engine, batches, n_tokens: int) -> float:
-        """Run my actions of the schedule on the micro-batches (all gradients accumulate
-        locally, inside engine.no_sync()), then sum the tied wte's gradient over the
-        embedding group; return the sum of my micro-batch losses (0 off the last stage).
-        The engine's step() then reduces over dp and updates."""
+        """Run my actions of the schedule on the micro-batches, then sum the tied wte's
+        gradient over the embedding group; return the sum of my micro-batch losses (0 off
+        the last stage). Gradients accumulate locally (engine.no_sync()), except in each
+        chunk's last backward (its last B, or W when split) when the engine overlaps
+        (DDP): there its hooks start the dp reduction of what that backward finished,
+        bucket by bucket, while the schedule goes on; the tied wte is held until its two
+        shares are summed. The engine's step() then reduces the rest and updates."""
         self.begin(batches, n_tokens)
-        with engine.no_sync():
-            for a in self.schedule.actions[self.cut.stage]:
+        last = self.last_backwards() if engine.overlaps_backward else set()
+        if self.embed_group is not None:
+            engine.hold(self.model.wte.weight)
+        for i, a in enumerate(self.schedule.actions[self.cut.stage]):
+            with contextlib.nullcontext() if i in last else engine.no_sync():
                 self.run(a)
         loss = self.finish()
         if self.embed_group is not None:
             sync_tied(engine, self.model, self.embed_group)
+            engine.release(self.model.wte.weight)
         return loss
+
+    def last_backwards(self) -> set[int]:
+        """Indices in my actions of each chunk's last backward that adds to its weights'
+        gradients: its last B, or its last W under a split schedule (ZB-H1)."""
+        kind = "W" if self.schedule.split_backward else "B"
+        last = {a.chunk: i for i, a in enumerate(self.schedule.actions[self.cut.stage])
+                if a.kind == kind}
+        return set(last.values())
 
     def begin(self, batches, n_tokens: int) -> None:
         self.batches, self.n_tokens = batches, n_tokens

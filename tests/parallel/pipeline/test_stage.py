@@ -110,6 +110,45 @@ def test_tied_embedding_copies_stay_bitwise_equal(P):
     assert not np.array_equal(first[0], first[-1])             # it did train
 
 
+def _launched_during_schedule(ctx, plan, cfg):
+    """One step of pp x dp; at the schedule's end (before the tied wte's sum): how many of
+    the engine's all-reduces had started, of how many, and whether wte's had."""
+    from minidist.parallel.compose import build
+    from minidist.parallel.micro_batching import micro_batches
+    from minidist.data import SyntheticData
+    lay = build(ctx, plan, cfg, 0, optimizer="adamw", lr=LR, weight_decay=0.0,
+                betas=(0.9, 0.999), momentum=0.0)
+    engine, stage, seen = lay.engine, lay.pipeline, []
+    finish = stage.finish
+
+    def noted_finish():
+        if plan.buckets:
+            wte = engine._bucket_of[id(lay.model.wte.weight)].index
+            seen.append((engine._next, len(engine.buckets), wte < engine._next))
+        else:
+            wte = engine._position[id(lay.model.wte.weight)]
+            seen.append((len(engine._works), len(engine.order), wte < len(engine._works)))
+        return finish()
+
+    stage.finish = noted_finish
+    batches, n = micro_batches(SyntheticData(DATA), 0, 8, plan.dp, lay.dp_group.rank,
+                               plan.micro_batches, 0)
+    stage.step(engine, batches, n)
+    engine.step(LR, None)
+    return seen[0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("buckets", [True, False], ids=["buckets", "per-parameter"])
+def test_the_dp_reduction_starts_in_each_chunk_s_last_backward_and_wte_waits(buckets):
+    """pp=2 x dp=2 under 1F1B, small buckets: when the schedule ends, every stage has
+    started some of its dp all-reduces (its last backward's), but not the tied wte's, whose
+    two shares are summed first."""
+    plan = Plan(dp=2, pp=2, micro_batches=4, bucket_bytes=1024, buckets=buckets)
+    for started, total, wte_started in spawn(4, _launched_during_schedule, plan, _cfg(2)):
+        assert 0 < started < total and not wte_started, (started, total, wte_started)
+
+
 def test_split_layers_even_uneven_and_explicit():
     assert split_layers(5, 2) == [range(0, 3), range(3, 5)]
     assert split_layers(4, 4) == [range(i, i + 1) for i in range(4)]

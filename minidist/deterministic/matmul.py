@@ -48,9 +48,10 @@ of T / N positions, every call multiplies one run of every row of the micro-batc
 B T / N rows, the same in every layout, since a layout cuts positions, never the rows of a
 grain), and dW is summed over the N leaves in the aligned tree, exchanged over cp
 (deterministic/context.py). A leaf per (row, run) would give the same guarantee, but a
-cp rank would then hold B separate nodes of a whole dW per run, where it now holds one;
-measured on the bench model (cp=2, grain 8, 4 runs): 2.98x the plain mode's step, now
-1.56x (`python -m minidist bench determinism --layouts cp=2 --grains max --token-tiles 4`).
+cp rank would then hold B separate nodes of a whole dW per run; with the runs in fold's
+order (below) it holds one. Measured on the bench model (cp=2, grain 8, 4 runs, `python -m
+minidist bench determinism --layouts cp=2 --grains max --token-tiles 4`): a leaf per (row,
+run) cost 3.2x the plain mode's step, a leaf per run 1.56x, in fold's order 1.41-1.45x.
 Reference: the problem is the one of Demmel & Nguyen 2013 ("Fast reproducible
     floating-point summation"); fixed-split reductions are also how cuBLAS/cuDNN's
     deterministic modes are described (a fixed order per output element).
@@ -98,8 +99,9 @@ class Tiles:
 
 def tree_over_tiles(parts, index: tuple[int, ...], count: int, exchange=None, valid=None):
     """The aligned-tree sum over axis 0 of parts (one entry per tile of global index
-    index[j]), those of index >= valid left out; the other tiles' nodes through `exchange`
-    (an all_gather over their owners) when this rank does not hold them all."""
+    index[j], in any order), those of index >= valid left out; the other tiles' nodes
+    through `exchange` (an all_gather over their owners) when this rank does not hold them
+    all."""
     if any(a > b for a, b in zip(index, index[1:])):   # my leaves out of index order
         order = np.argsort(index, kind="stable")
         parts, index = parts[order], tuple(index[j] for j in order)
@@ -116,9 +118,8 @@ class TiledMatMul(Function):
     rows (a Tokens with `per_sequence` leaves, the deterministic mode under context
     parallelism): x (B, T_r, K_r) is cut into runs of T / per_sequence positions too, each
     BLAS call multiplies one run of every row (Tokens.split: a result depends on the
-    number of rows as well), and
-    dW is summed over the runs in the aligned tree (exchanged when other ranks hold other
-    positions); None: all the rows in one call."""
+    number of rows as well), and dW is summed over the runs in the aligned tree
+    (exchanged when other ranks hold other positions); None: all the rows in one call."""
 
     @staticmethod
     def forward(ctx: Context, x, w, *, tiles: Tiles, rows: "Tokens | None" = None):

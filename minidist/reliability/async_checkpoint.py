@@ -17,9 +17,10 @@ written, and recovery restarts from k-1. Call `wait()` to commit at once.
 
 One rank's view: see AsyncCheckpointer.
 Cost on the training thread: copying the state it is given (S bytes: every rank passes
-the full state; none when the caller owns the arrays, as train.py's hook does: the
-engine's full state is made of new arrays) and one barrier per snapshot; the write (~S/W bytes, each hashed once) and
-rank 0's commit run on this process's background thread.
+the full state; nothing when the caller owns the arrays, as train.py's hook does, since
+the engine's full state is made of new arrays) and one barrier per snapshot; the write
+(~S/W bytes, each hashed once) and rank 0's commit run on this process's background
+thread.
 
 Reference: CheckFreq -- Mohan, Phanishayee, Chidambaram 2021, FAST '21 (snapshot, then
     persist; <= 3.5 % overhead).

@@ -194,8 +194,9 @@ def manifest_bytes(state: CheckpointState, world: int, markers: list[dict]) -> b
 def _readable_json(body: dict) -> bytes:
     """body as JSON with a line per top-level key, and per tensor and per file inside
     "tensors" and "files": readable, and written by json's C encoder (indent= switches to
-    its pure-Python one, which took ~6 ms of a save's CPU for 150 tensors here, on the core
-    that trains, since an asynchronous save commits in the background)."""
+    its pure-Python one: 2.4 ms against 0.7 ms for the 150 tensors of bench checkpoint's
+    model, CPU taken from training on its core, since an asynchronous save commits in the
+    background)."""
     lines = []
     for key, value in body.items():
         if key in ("tensors", "files") and isinstance(value, dict) and value:

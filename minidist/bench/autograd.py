@@ -3,7 +3,9 @@
 What it measures, per model size: the median time of the forward (loss), the backward and
 the optimizer step (AdamW) over `--repeats` steps, after warm-up, with minidist and PyTorch
 steps interleaved so that both see the same machine load; then a per-op breakdown
-from a separate profiled run (time by Function class, forward and backward apart); then,
+from a separate profiled run (by Function class, forward and backward apart: time, the
+FLOPs the FLOP ledger counts, the bytes the op must move at least, and what that achieves
+against this machine's measured one-thread GEMM rate or copy bandwidth); then,
 if PyTorch is installed, the identical model (weights copied from minidist, same batch,
 the same op sequence written out by hand as in nanoGPT's non-flash path; dense, biased,
 tied head, no dropout, as in SIZES) in PyTorch CPU eager with torch.set_num_threads(1),
@@ -46,9 +48,11 @@ from dataclasses import dataclass              # noqa: E402
 import numpy as np                             # noqa: E402
 
 from minidist import optim                     # noqa: E402
+from minidist.autograd.saved import ctx_arrays  # noqa: E402
 from minidist.autograd.tensor import Observer, observe, unobserve  # noqa: E402
 from minidist.cli import CliParser, at_least            # noqa: E402
 from minidist.nn import GPT, GPTConfig         # noqa: E402
+from minidist.observe.flops import FlopLedger  # noqa: E402
 from minidist.runtime.process_setup import keep_freed_memory  # noqa: E402
 
 SIZES = {
@@ -115,17 +119,24 @@ def minidist_step_fn(model: GPT, x, y):
 
 
 class Profiler(Observer):
-    """Times every operation's forward and, when it runs, its backward rule, by class name.
+    """Times every operation's forward and, when it runs, its backward rule, by class name,
+    and counts the bytes each one must move at least.
 
     An autograd Observer: plugged in for the duration of `profiling` only, so nothing in
-    autograd/ changes. table[(name, "fwd" | "bwd")] accumulates [seconds, calls].
+    autograd/ changes. table[(name, "fwd" | "bwd")] accumulates [seconds, calls, bytes].
+    Bytes, each array once: a forward reads its array inputs and writes its output; a
+    backward reads the incoming gradient and what its node kept (autograd/saved.py's
+    ctx_arrays) and writes the gradients it returns. What an op's NumPy passes move on top
+    (temporaries, a second pass) is not counted: the bytes are the op's floor.
     """
 
     def __init__(self, table: dict) -> None:
         self.table = table
 
     def forward(self, fn, ctx, args, arrays, kwargs, result, t0) -> None:
-        _add(self.table, (fn.__name__, "fwd"), time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        moved = _nbytes(arrays) + _nbytes([result.data])
+        _add(self.table, (fn.__name__, "fwd"), seconds, moved)
         if result._node is not None:
             bwd, ctx, parents = result._node
             result._node = (self._timed(bwd, fn.__name__), ctx, parents)
@@ -134,9 +145,18 @@ class Profiler(Observer):
         def timed_backward(ctx, g):
             t0 = time.perf_counter()
             out = backward(ctx, g)
-            _add(self.table, (name, "bwd"), time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            grads = out if isinstance(out, tuple) else (out,)
+            _add(self.table, (name, "bwd"), seconds,
+                 _nbytes([g]) + _nbytes(ctx_arrays(ctx)) + _nbytes(grads))
             return out
         return timed_backward
+
+
+def _nbytes(arrays) -> int:
+    """Bytes of the distinct arrays among `arrays` (anything else counts 0)."""
+    seen = {id(a): a.nbytes for a in arrays if isinstance(a, np.ndarray)}
+    return sum(seen.values())
 
 
 @contextmanager
@@ -149,21 +169,81 @@ def profiling(table: dict):
         unobserve(profiler)
 
 
-def _add(table: dict, key, seconds: float) -> None:
-    entry = table.setdefault(key, [0.0, 0])
+def _add(table: dict, key, seconds: float, moved: int = 0) -> None:
+    entry = table.setdefault(key, [0.0, 0, 0])
     entry[0] += seconds
     entry[1] += 1
+    entry[2] += moved
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One (op, fwd|bwd) row of the breakdown, per step: time, calls, the bytes it must
+    move (Profiler) and the FLOPs it executes (observe/op_flops.py: matmul and other)."""
+
+    ms: float
+    calls: int
+    bytes: int
+    matmul_flops: int
+    other_flops: int
+
+    def rate(self, gemm_flops: float, bandwidth: float) -> str:
+        """What it achieved against the machine: a matmul op's FLOP rate as a fraction of
+        the measured GEMM rate, any other op's bytes per second as a fraction of the
+        measured copy bandwidth."""
+        seconds = self.ms / 1e3
+        if seconds <= 0:
+            return ""
+        if self.matmul_flops > self.other_flops:
+            achieved = (self.matmul_flops + self.other_flops) / seconds
+            return f"{achieved / 1e9:7.1f} GFLOP/s {achieved / gemm_flops:5.0%} of GEMM"
+        achieved = self.bytes / seconds
+        return f"{achieved / 1e9:7.2f} GB/s    {achieved / bandwidth:5.0%} of copy"
 
 
 def op_breakdown(model: GPT, x, y, steps: int = 3) -> dict:
-    """{(op, "fwd"|"bwd"): (ms per step, calls per step)} from `steps` profiled steps."""
-    table: dict = defaultdict(lambda: [0.0, 0])
-    with profiling(table):
+    """{(op, "fwd"|"bwd"): OpCost per step} from `steps` profiled steps (the FLOP ledger
+    counts them at the same time)."""
+    table: dict = defaultdict(lambda: [0.0, 0, 0])
+    ledger = FlopLedger()
+    with profiling(table), ledger:
         for _ in range(steps):
             _, loss = model(x, y)
             loss.backward()
             model.zero_grad()
-    return {k: (v[0] / steps * 1e3, v[1] // steps) for k, v in table.items()}
+    phase = {"fwd": "forward", "bwd": "backward"}
+    out = {}
+    for (op, kind), (seconds, calls, moved) in table.items():
+        mm, other, _ = ledger.entries.get((op, phase[kind]), (0, 0, 0))
+        out[op, kind] = OpCost(seconds / steps * 1e3, calls // steps, moved // steps,
+                               mm // steps, other // steps)
+    return out
+
+
+def machine_rates(cfg: GPTConfig, batch: int, repeats: int = 7) -> tuple[float, float]:
+    """(GEMM FLOP/s, copy bytes/s) of this machine, one thread, medians of `repeats`: the
+    GEMM is the model's MLP up-projection, (B T, C) @ (C, 4 C) in its dtype; the copy
+    moves 64 MiB (read + written), far beyond the caches."""
+    dtype, C, M = np.dtype(cfg.dtype), cfg.n_embd, batch * cfg.block_size
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((M, C)).astype(dtype)
+    b = rng.standard_normal((C, cfg.mlp_ratio * C)).astype(dtype)
+    out = np.empty((M, cfg.mlp_ratio * C), dtype)
+    src = np.ones(1 << 24, np.float32)
+    dst = np.empty_like(src)
+
+    def median_seconds(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    gemm = 2 * M * C * cfg.mlp_ratio * C / median_seconds(lambda: np.matmul(a, b, out=out))
+    copy = 2 * src.nbytes / median_seconds(lambda: np.copyto(dst, src))
+    return gemm, copy
 
 
 def torch_loss(P, xt, yt, cfg: GPTConfig, block=None):
@@ -259,11 +339,20 @@ def bench_size(name: str, repeats: int, use_torch: bool, batch: int = BATCH) -> 
             b = getattr(theirs, phase) * 1e3
             print(f"{phase:10s} {a:12.3f} {b:10.3f} {a / b:6.2f}x")
     ops = op_breakdown(GPT(cfg, seed=0), x, y)
-    profiled = sum(ms for ms, _ in ops.values())
-    print(f"per-op time per step, forward + backward (profiled run: ops sum to {profiled:.3f} "
-          f"ms vs {(ours.forward + ours.backward) * 1e3:.3f} ms unprofiled):")
-    for (op, phase), (ms, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:12]:
-        print(f"  {op:14s} {phase}  {ms:8.3f} ms  {calls:5d} calls")
+    gemm, copy = machine_rates(cfg, batch)
+    profiled = sum(c.ms for c in ops.values())
+    print(f"per-op cost per step, forward + backward (profiled run: ops sum to {profiled:.3f} "
+          f"ms vs {(ours.forward + ours.backward) * 1e3:.3f} ms unprofiled); this machine, "
+          f"one thread: GEMM {gemm / 1e9:.1f} GFLOP/s ({cfg.dtype}, the MLP's "
+          f"{batch * cfg.block_size}x{cfg.n_embd} @ {cfg.n_embd}x{cfg.mlp_ratio * cfg.n_embd}), "
+          f"copy {copy / 1e9:.1f} GB/s (64 MiB, read + written; an op whose arrays stay "
+          "in the caches can pass it):")
+    print(f"  {'op':14s} {'':3s} {'ms':>8s} {'calls':>5s} {'MFLOP':>9s} {'MB moved':>9s}  "
+          "achieved (matmul ops: FLOP rate; others: bytes at least moved)")
+    for (op, phase), c in sorted(ops.items(), key=lambda kv: -kv[1].ms)[:12]:
+        print(f"  {op:14s} {phase}  {c.ms:8.3f} {c.calls:5d} "
+              f"{(c.matmul_flops + c.other_flops) / 1e6:9.1f} {c.bytes / 1e6:9.2f}  "
+              f"{c.rate(gemm, copy)}")
     return {"minidist": ours, "torch": theirs, "ops": ops}
 
 

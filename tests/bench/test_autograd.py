@@ -18,9 +18,27 @@ def test_profiler_counts_ops_and_restores_function_apply():
     assert Function.__dict__["apply"] is apply_before
     # per layer: qkv, proj, fc and mlp proj as Linear (+ bias), q @ k^T and att @ v as
     # MatMul; plus the tied LM head
-    assert ops[("Linear", "fwd")][1] == ops[("Linear", "bwd")][1] == 4 * CFG.n_layer
-    assert ops[("MatMul", "fwd")][1] == ops[("MatMul", "bwd")][1] == 2 * CFG.n_layer + 1
-    assert ops[("CrossEntropy", "fwd")][1] == 1 and all(ms >= 0 for ms, _ in ops.values())
+    assert ops[("Linear", "fwd")].calls == ops[("Linear", "bwd")].calls == 4 * CFG.n_layer
+    assert ops[("MatMul", "fwd")].calls == ops[("MatMul", "bwd")].calls == 2 * CFG.n_layer + 1
+    assert ops[("CrossEntropy", "fwd")].calls == 1 and all(c.ms >= 0 for c in ops.values())
+
+
+def test_each_op_s_flops_and_bytes_are_those_of_its_shapes():
+    """The Linears of one step: forward 2 M C (3C + C + 4C + 4C) matmul FLOPs per layer
+    (M = B T rows), and at least x, W, b and y moved per call; the backward twice the
+    FLOPs. A matmul op is rated against the GEMM rate, an elementwise one against copy."""
+    x, y = bench.make_batch(CFG)
+    ops = bench.op_breakdown(GPT(CFG, seed=0), x, y, steps=2)
+    M, C, item = x.size, CFG.n_embd, np.dtype(CFG.dtype).itemsize
+    fwd, bwd = ops[("Linear", "fwd")], ops[("Linear", "bwd")]
+    assert fwd.matmul_flops == CFG.n_layer * 2 * M * C * 12 * C
+    assert bwd.matmul_flops == 2 * fwd.matmul_flops
+    floor = CFG.n_layer * item * sum(M * k + k * n + n + M * n for k, n in
+                                     ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)))
+    assert fwd.bytes == floor                        # each array once, nothing else
+    assert "of GEMM" in fwd.rate(1e9, 1e9) and "of copy" in ops[("Gelu", "fwd")].rate(1e9, 1e9)
+    gemm, copy = bench.machine_rates(CFG, batch=2, repeats=2)
+    assert gemm > 0 and copy > 0
 
 
 def test_torch_twin_matches_loss_and_gradients():

@@ -27,6 +27,9 @@ the message's byte count and dtype. The receiver compares them with its own
 call and its `out` buffer before it touches the payload; any difference is a
 CollectiveMismatch that names both calls, never silent garbage.
 
+A message that fits in the slots free now never waits for the receiver (`fits`): an
+asynchronous send of one is done at once by the caller (the eager send, collectives/api.py).
+
 Cost per message of N bytes: one copy in (sender) and one copy out (receiver),
 about N/slot_bytes counter handshakes. Zero-copy reads of a peer's buffer are
 in runtime/group.py (`shared`).
@@ -63,6 +66,10 @@ class Channel:
         self.done = 0                      # chunks this rank sent (or received) so far
         self.peer = -1                     # the global rank at the other end, seen from here
         self.lock = ordering.lock          # None on x86: plain loads/stores are ordered
+
+    def chunks(self, nbytes: int) -> int:
+        """Slots a message of nbytes takes (an empty message still takes one)."""
+        return max(1, -(-nbytes // self.slot_bytes))
 
     @staticmethod
     def nbytes(nslots: int, slot_bytes: int) -> int:
@@ -176,7 +183,7 @@ class Mailboxes:
         """True if a message of nbytes to dst fits in the free slots of its channel now,
         so that send() would copy it in without waiting for the receiver."""
         ch = self.out[dst]
-        return max(1, -(-nbytes // ch.slot_bytes)) <= ch.nslots - (ch.done - ch.tail())
+        return ch.chunks(nbytes) <= ch.nslots - (ch.done - ch.tail())
 
     # --- whole messages ---
     def send(self, x: np.ndarray, dst: int) -> None:
@@ -190,7 +197,7 @@ class Mailboxes:
 
     def recv(self, src: int, out: np.ndarray, combine: Callable | None = None) -> np.ndarray:
         ch, flat = self.inc[src], byte_view(out)
-        for _ in range(max(1, -(-out.nbytes // ch.slot_bytes))):
+        for _ in range(ch.chunks(out.nbytes)):
             if not self._can_pop(ch):
                 self._wait(lambda: self._can_pop(ch), src, "receive from")
             self._pop(ch, src, out, flat, combine)
@@ -203,7 +210,7 @@ class Mailboxes:
         data, flat = byte_view(x), byte_view(out)
         total, dtc, step = len(data), call.dtype_code(x.dtype), och.slot_bytes
         offs = list(range(0, max(total, 1), step))
-        n_in = max(1, -(-out.nbytes // ich.slot_bytes))
+        n_in = ich.chunks(out.nbytes)
         s = r = 0
         while s < len(offs) or r < n_in:
             moved = False

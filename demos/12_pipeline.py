@@ -30,7 +30,8 @@ from minidist.parallel.pipeline.schedule_render import LEGEND, ascii, side_by_si
 from minidist.parallel.pipeline.schedule_sim import (Timeline, bubble_closed_form,
                                                      peak_activations, simulate)
 from minidist.parallel.pipeline.schedule_validate import validate
-from minidist.parallel.pipeline.schedules import SCHEDULES, Action, make_schedule
+from minidist.parallel.pipeline.family import SCHEDULES, make_schedule
+from minidist.parallel.pipeline.schedules import Action
 from minidist.runtime.launch import spawn
 from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 

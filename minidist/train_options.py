@@ -47,7 +47,8 @@ from minidist.memory.budget_models import parameter_count
 from minidist.nn import GPTConfig
 from minidist.parallel.compose import Plan
 from minidist.parallel.pipeline.schedule_csv import from_csv
-from minidist.parallel.pipeline.schedules import SCHEDULES, PipelineSchedule
+from minidist.parallel.pipeline.family import SCHEDULES, chunks_of
+from minidist.parallel.pipeline.schedules import PipelineSchedule
 from minidist.reliability import confined, recovery
 from minidist.runtime.launch import check_world_size
 from minidist.runtime.mpi import MPI_ENV
@@ -134,7 +135,7 @@ def _defaults(a: argparse.Namespace) -> list[str]:
     if a.dp is None:
         a.dp = a.ep
     a.schedule_value = _schedule_argument(a.schedule)
-    chunks = a.virtual_stages or (2 if a.schedule == "interleaved" else 1)
+    chunks = chunks_of(a.schedule, a.virtual_stages or 2)
     if isinstance(a.schedule_value, PipelineSchedule):
         chunks = a.schedule_value.chunks
     if a.n_layer is None:
@@ -305,7 +306,7 @@ def _chunks(a: argparse.Namespace) -> int:
     """Model chunks per pp rank of the options (Plan.chunks)."""
     if isinstance(getattr(a, "schedule_value", None), PipelineSchedule):
         return a.schedule_value.chunks
-    return a.virtual_stages or (2 if a.schedule == "interleaved" else 1)
+    return chunks_of(a.schedule, a.virtual_stages or 2)
 
 
 def _world_size(a: argparse.Namespace) -> int:

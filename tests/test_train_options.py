@@ -204,7 +204,7 @@ def test_random_layouts_end_ok_or_are_refused_in_one_line_before_any_rank(k):
 def test_a_csv_schedule_brings_its_own_micro_batch_count(tmp_path):
     """An explicit --grad-accum is never replaced; without one, a CSV schedule's count."""
     from minidist.parallel.pipeline.schedule_csv import to_csv
-    from minidist.parallel.pipeline.schedules import make_schedule
+    from minidist.parallel.pipeline.family import make_schedule
     path = tmp_path / "two.csv"
     path.write_text(to_csv(make_schedule("1f1b", 2, 2)))
     a, job = _resolve(["--pp", "2", "--schedule", str(path)])

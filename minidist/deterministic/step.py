@@ -301,7 +301,7 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
         experts.begin(first)
     named = list(stage.model.named_parameters())
     params = [p for _, p in named]
-    last = stage.cut.stage == stage.cut.stages - 1
+    last = stage.cut.last
     per_sample, losses = {}, {}
     stage.begin(batches, n_tokens)
     with engine.no_sync():

@@ -62,7 +62,8 @@ from minidist.parallel.data.buckets import BucketedDataParallel
 from minidist.parallel.data.ddp import ALGOS, DataParallel
 from minidist.parallel.expert.expert_parallel import apply_experts, is_expert_parameter
 from minidist.parallel.pipeline.schedule_validate import validate
-from minidist.parallel.pipeline.schedules import SCHEDULES, PipelineSchedule, make_schedule
+from minidist.parallel.pipeline.family import SCHEDULES, chunks_of, make_schedule
+from minidist.parallel.pipeline.schedules import PipelineSchedule
 from minidist.parallel.pipeline.stage import PipelineCut, PipelineStage, make_links, split_layers
 from minidist.parallel.sharding import ModelSharding
 from minidist.parallel.tensor.tensor_parallel import TensorParallel, apply_tensor
@@ -174,12 +175,11 @@ class Plan:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per pp rank: V (interleaved 1F1B), else 1."""
+        """Model chunks per pp rank: V (interleaved 1F1B; default 2), 2 (the V placement
+        of zbv), else 1."""
         if isinstance(self.schedule, PipelineSchedule):
             return self.schedule.chunks
-        if self.virtual_stages is not None:
-            return self.virtual_stages
-        return 2 if self.schedule == "interleaved" else 1
+        return chunks_of(self.schedule, self.virtual_stages or 2)
 
     def pipeline_schedule(self) -> PipelineSchedule:
         """The schedule of the pipeline: the named one for (pp, micro_batches, V), or the
@@ -496,15 +496,17 @@ def _pipeline_groups(job, mesh: DeviceMesh, plan: Plan, cfg: GPTConfig) -> dict:
     pp = mesh.group("pp")
     grid = mesh.grid.reshape(P, -1)                       # grid[s, line] = global rank
     pieces = tuple(split_layers(cfg.n_layer, P * plan.chunks, plan.layers_per_stage))
-    links = make_links(job, grid, P, plan.chunks)
+    placement = plan.pipeline_schedule().placement
+    links = make_links(job, grid, P, plan.chunks, placement)
     model = pp if plan.tp == 1 else mesh.flatten(("pp", "tp"), "pp_tp")
     embed = None
-    if cfg.tie_weights:                       # wte on the first and the last stage
+    if cfg.tie_weights and placement == "loop":   # wte on the first and the last stage
+        # (the V placement has both on stage 0: one wte, nothing to sum)
         for line in range(grid.shape[1]):
             g = pp if P == 2 else job.new_group((int(grid[0, line]), int(grid[-1, line])),
                                                 name=f"embed{line}")
             if g is not None and job.rank in (grid[0, line], grid[-1, line]) and (
                     P > 2 or job.rank in pp.ranks):
                 embed = g
-    return {"pp": pp, "cut": PipelineCut(pp.rank, P, pieces), "links": links,
+    return {"pp": pp, "cut": PipelineCut(pp.rank, P, pieces, placement), "links": links,
             "model": model, "embed": embed}

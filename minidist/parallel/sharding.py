@@ -317,4 +317,4 @@ def _check_array(what: str, x, shape: tuple, dtype) -> None:
 
 def _stage(cut, stage: int):
     """The PipelineCut of another stage of the same pipeline."""
-    return type(cut)(stage, cut.stages, cut.pieces)
+    return type(cut)(stage, cut.stages, cut.pieces, cut.placement)

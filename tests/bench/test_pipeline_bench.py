@@ -15,7 +15,7 @@ import pytest
 from minidist.bench import pipeline as bench
 from minidist.data import DataConfig, model_config_for
 from minidist.observe.trace import Trace
-from minidist.parallel.pipeline import schedules
+from minidist.parallel.pipeline import family, schedules
 from minidist.parallel.pipeline.schedule_sim import peak_activations
 
 DATA = DataConfig(task="sort", length=4)                    # T = 8
@@ -34,8 +34,8 @@ def test_formulas_by_hand():
     assert bench.p2p_formula(one, 10) == [40, 40]            # 4 F out of stage 0, 4 B of 1
     inter = schedules.interleaved_1f1b(2, 4, 2)              # virtual stages 0 1 | 2 3
     assert bench.p2p_formula(inter, 10) == [120, 120]        # 8 F + 4 B; 4 F + 8 B
-    for name in schedules.SCHEDULES:
-        s = schedules.make_schedule(name, 3, 5, 2)
+    for name in family.SCHEDULES:
+        s = family.make_schedule(name, 3, 5, 2)
         ones = [[1] * s.chunks for _ in range(s.stages)]
         assert bench.held_bytes_formula(s, ones) == peak_activations(s), name
     # stage 0 peaks at F2 (3 of chunk 0, 2 of chunk 1 held), stage 1 at F2 (3 of chunk 0)
@@ -45,7 +45,7 @@ def test_formulas_by_hand():
 @pytest.mark.multiproc
 def test_bytes_and_held_activations_match_the_formulas():
     res = _results()
-    assert list(res) == list(schedules.SCHEDULES)
+    assert list(res) == list(family.SCHEDULES)
     for name, r in res.items():
         sched = bench.make_plan(name, 2, 4, 2).pipeline_schedule()
         assert r["act_bytes"] == 2 * DATA.block_size * 16 * 8, name    # rows T C itemsize

@@ -14,7 +14,7 @@ import pytest
 
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
-from minidist.parallel.pipeline import schedules
+from minidist.parallel.pipeline import family
 from minidist.runtime.errors import RankFailure
 from minidist.runtime.launch import spawn
 from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
@@ -130,7 +130,7 @@ PIPELINED = [(pp, dp, cp, tp) for W in range(2, 9) for pp in range(2, W + 1)
 def _pipeline_case(i, pp, dp, cp, tp):
     """Schedules and ZeRO stages 0-2 cycling; interleaved only where 2 pp layers are few
     enough; SP every other time where it splits."""
-    name = schedules.SCHEDULES[i % 4]
+    name = family.SCHEDULES[i % 4]
     if name == "interleaved" and pp > 4:
         name = "zb-h1"
     return pp, dp, cp, tp, i % 3, _sp_splits(cp, tp) and i % 2 == 1, name

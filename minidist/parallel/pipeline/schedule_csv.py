@@ -7,7 +7,10 @@ and run it: `python -m minidist train --pp 2 --schedule my.csv`. The validator
 Format: one line per stage, comma-separated cells "{vstage}{kind}{micro_batch}",
     0F0,0F1,0B0,0B1        stage 0 of a 2-stage GPipe
     1F0,1F1,1B0,1B1        stage 1
-where vstage = chunk P + stage (so vstage mod P = the line's stage), kind is F, B or W.
+where vstage is the virtual stage, kind is F, B or W. The placement is read from the
+vstages: every vstage mod P equal to its line's stage is the loop placement (vstage =
+chunk P + stage); on a line s holding only s and 2P-1-s it is the V placement (chunk 0
+down, chunk 1 back up: 0F0 on line 0 ... then 3F0 on line 0 of a 2-stage V).
 Blank lines, blank cells, spaces around cells and lines starting with "#" are ignored.
 Reference: torchtitan / torch.distributed.pipelining's CSV schedules (one row per rank).
 Read next: parallel/pipeline/schedule_validate.py.
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from minidist.parallel.pipeline.schedules import KINDS, Action, PipelineSchedule
+from minidist.parallel.pipeline.schedules import KINDS, Action, PipelineSchedule, place_of
 
 _CELL = re.compile(r"(\d+)([A-Za-z]+)(\d+)")
 
@@ -30,7 +33,7 @@ def to_csv(schedule: PipelineSchedule) -> str:
 
 
 def from_csv(text: str, name: str = "custom") -> PipelineSchedule:
-    """Read a schedule from CSV text. P = the number of stage lines, V = max vstage // P + 1,
+    """Read a schedule from CSV text. P = the number of stage lines, V = the chunks used,
     M = max micro-batch + 1, split_backward = any W. Column = the cell's place in its line,
     from 1. Check the result with schedule_validate.validate before running it."""
     lines = [(i, line) for i, line in enumerate(text.splitlines(), start=1)
@@ -49,14 +52,21 @@ def from_csv(text: str, name: str = "custom") -> PipelineSchedule:
             if match is None or match[2] not in KINDS:
                 raise ValueError(f"{where}: a cell is {{vstage}}{{kind}}{{micro_batch}} with "
                                  f"kind one of {KINDS}, e.g. 0F3 or 5B0.")
-            k, kind, m = int(match[1]), match[2], int(match[3])
-            if k % P != s:
-                raise ValueError(f"{where}: virtual stage {k} runs on stage {k % P} "
-                                 f"(vstage mod P, P = {P} lines), but this line is stage {s}; "
-                                 f"move the cell to stage {k % P}'s line.")
-            actions[s].append(Action(kind, m, k // P))
-    cells = [a for line in actions for a in line]
+            actions[s].append((where, int(match[1]), match[2], int(match[3])))
+    cells = [c for line in actions for c in line]
+    placement = "loop" if all(k % P == s for s, line in enumerate(actions)
+                              for _, k, _, _ in line) else "v"
+    for s, line in enumerate(actions):
+        for where, k, _, _ in line:
+            if placement == "v" and k not in (s, 2 * P - 1 - s):
+                raise ValueError(
+                    f"{where}: virtual stage {k} cannot be on stage {s}: in the loop "
+                    f"placement it runs on stage {k % P} (vstage mod P, P = {P} lines), in "
+                    f"the V placement on stage {min(k, 2 * P - 1 - k)}; move the cell, or "
+                    "keep every line to one placement.")
+    rows = tuple(tuple(Action(kind, m, place_of(placement, P, k)[1])
+                       for _, k, kind, m in line) for line in actions)
     return PipelineSchedule(
-        name, P, max((a.micro_batch for a in cells), default=0) + 1,
-        tuple(map(tuple, actions)), chunks=max((a.chunk for a in cells), default=0) + 1,
-        split_backward=any(a.kind == "W" for a in cells))
+        name, P, max((m for *_, m in cells), default=0) + 1, rows,
+        chunks=max((a.chunk for row in rows for a in row), default=0) + 1,
+        split_backward=any(kind == "W" for _, _, kind, _ in cells), placement=placement)

@@ -36,7 +36,9 @@ Times keep the type of the costs: pass fractions.Fraction costs for exact arithm
 Closed forms, unit costs (F = B = W = 1, comm = 0), bubble = idle / total time:
     GPipe, 1F1B                (P-1) / (M+P-1)        any M >= 1
     interleaved 1F1B, V chunks (P-1) / (V M + P-1)    M >= P (Megatron: M a multiple of P)
-    ZB-H1                      (P-1) / (3 M + P-1)    M >= P
+    ZB-H1, ZB-1p, ZB-H2, ZB-2p (P-1) / (3 M + P-1)    M >= P (ZB-H2: M >= 2P-1)
+With overlapping iterations (steady_bubble, Qi et al.'s rate): 1F1B (P-1)/M, ZB-H1 and
+ZB-1p (P-1)/(3M), ZB-H2 and ZB-2p 0.
 For M < P the last two never fill the pipeline and their bubble is larger.
 Shapes: none; times are plain numbers in time units (simulated) or seconds (recorded).
 
@@ -119,6 +121,26 @@ class Timeline:
         if total == 0:
             return 0.0
         return (total - sum(self.busy(s) for s in range(len(self.stages)))) / total
+
+    def span(self, stage: int) -> float:
+        """Stage `stage`'s own span: its last end minus its first start."""
+        row = self.stages[stage]
+        return row[-1].end - row[0].start if row else 0
+
+    def steady_bubble(self) -> float:
+        """The bubble rate left when iterations overlap: max_s span_s / busy - 1.
+
+        A synchronous step ends at the last end of all stages (bubble_fraction). When the
+        optimizer step needs no all-stage synchronisation before it (Qi et al.'s optimizer
+        post-validation), stage s starts the next iteration as soon as it ends this one,
+        so iterations overlap and repeat every max_s span_s; the idle time inside that
+        period, over the useful time, is the rate Qi et al. report: (P-1)/M for 1F1B,
+        (P-1)/(3M) for ZB-1p, 0 for ZB-2p and ZBV (F = B = W). Every stage is assumed to
+        have the same busy time (the largest is used otherwise)."""
+        busy = max((self.busy(s) for s in range(len(self.stages))), default=0)
+        if busy == 0:
+            return 0.0
+        return max(self.span(s) for s in range(len(self.stages))) / busy - 1
 
     @classmethod
     def from_records(cls, records: Sequence[Sequence[tuple[Action, float, float]]],
@@ -276,7 +298,11 @@ def bubble_closed_form(name: str, P: int, M: int, V: int = 1) -> float:
     shrink V times (arXiv:2104.04473, Sec. 2.2.2, for M a multiple of P; the schedule in
     schedules.py meets it for every M >= P).
     "zb-h1": (P-1)/(3M+P-1): bubble (P-1)(T_F+T_B-T_W) against 1F1B's (P-1)(T_F+T_B+T_W)
-    (Qi et al. 2023, arXiv:2401.10241, Sec. 2.1), for M >= P."""
+    (Qi et al. 2023, arXiv:2401.10241, Sec. 2.1), for M >= P.
+    "zb-h2", "zb-1p", "zb-2p": the same for one synchronous step: stage P-1 cannot start
+    before P-1 forwards and has 3M units of work, so 3M + P-1 is the least makespan, and
+    they reach it (M >= P; zb-h2 M >= 2P-1). What ZB-H2 and ZB-2p gain is the idle time
+    inside each stage's span, which only overlapping iterations recover: steady_bubble."""
     key = name.lower().replace("_", "-")
     if P < 1 or M < 1 or V < 1:
         raise ValueError(f"bubble_closed_form: need P, M, V >= 1, got P={P}, M={M}, V={V}.")
@@ -284,7 +310,7 @@ def bubble_closed_form(name: str, P: int, M: int, V: int = 1) -> float:
         return (P - 1) / (M + P - 1)
     if key in ("interleaved", "interleaved-1f1b"):
         return (P - 1) / (V * M + P - 1)
-    if key in ("zb-h1", "zero-bubble-h1", "zbh1"):
+    if key in ("zb-h1", "zero-bubble-h1", "zbh1", "zb-h2", "zb-1p", "zb-2p"):
         return (P - 1) / (3 * M + P - 1)
     raise ValueError(f"bubble_closed_form: no closed form for schedule {name!r}; known: "
-                     "'gpipe', '1f1b', 'interleaved', 'zb-h1'.")
+                     "'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-h2', 'zb-1p', 'zb-2p'.")

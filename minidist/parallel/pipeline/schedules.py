@@ -2,10 +2,15 @@
 micro-batch, and in what order.
 
 A pipeline schedule says, for each of the P stages (pp ranks), the order in which that
-stage runs its actions: a plain list per stage. Each rank holds V model chunks (V = 1
-except for interleaved 1F1B); chunk c of stage s is VIRTUAL stage k = c P + s, so the
-model's layers flow through virtual stages 0, 1, ..., V P - 1 (stage 0, 1, ..., P-1, then
-stage 0 again).
+stage runs its actions: a plain list per stage. Each rank holds V model chunks, and the
+model's layers flow through VIRTUAL stages 0, 1, ..., V P - 1. Which chunk of which stage
+is virtual stage k is the schedule's placement:
+    "loop"  chunk c of stage s is k = c P + s: stage 0, 1, ..., P-1, then stage 0 again
+            (V = 1: plain pipelines; V >= 2: interleaved 1F1B)
+    "v"     V = 2, chunk 0 of stage s is k = s and chunk 1 is k = 2P-1-s: down the stages
+            and back up, so stage 0 holds the first AND the last piece of the model and
+            the turn at stage P-1 is a hand-over inside one rank (ZBV, V-Half, V-Min:
+            Qi et al. 2024, arXiv:2405.15362, Sec. 3)
     F(m, c)   forward of micro-batch m through chunk c
     B(m, c)   its backward: the whole backward, or, in a split schedule (zero bubble),
               only the gradient of the chunk's input (what the previous stage waits for)
@@ -13,7 +18,9 @@ stage 0 again).
 The messages an action implies are not written in the schedule; `messages_in` and
 `messages_out` derive them, so a schedule cannot name a send that does not exist.
 
-Generators: gpipe, one_f_one_b, interleaved_1f1b, zero_bubble_h1 (make_schedule by name).
+Generators (the handcrafted ones): gpipe, one_f_one_b, interleaved_1f1b, zero_bubble_h1,
+zero_bubble_h2; schedule_auto.py finds the others (ZB-1p, ZB-2p, ZBV) under a memory
+limit, and family.py names them all (make_schedule).
 schedule_csv.py reads and writes them as text, schedule_validate.py proves one complete
 and deadlock-free, schedule_sim.py gives its timeline, bubble and peak activations, and
 stage.py runs it on the ranks. The micro-batches themselves, and the trivial schedule
@@ -27,6 +34,21 @@ from dataclasses import dataclass
 
 
 KINDS = ("F", "B", "W")
+PLACEMENTS = ("loop", "v")
+
+
+def vstage_of(placement: str, P: int, stage: int, chunk: int) -> int:
+    """The virtual stage that chunk `chunk` of stage `stage` is, under `placement`."""
+    if placement == "v" and chunk == 1:
+        return 2 * P - 1 - stage
+    return chunk * P + stage
+
+
+def place_of(placement: str, P: int, vstage: int) -> tuple[int, int]:
+    """(stage, chunk) that holds virtual stage `vstage` under `placement`."""
+    if placement == "v" and vstage >= P:
+        return 2 * P - 1 - vstage, 1
+    return vstage % P, vstage // P
 
 
 @dataclass(frozen=True, order=True)
@@ -57,7 +79,8 @@ class Message:
 @dataclass(frozen=True)
 class PipelineSchedule:
     """actions[s]: stage s's actions in the order it runs them. P stages, M micro-batches,
-    V chunks per stage; split_backward: B is the input gradient only and W exists."""
+    V chunks per stage; split_backward: B is the input gradient only and W exists;
+    placement: "loop" or "v" (module docstring), which chunk is which virtual stage."""
 
     name: str
     stages: int
@@ -65,6 +88,15 @@ class PipelineSchedule:
     actions: tuple[tuple[Action, ...], ...]
     chunks: int = 1
     split_backward: bool = False
+    placement: str = "loop"
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"PipelineSchedule {self.name!r}: placement {self.placement!r} "
+                             f"is unknown; use one of {PLACEMENTS}.")
+        if self.placement == "v" and self.chunks != 2:
+            raise ValueError(f"PipelineSchedule {self.name!r}: the V placement has exactly "
+                             f"2 chunks per stage (down and back up), not {self.chunks}.")
 
     @property
     def n_virtual(self) -> int:
@@ -72,12 +104,14 @@ class PipelineSchedule:
         return self.chunks * self.stages
 
     def vstage(self, stage: int, chunk: int) -> int:
-        """Virtual stage of chunk `chunk` of stage `stage`: c P + s."""
-        return chunk * self.stages + stage
+        """Virtual stage of chunk `chunk` of stage `stage`: c P + s ("loop"), or s for chunk
+        0 and 2P-1-s for chunk 1 ("v")."""
+        return vstage_of(self.placement, self.stages, stage, chunk)
 
     def place(self, vstage: int) -> tuple[int, int]:
-        """(stage, chunk) holding virtual stage k: (k mod P, k div P)."""
-        return vstage % self.stages, vstage // self.stages
+        """(stage, chunk) holding virtual stage k: (k mod P, k div P) ("loop"), or (k, 0)
+        for k < P and (2P-1-k, 1) after the turn ("v")."""
+        return place_of(self.placement, self.stages, vstage)
 
     def messages_in(self, stage: int, a: Action) -> list[Message]:
         """What action `a` of `stage` must receive before it runs: F the activation from
@@ -115,9 +149,6 @@ class PipelineSchedule:
 # read from a CSV file) complete and free of deadlock before a single process starts.
 # Backwards (and Ws) run in ascending micro-batch order on every stage, so each gradient
 # accumulates in the order the single process adds it.
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-
 
 def _check_sizes(name: str, P: int, M: int, V: int = 1) -> None:
     for what, value in (("P (stages)", P), ("M (micro-batches)", M), ("V (chunks)", V)):
@@ -201,8 +232,8 @@ def zero_bubble_h1(P: int, M: int) -> PipelineSchedule:
     Only B is on the critical path: the previous stage waits for its gradient, nobody waits
     for W. Built as a list schedule in unit time (F = B = W = 1, messages free): at every
     step each stage runs the first of these that can run now,
-        F  its input has arrived, fewer than P-s forwards lack their B (1F1B's limit), and
-           fewer than P micro-batches are held (F done, W not): 1F1B's peak memory
+        F  its input has arrived, fewer than P-s forwards lack their B (1F1B's warm-up),
+           and fewer than P micro-batches are held (F done, W not): 1F1B's peak memory
         B  its F is done and its gradient has arrived (the last stage needs none)
         W  the oldest whose B is done
     and the order of its picks is the schedule. F goes first because the next stage waits
@@ -211,47 +242,56 @@ def zero_bubble_h1(P: int, M: int) -> PipelineSchedule:
     B+W = 2. Reference: Qi et al. 2023, arXiv:2401.10241, Sec. 2.1 (ZB-H1).
     """
     _check_sizes("zb-h1", P, M)
+    return _zero_bubble("zb-h1", P, M, [P - s for s in range(P)], P)
+
+
+def zero_bubble_h2(P: int, M: int) -> PipelineSchedule:
+    """ZB-H2: ZB-H1's rules with the warm-up doubled, 2(P-1-s) + 1 forwards on stage s
+    (every forward that can arrive before the stage's first gradient) and up to 2P-1
+    micro-batches held: no stage waits for its first B, and the Ws left at the end fill
+    its tail, so every stage is busy from its first action to its last.
+
+    The stages start one step apart and end one step apart (a parallelogram, not 1F1B's
+    trapezoid): the makespan of one step is still 3M + P-1, but the idle time inside
+    each stage's own span is 0 for M >= 2P-1, so when iterations overlap (Qi et al.'s
+    optimizer post-validation) the bubble is gone: Timeline.steady_bubble = 0. Peak
+    memory 2P-1 micro-batches. Reference: Qi et al. 2023, arXiv:2401.10241, Sec. 2.2.
+    """
+    _check_sizes("zb-h2", P, M)
+    return _zero_bubble("zb-h2", P, M, [2 * (P - 1 - s) + 1 for s in range(P)], 2 * P - 1)
+
+
+def _zero_bubble(name: str, P: int, M: int, warmup: list[int], held: int
+                 ) -> PipelineSchedule:
+    """The handcrafted zero-bubble list schedule: stage s may run a forward while fewer
+    than warmup[s] forwards lack their B and fewer than `held` micro-batches are held."""
     done_at: dict[tuple[int, str, int], int] = {}     # (stage, kind, m) -> step it ends
     nxt = [dict.fromkeys(KINDS, 0) for _ in range(P)]   # stage s's next m of each kind
     order: list[list[Action]] = [[] for _ in range(P)]
     t = 0
     while any(n["W"] < M for n in nxt):
         for s in range(P):
-            kind = _zb_pick(s, P, M, t, nxt[s], done_at)
+            kind = _zb_pick(s, P, M, t, nxt[s], done_at, warmup[s], held)
             if kind is not None:
                 done_at[s, kind, nxt[s][kind]] = t + 1
                 order[s].append(Action(kind, nxt[s][kind]))
                 nxt[s][kind] += 1
         t += 1
         if t > 3 * M * P + P:                            # never seen; a bug, not bad input
-            raise RuntimeError(f"zero_bubble_h1: no progress after {t} steps (P={P}, M={M})")
-    return PipelineSchedule("zb-h1", P, M, tuple(map(tuple, order)), split_backward=True)
+            raise RuntimeError(f"{name}: no progress after {t} steps (P={P}, M={M})")
+    return PipelineSchedule(name, P, M, tuple(map(tuple, order)), split_backward=True)
 
 
 def _zb_pick(s: int, P: int, M: int, t: int, n: dict[str, int],
-             done_at: dict[tuple[int, str, int], int]) -> str | None:
+             done_at: dict[tuple[int, str, int], int], warmup: int, held: int) -> str | None:
     """What stage s runs at step t (F, B, W or None); n: its next micro-batch per kind."""
     def ended(key):
         return done_at.get(key, t + 1) <= t
     f, b, w = n["F"], n["B"], n["W"]
-    if f < M and (s == 0 or ended((s - 1, "F", f))) and f - b < P - s and f - w < P:
+    if f < M and (s == 0 or ended((s - 1, "F", f))) and f - b < warmup and f - w < held:
         return "F"
     if b < f and ended((s, "F", b)) and (s == P - 1 or ended((s + 1, "B", b))):
         return "B"
     if w < b and ended((s, "B", w)):
         return "W"
     return None
-
-
-def make_schedule(name: str, P: int, M: int, V: int = 2) -> PipelineSchedule:
-    """The schedule called `name` (one of SCHEDULES); V is used by "interleaved" only."""
-    if name == "gpipe":
-        return gpipe(P, M)
-    if name == "1f1b":
-        return one_f_one_b(P, M)
-    if name == "interleaved":
-        return interleaved_1f1b(P, M, V)
-    if name == "zb-h1":
-        return zero_bubble_h1(P, M)
-    raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}, or "
-                     "read your own with from_csv.")

@@ -77,7 +77,7 @@ from minidist.autograd.saved import ctx_arrays, distinct_bytes, graph_nodes
 from minidist.autograd.split import backward_input
 from minidist.nn.module import ModuleSubset
 from minidist.parallel import placement as pl
-from minidist.parallel.pipeline.schedules import Action, PipelineSchedule
+from minidist.parallel.pipeline.schedules import Action, PipelineSchedule, place_of, vstage_of
 
 
 class PipelineError(RuntimeError):
@@ -110,18 +110,20 @@ def split_layers(n_layer: int, pieces: int, layers_per_stage=None) -> list[range
 
 @dataclass(frozen=True)
 class PipelineCut:
-    """Which layers stage `stage` of P holds: pieces[k] = the layers of virtual stage k."""
+    """Which layers stage `stage` of P holds: pieces[k] = the layers of virtual stage k;
+    placement: which of its chunks is which virtual stage (schedules.PLACEMENTS)."""
 
     stage: int
     stages: int
     pieces: tuple[range, ...]
+    placement: str = "loop"
 
     @property
     def chunks(self) -> int:
         return len(self.pieces) // self.stages
 
     def vstage(self, chunk: int) -> int:
-        return chunk * self.stages + self.stage
+        return vstage_of(self.placement, self.stages, self.stage, chunk)
 
     def layers(self, chunk: int) -> range:
         return self.pieces[self.vstage(chunk)]
@@ -133,8 +135,9 @@ class PipelineCut:
 
     @property
     def last(self) -> bool:
-        """Holds the last virtual stage (final LayerNorm, head, loss)?"""
-        return self.stage == self.stages - 1
+        """Holds the last virtual stage (final LayerNorm, head, loss)? Stage P-1, or stage
+        0 under the V placement, where the model comes back up to where it started."""
+        return self.stage == place_of(self.placement, self.stages, len(self.pieces) - 1)[0]
 
     def holds(self, name: str, tied: bool) -> bool:
         """Does this stage keep the parameter called `name`?"""
@@ -156,20 +159,34 @@ class PipelineCut:
 
 class Links:
     """This rank's pipeline links: {(kind, peer stage): 2-rank group}, kind "act" / "grad"
-    for what it sends ("out") and receives ("in"). Built by `make_links` on every rank."""
+    for what it sends ("out") and receives ("in"). Built by `make_links` on every rank.
+    stage: this rank's stage; a message to itself (the turn of the V placement, from chunk
+    0 to chunk 1 of stage P-1 and back) is handed over in memory, in the same FIFO order."""
 
-    def __init__(self, out: dict, inc: dict) -> None:
-        self.out, self.inc = out, inc
+    def __init__(self, out: dict, inc: dict, stage: int = -1) -> None:
+        self.out, self.inc, self.stage = out, inc, stage
         self.works: list = []
+        self.local: dict[str, list[tuple[int, np.ndarray]]] = {"act": [], "grad": []}
 
     def send(self, kind: str, dst: int, x: np.ndarray, micro_batch: int) -> None:
         """Asynchronous (eager when the mailbox has room, else on this link's worker
         thread); wait_all() before the step ends."""
         x = np.ascontiguousarray(backend.to_numpy(x))
+        if dst == self.stage:
+            self.local[kind].append((micro_batch, x.copy()))
+            return
         self.works.append(C.send(x, 1, group=self.out[kind, dst], tag=micro_batch,
                                  async_op=True))
 
     def recv(self, kind: str, src: int, out: np.ndarray, micro_batch: int) -> np.ndarray:
+        if src == self.stage:
+            if not self.local[kind] or self.local[kind][0][0] != micro_batch:
+                head = self.local[kind][0][0] if self.local[kind] else None
+                raise PipelineError(f"pipeline: stage {src} expects its own {kind} of micro-"
+                                    f"batch {micro_batch}, but the hand-over holds "
+                                    f"{'nothing' if head is None else f'micro-batch {head}'}.")
+            out[...] = self.local[kind].pop(0)[1]
+            return out
         return C.recv(out, 0, group=self.inc[kind, src], tag=micro_batch)
 
     def wait_all(self) -> None:
@@ -186,14 +203,18 @@ class Links:
                 for k in ("bytes_sent", "bytes_recv", "seconds")}
 
 
-def make_links(job, grid: np.ndarray, stages: int, chunks: int) -> Links:
+def make_links(job, grid: np.ndarray, stages: int, chunks: int, placement: str = "loop"
+               ) -> Links:
     """COLLECTIVE over the world: the 2-rank link groups of every pp line.
 
     grid (P, L): global rank of stage s on pp line l. Activations flow s -> s+1 (and, with
-    chunks > 1, P-1 -> 0 into the next chunk); gradients the other way.
+    chunks > 1, P-1 -> 0 into the next chunk; under the V placement back up, s+1 -> s);
+    gradients the other way.
     """
     edges = [(s, s + 1) for s in range(stages - 1)]
-    if chunks > 1 and stages > 1:
+    if placement == "v":
+        edges += [(s + 1, s) for s in range(stages - 1)]
+    elif chunks > 1 and stages > 1:
         edges.append((stages - 1, 0))
     out, inc = {}, {}
     for line in range(grid.shape[1]):
@@ -205,7 +226,8 @@ def make_links(job, grid: np.ndarray, stages: int, chunks: int) -> Links:
                     out[kind, dst] = g
                 elif g is not None:
                     inc[kind, src] = g
-    return Links(out, inc)
+    mine = np.nonzero(grid == job.rank)[0]
+    return Links(out, inc, int(mine[0]) if mine.size else -1)
 
 
 class PipelineStage:
@@ -255,7 +277,11 @@ class PipelineStage:
         shares are summed. The engine's step() then reduces the rest and updates."""
         self.begin(batches, n_tokens)
         last = self.last_backwards() if engine.overlaps_backward else set()
-        if self.embed_group is not None:
+        # the tied wte takes two shares, the embedding's and the head's: on two stages
+        # (summed by sync_tied), or on stage 0 in two chunks (the V placement)
+        tied = self.embed_group is not None or (
+            self.model.cfg.tie_weights and self.cut.first and self.cut.last)
+        if tied:
             engine.hold(self.model.wte.weight)
         for i, a in enumerate(self.schedule.actions[self.cut.stage]):
             with contextlib.nullcontext() if i in last else engine.no_sync():
@@ -263,6 +289,7 @@ class PipelineStage:
         loss = self.finish()
         if self.embed_group is not None:
             sync_tied(engine, self.model, self.embed_group)
+        if tied:
             engine.release(self.model.wte.weight)
         return loss
 

@@ -18,7 +18,7 @@ from minidist.baseline import train_single_process
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.nn import GPT, MoE
 from minidist.nn.moe import route_groups
-from minidist.parallel.pipeline import schedules
+from minidist.parallel.pipeline import family
 from minidist.runtime.launch import spawn
 from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from tests.helpers import assert_runs_match
@@ -128,7 +128,7 @@ LAYOUTS = [(1, *f) for f in FACTORISATIONS] + list(PIPELINED)
 
 def _case(i, pp, dp, cp, tp):
     zero = i % 4 if pp == 1 else i % 3                     # ZeRO-3 with pp is refused
-    name = schedules.SCHEDULES[i % 4] if pp <= 4 or i % 4 != 2 else "zb-h1"
+    name = family.SCHEDULES[i % 4] if pp <= 4 or i % 4 != 2 else "zb-h1"
     return pp, dp, cp, tp, zero, 1 + i % 2, 1 + (i // 2) % 2, name
 
 
@@ -173,7 +173,7 @@ EXPERT_LAYOUTS = [(pp, dp, ep, cp, tp) for pp, dp, cp, tp, *_ in DEFAULT
 
 
 def _ep_case(i, pp, dp, ep, cp, tp):
-    name = schedules.SCHEDULES[(i + 1) % 4] if pp <= 4 else "1f1b"
+    name = family.SCHEDULES[(i + 1) % 4] if pp <= 4 else "1f1b"
     return pp, dp, ep, cp, tp, i % 4 if pp == 1 else i % 3, 1 + (i + 1) % 2, 1 + i % 2, name
 
 

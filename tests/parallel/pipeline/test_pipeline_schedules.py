@@ -12,8 +12,9 @@ from fractions import Fraction
 import pytest
 
 from minidist.parallel.pipeline.schedule_validate import ScheduleError, validate
+from minidist.parallel.pipeline.family import SCHEDULES, chunks_of, make_schedule
 from minidist.parallel.pipeline.schedules import (
-    SCHEDULES, Action, PipelineSchedule, gpipe, interleaved_1f1b, make_schedule, one_f_one_b,
+    Action, PipelineSchedule, gpipe, interleaved_1f1b, one_f_one_b,
                                                   zero_bubble_h1)
 from minidist.parallel.pipeline.schedule_csv import from_csv, to_csv
 
@@ -64,7 +65,7 @@ def test_every_generator_is_valid(name, P):
             s = make_schedule(name, P, M, V)
             validate(s)
             assert (s.stages, s.micro_batches) == (P, M)
-            assert s.chunks == (V if name == "interleaved" else 1)
+            assert s.chunks == chunks_of(name, V)
 
 
 @pytest.mark.parametrize("bad", [dict(P=0, M=2), dict(P=2, M=0), dict(P=2, M=-1)])
@@ -259,7 +260,8 @@ def test_csv_reads_comments_blanks_and_spaces():
 
 
 @pytest.mark.parametrize("text, match", [
-    ("0F0,0B0\n0F0,1B0\n", r"line 2, column 1 \('0F0'\): virtual stage 0 runs on stage 0"),
+    ("0F0,0B0\n0F0,1B0\n", r"line 2, column 1 \('0F0'\): virtual stage 0 cannot be on "
+     r"stage 1: in the loop placement it runs on stage 0"),
     ("0F0, 0X0\n", r"line 1, column 2 \('0X0'\): a cell is"),
     ("# c\n0F0,F1\n", r"line 2, column 2 \('F1'\)"),
     ("# only a comment\n", "no stage lines"),

@@ -16,6 +16,7 @@ import pytest
 
 from minidist.observe.trace import Trace
 from minidist.parallel.pipeline import schedule_render as R
+from minidist.parallel.pipeline import family
 from minidist.parallel.pipeline import schedules as S
 from minidist.parallel.pipeline.schedule_sim import (Slot, Timeline, bubble_closed_form,
                                                      peak_activations, simulate)
@@ -224,9 +225,9 @@ def test_zb_h1_peak_activations_match_1f1b_first_stage():
 
 
 def test_make_schedule_names_have_closed_forms():
-    for name in S.SCHEDULES:
+    for name in set(family.SCHEDULES) - {"zbv"}:          # zbv: measured, test_family.py
         P, M = 2, 4
-        tl = simulate(S.make_schedule(name, P, M, V=2))
+        tl = simulate(family.make_schedule(name, P, M, V=2))
         assert tl.bubble_fraction() == bubble_closed_form(name, P, M, V=2), name
 
 

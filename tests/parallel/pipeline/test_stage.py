@@ -16,7 +16,7 @@ import pytest
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
 from minidist.parallel import micro_batching
-from minidist.parallel.pipeline import schedules
+from minidist.parallel.pipeline import family, schedules
 from minidist.parallel.pipeline.schedule_validate import ScheduleError
 from minidist.parallel.pipeline.stage import PipelineCut, split_layers
 from minidist.runtime.errors import RankFailure
@@ -52,19 +52,20 @@ def _run(plan: Plan, n_layer: int, tie: bool = True, n_head: int = 2, what: str 
 
 
 SWEEP = [(P, M, name) for P in (2, 3, 4) for M in sorted({1, P, 2 * P + 1})
-         for name in schedules.SCHEDULES]
+         for name in family.SCHEDULES]
 # Default run: each schedule once on 2 stages (the cheapest), 1F1B and ZB-H1 with M > P so
 # they reach their steady state; 3 stages (a middle stage) run in
 # test_tied_embedding_copies_stay_bitwise_equal[3]. The rest of the sweep is slow.
-DEFAULT = {(2, 1, "gpipe"), (2, 5, "1f1b"), (2, 2, "interleaved"), (2, 5, "zb-h1")}
+DEFAULT = {(2, 1, "gpipe"), (2, 5, "1f1b"), (2, 2, "interleaved"), (2, 5, "zb-h1"),
+           (2, 5, "zb-2p"), (2, 5, "zbv")}
 CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in SWEEP]
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("P, M, name", CASES)
 def test_every_schedule_matches_the_single_process(P, M, name):
-    # interleaved: 2 chunks of one layer per stage; else P + 1 layers, split unevenly
-    n_layer = 2 * P if name == "interleaved" else P + 1
+    # interleaved, zbv: 2 chunks of one layer per stage; else P + 1 layers, split unevenly
+    n_layer = 2 * P if family.chunks_of(name) == 2 else P + 1
     _run(Plan(pp=P, micro_batches=M, schedule=name), n_layer)
 
 

@@ -34,6 +34,7 @@ from minidist.observe import run_dir
 from minidist.observe.peak import peak_flops
 from minidist.observe.progress import Progress
 from minidist.parallel.compose import Plan
+from minidist.parallel.pipeline.family import SCHEDULES
 from minidist.reliability import recovery, straggler as stragglers
 from minidist.reliability.checkpoint import CheckpointError, CheckpointStorageError
 from minidist.runtime import RankFailure
@@ -224,8 +225,9 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--ep", type=at_least(1), default=1,
                     help="expert-parallel ranks: data-parallel ranks sharing the experts")
     ap.add_argument("--schedule", default="1f1b",
-                    help="pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, or a CSV file "
-                         "(one line per stage, cells like 0F0,0F1,0B0)")
+                    help=f"pipeline schedule: {', '.join(SCHEDULES)} (what each needs and "
+                         "claims: parallel/pipeline/family.py), or a CSV file (one line per "
+                         "stage, cells like 0F0,0F1,0B0; 0F4&1B1 an overlapped pair)")
     ap.add_argument("--virtual-stages", type=at_least(1), default=None,
                     help="model chunks per pp rank for --schedule interleaved (default 2)")
     ap.add_argument("--layers-per-stage", type=_int_list, default=None,

@@ -47,7 +47,7 @@ from minidist.memory.budget_models import parameter_count
 from minidist.nn import GPTConfig
 from minidist.parallel.compose import Plan
 from minidist.parallel.pipeline.schedule_csv import from_csv
-from minidist.parallel.pipeline.family import SCHEDULES, chunks_of
+from minidist.parallel.pipeline.family import SCHEDULES, chunks_of, pieces
 from minidist.parallel.pipeline.schedules import PipelineSchedule
 from minidist.reliability import confined, recovery
 from minidist.runtime.launch import check_world_size
@@ -135,16 +135,13 @@ def _defaults(a: argparse.Namespace) -> list[str]:
     if a.dp is None:
         a.dp = a.ep
     a.schedule_value = _schedule_argument(a.schedule)
-    chunks = chunks_of(a.schedule, a.virtual_stages or 2)
-    if isinstance(a.schedule_value, PipelineSchedule):
-        chunks = a.schedule_value.chunks
     if a.n_layer is None:
-        a.n_layer = max(2, a.pp * chunks) if a.layers_per_stage is None \
+        a.n_layer = max(2, _pieces(a)) if a.layers_per_stage is None \
             else sum(a.layers_per_stage)
         if a.n_layer > 2 and a.layers_per_stage is None:
             notes.append(f"note: --n-layer {a.n_layer} (default): one layer for each of the "
-                         f"--pp {a.pp} x {chunks} virtual stage(s) = {a.pp * chunks} pieces "
-                         "of the model")
+                         f"{_pieces(a)} pieces of the model (--pp {a.pp}, {_chunks(a)} "
+                         "chunk(s) per stage)")
     if a.grad_accum is None:
         a.grad_accum = 1
         if a.pp > 1:
@@ -244,10 +241,10 @@ def _validated(a: argparse.Namespace) -> Job:
                           f"with --cp {a.cp} ring attention already rebuilds its "
                           "probabilities block by block and Ulysses is not wrapped: use "
                           "--recompute full")
-    if a.pp > 1 and a.layers_per_stage is None and a.n_layer < a.pp * _chunks(a):
-        raise OptionError(f"--n-layer {a.n_layer} is fewer than the --pp {a.pp} x "
-                          f"{_chunks(a)} virtual stage(s) = {a.pp * _chunks(a)} pieces of the "
-                          f"model; use --n-layer {a.pp * _chunks(a)} or more, or a smaller --pp")
+    if a.pp > 1 and a.layers_per_stage is None and a.n_layer < _pieces(a):
+        raise OptionError(f"--n-layer {a.n_layer} is fewer than the {_pieces(a)} pieces "
+                          f"--pp {a.pp} --schedule {a.schedule} cuts the model into; use "
+                          f"--n-layer {_pieces(a)} or more, or a smaller --pp")
     if a.run_dir is not None and a.run_dir.lower() != "none" and os.path.exists(a.run_dir) \
             and not os.path.isdir(a.run_dir):
         raise OptionError(f"--run-dir {a.run_dir}: is a file, not a directory; give a "
@@ -300,6 +297,13 @@ def _fits_in_memory(a: argparse.Namespace, cfg: GPTConfig, T: int) -> None:
                           f"micro-batch of {rows} x T={T} tokens' activations), more than this "
                           f"machine's {have / 2**30:.1f} GiB; use a smaller --length, --batch, "
                           "--n-embd or --n-layer")
+
+
+def _pieces(a: argparse.Namespace) -> int:
+    """How many pieces the options cut the model into (one layer each at least)."""
+    if isinstance(getattr(a, "schedule_value", None), PipelineSchedule):
+        return a.schedule_value.n_virtual
+    return pieces(a.schedule, a.pp, a.virtual_stages or 2)
 
 
 def _chunks(a: argparse.Namespace) -> int:

@@ -68,7 +68,7 @@ from minidist.parallel.pipeline import schedule_render as render
 from minidist.parallel.pipeline.schedule_sim import (Timeline, bubble_closed_form,
                                                      peak_activations, simulate)
 from minidist.parallel.pipeline.family import SCHEDULES
-from minidist.parallel.pipeline.schedules import KINDS, Action, PipelineSchedule
+from minidist.parallel.pipeline.schedules import FB, KINDS, Action, PipelineSchedule
 from minidist.runtime.launch import spawn
 
 SEED, LR = 0, 1e-3
@@ -90,30 +90,40 @@ def held_bytes_formula(schedule: PipelineSchedule, unit_bytes: list[list[int]]) 
     """Per stage, the most bytes held at once if (m, c) keeps unit_bytes[s][c] (one
     micro-batch alone on chunk c) from its F until its B (W when split): peak_activations'
     scan, weighted. V = 1: peak_activations x unit bytes."""
-    release = "W" if schedule.split_backward else "B"
     out = []
     for s, row in enumerate(schedule.actions):
         held = peak = 0
         for a in row:
-            held += unit_bytes[s][a.chunk] * ((a.kind == "F") - (a.kind == release))
-            peak = max(peak, held)
+            for p in a.parts():
+                frees = p.kind == "W" or (p.kind == "B" and not schedule.is_split(
+                    s, p.micro_batch, p.chunk))
+                held += unit_bytes[s][p.chunk] * ((p.kind == "F") - frees)
+                peak = max(peak, held)
         out.append(peak)
     return out
 
 
 def measured_costs(schedule: PipelineSchedule, timelines: list[Timeline]) -> dict[str, list]:
     """{kind: per stage, median duration of its actions of that kind x V}: the cost of a
-    stage's whole share, as simulate() takes it; kinds that never ran cost 0 (W unsplit)."""
+    stage's whole share, as simulate() takes it (a dual chunk is a whole share: x 1);
+    kinds that never ran cost 0 (W unsplit). B is the median of the split Bs where some
+    are split (a whole one is then simulated as B + W); FB only where the schedule has
+    some (DualPipe's overlapped pairs, run one after the other here)."""
+    share = 1 if schedule.placement == "dual" else schedule.chunks
+
     def cost(kind: str, s: int) -> float:
-        d = [sl.duration for tl in timelines for sl in tl.stages[s] if sl.action.kind == kind]
-        return statistics.median(d) * schedule.chunks if d else 0.0
-    return {kind: [cost(kind, s) for s in range(schedule.stages)] for kind in KINDS}
+        d = [sl.duration for tl in timelines for sl in tl.stages[s] if sl.action.kind == kind
+             and (kind != "B" or not schedule.split_backward or schedule.is_split(
+                 s, sl.action.micro_batch, sl.action.chunk))]
+        return statistics.median(d) * share if d else 0.0
+    kinds = KINDS + ((FB,) if any(a.kind == FB for r in schedule.actions for a in r) else ())
+    return {kind: [cost(kind, s) for s in range(schedule.stages)] for kind in kinds}
 
 
 def _sender(schedule: PipelineSchedule, msg) -> tuple[int, Action]:
     """(stage, action) that sends `msg`: F of virtual stage k-1, or B of k+1 (a gradient)."""
     k, kind = (msg.vstage - 1, "F") if msg.kind == "act" else (msg.vstage + 1, "B")
-    stage, chunk = schedule.place(k)
+    stage, chunk = schedule.place(k, msg.micro_batch)
     return stage, Action(kind, msg.micro_batch, chunk)
 
 
@@ -124,7 +134,8 @@ def waits(schedule: PipelineSchedule, timelines: list[Timeline]) -> tuple[list, 
     receives nothing, the time since its stage's previous action ended (Python between)."""
     lat, gaps = [], []
     for tl in timelines:
-        end = {(s, sl.action): sl.end for s, row in enumerate(tl.stages) for sl in row}
+        end = {(s, p): sl.end for s, row in enumerate(tl.stages) for sl in row
+               for p in sl.action.parts()}
         for s, row in enumerate(tl.stages):
             for prev, sl in zip(row, row[1:]):
                 msgs = schedule.messages_in(s, sl.action)

@@ -290,6 +290,28 @@ def _with_aux_terms(ce: dict, stage, batches: list, pp_group) -> dict:
     return out
 
 
+def _over_mirror(per_sample: dict, mirror) -> dict:
+    """DualPipe's copies: every parameter is on stage s and P-1-s, and each sample's
+    gradient of it is on one of them (the other's share is 0: x + 0 = x), except the tied
+    wte of the end stages, whose embedding and head shares are a + b = b + a exactly.
+    COLLECTIVE over the mirror pair."""
+    keys = sorted(per_sample)
+    both = C.all_gather(np.stack([per_sample[m] for m in keys]), group=mirror)
+    return {m: both[0, j] + both[1, j] for j, m in enumerate(keys)}
+
+
+def _losses_over_mirror(losses: dict, n: int, mirror) -> dict:
+    """{m: loss} of both directions: the first half's from stage P-1, the rest from stage
+    0. COLLECTIVE over the mirror pair of stages 0 and P-1."""
+    mine = np.full(n, np.nan)
+    for m, v in losses.items():
+        mine[m] = float(np.asarray(v).reshape(-1)[0])
+    both = C.all_gather(mine, group=mirror)
+    dtype = next(iter(losses.values())).dtype if losses else np.float64
+    return {m: np.asarray(both[1 - int(np.isnan(both[1, m])), m], dtype)
+            for m in range(n)}
+
+
 def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
                   n_tokens: int, group, pp_group, order: list[str], lr: float,
                   clip_grad: float | None, tp_group=None, owners=None, experts=None
@@ -309,19 +331,27 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
             if experts is not None:           # (a recomputing B makes new aliases: kept)
                 experts.at(a.micro_batch)
             stage.run(a)
-            if a.kind == "F" and stage.cut.vstage(a.chunk) == stage.last_vstage:
-                # the sample's loss without the MoE terms, before B drops the graph
-                losses[a.micro_batch] = stage.live[a.micro_batch, a.chunk]["ce"].data
-            elif a.kind in ("B", "W"):        # this action's share of the sample's gradient
+            for p in a.parts():               # (an FB: its F, then its B)
+                if p.kind == "F" and stage.cut.vstage(p.chunk) == stage.last_vstage:
+                    # the sample's loss without the MoE terms, before B drops the graph
+                    losses[p.micro_batch] = stage.live[p.micro_batch, p.chunk]["ce"].data
+            back = [p for p in a.parts() if p.kind in ("B", "W")]
+            if back:                          # this action's share of the sample's gradient
                 views = local_views(engine, params)
                 part = np.concatenate([v.reshape(-1) for v in views])
-                m = a.micro_batch             # each parameter's from one action: x + 0 = x
+                m = back[0].micro_batch       # each parameter's from one action: x + 0 = x
                 per_sample[m] = part if m not in per_sample else per_sample[m] + part
                 for v in views:
                     v[...] = 0
     stage.finish()
     for m in range(len(batches) if experts is not None else 0):
         experts.take(m)
+    mirror = stage.mirror_group
+    if mirror is not None:                    # "dual": each sample's share on its copy
+        per_sample = _over_mirror(per_sample, mirror)
+        if last:                              # stages 0 and P-1: each direction's losses
+            losses = _losses_over_mirror(losses, len(batches), mirror)
+            last = mirror.rank == 1           # one of the two reports them
     losses = _with_aux_terms(losses, stage, batches, pp_group)
     if stage.embed_group is not None:         # the tied wte: embedding share + head share
         at = 0

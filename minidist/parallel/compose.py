@@ -63,7 +63,7 @@ from minidist.parallel.data.ddp import ALGOS, DataParallel
 from minidist.parallel.expert.expert_parallel import apply_experts, is_expert_parameter
 from minidist.parallel.pipeline.schedule_validate import validate
 from minidist.parallel.pipeline.family import SCHEDULES, chunks_of, make_schedule
-from minidist.parallel.pipeline.schedules import PipelineSchedule
+from minidist.parallel.pipeline.schedules import PipelineSchedule, pieces_of
 from minidist.parallel.pipeline.stage import PipelineCut, PipelineStage, make_links, split_layers
 from minidist.parallel.sharding import ModelSharding
 from minidist.parallel.tensor.tensor_parallel import TensorParallel, apply_tensor
@@ -312,8 +312,9 @@ class Plan:
                              "does: it would all-gather every unit again for the forward and "
                              "the backward of each of the M micro-batches. Use zero <= 2 "
                              "(they reduce once, after the stage's last backward).")
-        split_layers(cfg.n_layer, self.pp * self.chunks, self.layers_per_stage)
         s = self.pipeline_schedule()
+        split_layers(cfg.n_layer, pieces_of(s.placement, self.pp, self.chunks),
+                     self.layers_per_stage)
         if (s.stages, s.micro_batches) != (self.pp, self.micro_batches):
             raise ValueError(f"Plan: the schedule {s.name!r} is for P={s.stages} stages and "
                              f"M={s.micro_batches} micro-batches, the Plan has pp={self.pp} "
@@ -369,7 +370,8 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
     if plan.pp > 1:                                                     # 6. the schedule
         stage = PipelineStage(sharding.model, groups["cut"], groups["links"],
                               plan.pipeline_schedule(), sequence_shards=plan.tp,
-                              sequence=plan.sequence_parallel, embed_group=groups["embed"])
+                              sequence=plan.sequence_parallel, embed_group=groups["embed"],
+                              mirror_group=groups["mirror"])
     return Layout(groups["mesh"], groups["dp"], groups["cp"], groups["tp"], groups["grad"],
                   sharding, engine, context, groups.get("pp"), stage, groups.get("ep"),
                   groups.get("edp"))
@@ -495,8 +497,9 @@ def _pipeline_groups(job, mesh: DeviceMesh, plan: Plan, cfg: GPTConfig) -> dict:
     P = plan.pp
     pp = mesh.group("pp")
     grid = mesh.grid.reshape(P, -1)                       # grid[s, line] = global rank
-    pieces = tuple(split_layers(cfg.n_layer, P * plan.chunks, plan.layers_per_stage))
     placement = plan.pipeline_schedule().placement
+    pieces = tuple(split_layers(cfg.n_layer, pieces_of(placement, P, plan.chunks),
+                                plan.layers_per_stage))
     links = make_links(job, grid, P, plan.chunks, placement)
     model = pp if plan.tp == 1 else mesh.flatten(("pp", "tp"), "pp_tp")
     embed = None
@@ -508,5 +511,13 @@ def _pipeline_groups(job, mesh: DeviceMesh, plan: Plan, cfg: GPTConfig) -> dict:
             if g is not None and job.rank in (grid[0, line], grid[-1, line]) and (
                     P > 2 or job.rank in pp.ranks):
                 embed = g
+    mirror = None
+    if placement == "dual":                   # stage s and P-1-s hold the same pieces
+        for line in range(grid.shape[1]):
+            for s in range(P // 2):
+                pair = (int(grid[s, line]), int(grid[P - 1 - s, line]))
+                g = pp if P == 2 else job.new_group(pair, name=f"mirror{line}.{s}")
+                if g is not None and job.rank in pair and (P > 2 or job.rank in pp.ranks):
+                    mirror = g
     return {"pp": pp, "cut": PipelineCut(pp.rank, P, pieces, placement), "links": links,
-            "model": model, "embed": embed}
+            "model": model, "embed": embed, "mirror": mirror}

@@ -106,6 +106,28 @@ def test_pipeline_layouts_equal_the_single_process_bit_for_bit(dtype, dp, pp, ze
         _same(run, ref, f"{plan.describe()} ZeRO-{zero} {schedule} rank {r}")
 
 
+FAMILY_CASES = [(1, 2, 0, 4, "dualpipe"), (1, 2, 0, 4, "zbv"), (2, 2, 1, 6, "dualpipe"),
+                (1, 4, 0, 12, "dualpipe"), (1, 2, 0, 4, "dualpipev"), (1, 4, 0, 12, "dualpipev"),
+                (2, 2, 2, 6, "zbv"), (1, 4, 0, 4, "zbv"), (1, 2, 0, 3, "zb-2p"),
+                (1, 3, 0, 3, "zb-1p"), (1, 2, 0, 3, "zb-h2")]
+
+
+# default: DualPipe (two directions, mirrored copies, FB actions) and ZBV (the V's turn)
+@pytest.mark.parametrize("dp, pp, zero, M, schedule, dtype", _dtype_cases(
+    FAMILY_CASES, ["-".join(map(str, c)) for c in FAMILY_CASES],
+    default={"1-2-0-4-dualpipe-float32", "1-2-0-4-zbv-float64"}))
+def test_the_schedule_family_equals_the_single_process_bit_for_bit(dtype, dp, pp, zero, M,
+                                                                  schedule):
+    """A V turns inside a stage; DualPipe's mirrors each hold one direction's share of a
+    sample's gradient (x + 0 = x: exact) and its loss: every layout gives the same bits."""
+    cfg = _cfg(dtype).__class__(**{**_cfg(dtype).__dict__, "n_layer": 2 * pp})
+    ref = train_single_process(cfg, DATA, steps=STEPS, global_batch=B, lr=LR, clip_grad=CLIP,
+                               deterministic=True)
+    plan = Plan(dp=dp, pp=pp, zero=zero, micro_batches=M, schedule=schedule)
+    for r, run in enumerate(spawn(dp * pp, _rank, cfg, plan)):
+        _same(run, ref, f"{plan.describe()} ZeRO-{zero} rank {r}")
+
+
 def _grain_rank(ctx, cfg, plan, grain):
     return train_on_rank(ctx, cfg, DATA, plan,
                          RunConfig(steps=STEPS, global_batch=B, deterministic=True, grain=grain),

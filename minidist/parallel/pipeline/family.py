@@ -10,6 +10,8 @@ claims (bubble, activation memory, point-to-point volume), with its source.
     zb-1p        schedule_auto, memory P     loop       yes      1/3       1       1
     zb-2p        schedule_auto, memory 2P    loop       yes      0         2       1
     zbv          schedule_auto, memory P     v          yes      0         1       2
+    dualpipe     dualpipe.dualpipe           dual       part     see below (P+1)/P 1
+    dualpipev    dualpipe.dualpipe_v         v          part     see below (2P+1)/2P 2
 
 bubble: the steady-state bubble rate (schedule_sim.Timeline.steady_bubble) at F = B = W
 and M >= 2P, in units of 1F1B's (P-1)/M; memory: peak activations in units of 1F1B's
@@ -19,8 +21,13 @@ table; arXiv:2405.15362 for ZBV); tests/parallel/pipeline/test_family.py measure
 against the simulator and says where this implementation falls short (ZBV: its greedy
 leaves a small tail, under 1/4 of 1F1B's bubble, where the paper reports 0).
 
-Every schedule runs for any P >= 1 and M >= 1; the handcrafted ones reach their bubble
-for M >= P (ZB-H2: M >= 2P-1), the automatic ones are searched for the given P and M.
+DualPipe and DualPipeV (dualpipe.py) overlap a forward with a backward (FB actions) and
+split only some backwards; their bubble is DeepSeek-V3's Table 2 formula, which
+test_dualpipe.py checks; DualPipe also holds two copies of every parameter.
+
+Every schedule but the DualPipes runs for any P >= 1 and M >= 1; the handcrafted ones
+reach their bubble for M >= P (ZB-H2: M >= 2P-1), the automatic ones are searched for the
+given P and M. DualPipe needs an even P and an even M >= 2P; DualPipeV an even M >= 2P.
 Read next: schedules.py (the handcrafted generators), schedule_auto.py (the others).
 """
 
@@ -30,12 +37,16 @@ import functools
 from fractions import Fraction
 from typing import Mapping
 
+from minidist.parallel.pipeline.dualpipe import dualpipe, dualpipe_v
 from minidist.parallel.pipeline.schedule_auto import auto_schedule
 from minidist.parallel.pipeline.schedules import (PipelineSchedule, gpipe, interleaved_1f1b,
-                                                  one_f_one_b, zero_bubble_h1, zero_bubble_h2)
+                                                  one_f_one_b, pieces_of, zero_bubble_h1,
+                                                  zero_bubble_h2)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-1p", "zb-2p", "zbv")
-CHUNKS = {"interleaved": None, "zbv": 2}      # chunks per stage (None: V); 1 if absent
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-1p", "zb-2p", "zbv",
+             "dualpipe", "dualpipev")
+CHUNKS = {"interleaved": None, "zbv": 2, "dualpipe": 2, "dualpipev": 2}   # None: V; else 1
+PLACEMENT = {"zbv": "v", "dualpipev": "v", "dualpipe": "dual"}           # else "loop"
 
 # (bubble, memory, p2p) of the table above, as exact fractions (None: depends on V)
 CLAIMS = {
@@ -60,10 +71,26 @@ def _unit_cost(name: str, P: int, M: int) -> PipelineSchedule:
     return auto_schedule(P, M, memory, placement=placement, name=name)
 
 
+# what a schedule needs of P and M, beyond P, M >= 1 (the generator says why otherwise)
+NEEDS = {"dualpipe": ("even P, even M >= 2P", lambda P, M: P % 2 == 0 and M % 2 == 0
+                      and M >= 2 * P),
+         "dualpipev": ("even M >= 2P", lambda P, M: M % 2 == 0 and M >= 2 * P)}
+
+
+def runs_on(name: str, P: int, M: int) -> bool:
+    """Can the schedule `name` be made for P stages and M micro-batches?"""
+    return name not in NEEDS or NEEDS[name][1](P, M)
+
+
 def chunks_of(name: str, V: int = 2) -> int:
     """Model chunks per stage of the schedule `name` (V for interleaved)."""
     c = CHUNKS.get(name, 1)
     return V if c is None else c
+
+
+def pieces(name: str, P: int, V: int = 2) -> int:
+    """How many pieces the model is cut into under the schedule `name` on P stages."""
+    return pieces_of(PLACEMENT.get(name, "loop"), P, chunks_of(name, V))
 
 
 def make_schedule(name: str, P: int, M: int, V: int = 2,
@@ -81,6 +108,10 @@ def make_schedule(name: str, P: int, M: int, V: int = 2,
         return zero_bubble_h1(P, M)
     if name == "zb-h2":
         return zero_bubble_h2(P, M)
+    if name == "dualpipe":
+        return dualpipe(P, M)
+    if name == "dualpipev":
+        return dualpipe_v(P, M)
     if name in AUTOMATIC:
         if costs is None:
             return _unit_cost(name, P, M)

@@ -94,8 +94,8 @@ def auto_schedule(P: int, M: int, memory, *, placement: str = "loop",
         tried += [h(P, M).actions for h, held in ((zero_bubble_h1, P),
                                                   (zero_bubble_h2, 2 * P - 1))
                   if min(held, M) <= limit]
-    scheduled = [PipelineSchedule(name, P, M, order, chunks=V, split_backward=True,
-                                  placement=placement) for order in tried]
+    scheduled = [PipelineSchedule(name, P, M, order, chunks=V, placement=placement)
+                 for order in tried]
     return min(scheduled, key=lambda sched: _score(sched, unit, comm))
 
 
@@ -113,8 +113,7 @@ def _score(schedule: PipelineSchedule, costs, comm) -> tuple:
 
 def _play(P, M, V, placement, limit, ahead, fill, f_first, costs, comm):
     """One run of the list scheduler (module docstring); returns each stage's actions."""
-    probe = PipelineSchedule("probe", P, M, ((),) * P, chunks=V, split_backward=True,
-                             placement=placement)
+    probe = PipelineSchedule("probe", P, M, ((),) * P, chunks=V, placement=placement)
     dur = {k: costs[k] / V if V > 1 else costs[k] for k in KINDS}
     end: dict[tuple[int, Action], object] = {}
     order: list[list[Action]] = [[] for _ in range(P)]

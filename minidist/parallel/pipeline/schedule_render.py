@@ -11,7 +11,9 @@ ASCII, step by step (`ascii`):
        otherwise cut the makespan into `columns` equal cells (default 60)
     2. in each cell of each stage write the action occupying most of it (idle counts as a
        candidate and is drawn "."), 3 characters: kind and micro-batch, upper case F B W
-       for chunk 0, lower case f b w for chunks >= 1 (interleaved schedules); an action
+       for chunk 0, lower case f b w for chunks >= 1 (interleaved schedules); an
+       overlapped FB (DualPipe's F&B) shows "X" and its forward's micro-batch in the first
+       half of its cells and "&" and its backward's in the rest; an action
        too short to win a cell still gets one near its midpoint, so that every action
        of a row shows, in the order it ran (`_cells`)
     3. a header with the schedule name, P, M and the bubble; a legend line below
@@ -32,7 +34,8 @@ the drain, split differently per stage), so the bubble is 6/18 = (P-1)/(M+P-1).
 Chrome trace (`chrome_trace`): one row per stage (its rank), one bar per action, named
 "F3" or "B3 (chunk 1)", cat = the kind; a simulated time unit is drawn as 1 ms. Open the
 file in https://ui.perfetto.dev. PNG (`plot_png`): a Gantt chart with matplotlib (the
-optional extra "plot"), F B W in distinct colours, lighter shades for later chunks.
+optional extra "plot"), F B W in distinct colours, lighter shades for later chunks; an FB
+is two half-height bars over the same time, its F above its B.
 
 Shapes: none; a Timeline holds per stage a list of Slot(action, start, end).
 References:
@@ -49,20 +52,40 @@ from typing import Sequence
 
 from minidist.observe.trace import Trace
 from minidist.parallel.pipeline.schedule_sim import Slot, Timeline
-from minidist.parallel.pipeline.schedules import Action
+from minidist.parallel.pipeline.schedules import FB, Action
 
 IDLE = "."
 LEGEND = "Fm/Bm/Wm: forward/backward/weight-grad of micro-batch m; f/b/w: chunk >= 1; .: idle"
+FB_LEGEND = ("Xm &n (xm &n): forward of m overlapped with the backward of n (F&B), the F's "
+             "chunk 0 (>= 1)")
 MAX_EXACT_CELLS = 120                                       # wider rows are quantized
 _US_PER = {"unit": 1e3, "s": 1e6, "ms": 1e3, "us": 1.0}     # a simulated unit is 1 ms
 
 
-def _label(a: Action | None) -> str:
-    """The 3-character cell of action `a` (or of idle time)."""
+def _label(a: Action | None, back: bool = False) -> str:
+    """The 3-character cell of action `a` (or of idle time); an overlapped FB is "X" and
+    its forward's micro-batch, or (back) "&" and its backward's."""
     if a is None:
         return IDLE.ljust(3)
+    if a.kind == FB:
+        f, b = a.parts()
+        return f"&{b.micro_batch % 100}".ljust(3) if back else \
+            f"{'X' if f.chunk == 0 else 'x'}{f.micro_batch % 100}".ljust(3)
     kind = a.kind if a.chunk == 0 else a.kind.lower()
     return f"{kind}{a.micro_batch % 100}".ljust(3)
+
+
+def _labels(cells: list[Action | None]) -> str:
+    """The row's cells as text; an FB's run of cells shows its F in the first half and
+    its B ("&n") in the rest (a single cell: the F)."""
+    out, i = [], 0
+    while i < len(cells):
+        j = i
+        while j < len(cells) and cells[j] == cells[i]:
+            j += 1
+        out += [_label(cells[i], back=k - i >= max(1, (j - i + 1) // 2)) for k in range(i, j)]
+        i = j
+    return "".join(out)
 
 
 def _grain(timeline: Timeline) -> int | None:
@@ -147,9 +170,10 @@ def ascii(timeline: Timeline, columns: int | None = None) -> str:
             + f", bubble {100 * bubble:.1f}% ({cell})")
     width = len(str(max(P - 1, 0)))
     rows = [f"stage {s:>{width}} |"
-            + "".join(_label(a) for a in _cells(row, timeline.origin, dt, n)) + "|"
+            + _labels(_cells(row, timeline.origin, dt, n)) + "|"
             for s, row in enumerate(timeline.stages)]
-    return "\n".join([head, *rows, LEGEND])
+    fb = [FB_LEGEND] if any(sl.action.kind == FB for sl in timeline.slots()) else []
+    return "\n".join([head, *rows, LEGEND, *fb])
 
 
 def side_by_side(a: Timeline, b: Timeline, titles: Sequence[str] = ("simulated", "measured"),
@@ -162,6 +186,8 @@ def side_by_side(a: Timeline, b: Timeline, titles: Sequence[str] = ("simulated",
 
 
 def _name(a: Action) -> str:
+    if a.kind == FB:
+        return " & ".join(_name(p) for p in a.parts())
     return f"{a.kind}{a.micro_batch}" + (f" (chunk {a.chunk})" if a.chunk else "")
 
 
@@ -185,7 +211,9 @@ def chrome_trace(timeline: Timeline, rank_of_stage: Sequence[int] | None = None)
             a = sl.action
             trace.add(_name(a), ranks[s], float(sl.start - t0) * scale,
                       float(sl.end - t0) * scale,
-                      {"micro_batch": a.micro_batch, "chunk": a.chunk}, cat=a.kind)
+                      {"micro_batch": a.micro_batch, "chunk": a.chunk}
+                      | ({"back_micro_batch": a.back_micro_batch, "back_chunk": a.back_chunk}
+                         if a.kind == FB else {}), cat=a.kind)
     return trace
 
 
@@ -205,11 +233,15 @@ def _gantt(ax, timeline: Timeline, title: str) -> None:
     for s, row in enumerate(timeline.stages):
         for sl in row:
             a, x, w = sl.action, float(sl.start - t0), float(sl.duration)
-            ax.barh(s, w, left=x, height=0.8, color=_shade(a.kind, a.chunk, timeline.chunks),
-                    edgecolor="black", linewidth=0.4)
-            if w > 0:
-                ax.text(x + w / 2, s, str(a.micro_batch), ha="center", va="center",
-                        fontsize=7, color="white" if a.chunk == 0 else "black")
+            # an overlapped FB: two half-height bars, its F above its B, for the same time
+            for p, y, h in (zip(a.parts(), (s - 0.2, s + 0.2), (0.4, 0.4)) if a.kind == FB
+                            else [(a, s, 0.8)]):
+                ax.barh(y, w, left=x, height=h, color=_shade(p.kind, p.chunk, timeline.chunks),
+                        edgecolor="black", linewidth=0.4)
+                if w > 0:
+                    ax.text(x + w / 2, y, str(p.micro_batch), ha="center", va="center",
+                            fontsize=7 if h > 0.5 else 6,
+                            color="white" if p.chunk == 0 else "black")
     ax.set_yticks(range(P), [f"stage {s}" for s in range(P)])
     ax.set_ylim(P - 0.5, -0.5)                         # stage 0 on top
     ax.set_xlim(0, max(float(timeline.makespan), 1e-12))
@@ -236,8 +268,8 @@ def plot_png(timeline: Timeline, path: str | os.PathLike, title: str | None = No
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     for i, (ax, tl) in enumerate(zip(axes, panels)):
         _gantt(ax, tl, title if i == 0 else "")
-    kinds = [k for k in _COLOURS if any(sl.action.kind == k for tl in panels
-                                        for sl in tl.slots())]
+    kinds = [k for k in _COLOURS if any(p.kind == k for tl in panels
+                                        for sl in tl.slots() for p in sl.action.parts())]
     handles = [Patch(color=_COLOURS[k], label=k) for k in kinds]
     if max(tl.chunks for tl in panels) > 1:
         handles.append(Patch(color=_shade("F", 1, 2), label="lighter: chunk >= 1"))

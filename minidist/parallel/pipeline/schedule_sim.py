@@ -59,7 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from minidist.parallel.pipeline.schedules import KINDS, Action, PipelineSchedule
+from minidist.parallel.pipeline.schedules import FB, KINDS, Action, PipelineSchedule
 
 
 @dataclass(frozen=True)
@@ -165,13 +165,16 @@ class Timeline:
 # --- the simulator ------------------------------------------------------------------------
 
 def _costs(costs: Mapping[str, float | Sequence[float]] | None, P: int) -> dict[str, list]:
-    """{kind: [cost of stage 0, ..., cost of stage P-1]}, checked."""
+    """{kind: [cost of stage 0, ..., cost of stage P-1]}, checked; "FB" only if given."""
     costs = dict(costs or {})
-    unknown = sorted(set(costs) - set(KINDS))
+    unknown = sorted(set(costs) - set(KINDS) - {FB})
     if unknown:
-        raise ValueError(f"simulate: unknown cost keys {unknown}; use 'F', 'B' and 'W'.")
+        raise ValueError(f"simulate: unknown cost keys {unknown}; use 'F', 'B', 'W' (and "
+                         "'FB' for an overlapped forward and backward).")
     out = {}
-    for k in KINDS:
+    for k in KINDS + (FB,):
+        if k == FB and k not in costs:
+            continue
         c = costs.get(k, 1)
         per_stage = list(c) if isinstance(c, (list, tuple)) else [c] * P
         if len(per_stage) != P:
@@ -185,11 +188,19 @@ def _costs(costs: Mapping[str, float | Sequence[float]] | None, P: int) -> dict[
 
 
 def _duration(schedule: PipelineSchedule, cost: dict[str, list], s: int, a: Action):
-    """Cost of action `a` on stage s: the stage's cost of its kind, / V for one chunk."""
+    """Cost of action `a` on stage s: the stage's cost of its kind, / V for one chunk (a
+    chunk of the dual placement is a whole stage's share: no division). A B whose W the
+    stage does not run is the whole backward, b + w. An FB: costs["FB"] if given (a chunk's
+    overlapped F and whole B), else the longer of the two, the overlap being perfect."""
+    if a.kind == FB:
+        f, b = (_duration(schedule, cost, s, part) for part in a.parts())
+        share = 1 if schedule.placement == "dual" else schedule.chunks
+        return (cost[FB][s] / share if share > 1 else cost[FB][s]) if FB in cost else max(f, b)
     c = cost[a.kind][s]
-    if a.kind == "B" and not schedule.split_backward:
-        c = c + cost["W"][s]                      # a non-split B is the whole backward
-    return c / schedule.chunks if schedule.chunks > 1 else c
+    if a.kind == "B" and not schedule.is_split(s, a.micro_batch, a.chunk):
+        c = c + cost["W"][s]                      # a whole backward
+    share = 1 if schedule.placement == "dual" else schedule.chunks
+    return c / share if share > 1 else c
 
 
 def _deps(schedule: PipelineSchedule, s: int, a: Action) -> list[tuple[tuple, bool]]:
@@ -199,22 +210,22 @@ def _deps(schedule: PipelineSchedule, s: int, a: Action) -> list[tuple[tuple, bo
     for msg in schedule.messages_in(s, a):
         # an activation is sent by the F of virtual stage k-1, a gradient by the B of k+1
         k_src, kind = (msg.vstage - 1, "F") if msg.kind == "act" else (msg.vstage + 1, "B")
-        src, chunk = schedule.place(k_src)
-        deps.append(((src, Action(kind, msg.micro_batch, chunk)), True))
+        src, chunk = schedule.place(k_src, msg.micro_batch)
+        deps.append(((src, Action(kind, msg.micro_batch, chunk)), src != s))
     return deps
 
 
 def _check_actions(schedule: PipelineSchedule) -> None:
     for s, row in enumerate(schedule.actions):
-        if len(set(row)) != len(row):
-            dup = next(a for a in row if row.count(a) > 1)
+        parts = [part for a in row for part in a.parts()]
+        if len(set(parts)) != len(parts):
+            dup = next(a for a in parts if parts.count(a) > 1)
             raise ValueError(f"simulate: stage {s} of {schedule.name!r} runs {dup} twice.")
-        for a in row:
-            ok = a.kind in KINDS and 0 <= a.chunk < schedule.chunks
-            if not ok or (a.kind == "W" and not schedule.split_backward):
+        for a in parts:
+            if a.kind not in KINDS or not 0 <= a.chunk < schedule.chunks:
                 raise ValueError(
                     f"simulate: stage {s} of {schedule.name!r} has action {a!r}: kind must "
-                    f"be F or B (W only with split_backward) and chunk in 0..{schedule.chunks-1}.")
+                    f"be F, B, W or FB and chunk in 0..{schedule.chunks-1}.")
 
 
 def simulate(schedule: PipelineSchedule, costs: Mapping | None = None,
@@ -223,7 +234,8 @@ def simulate(schedule: PipelineSchedule, costs: Mapping | None = None,
 
     start(a) = max(free time of its stage, end of local_needs(a), end of every sender of a
     message in messages_in + comm); end(a) = start(a) + cost(a) (see the module docstring
-    for costs). ValueError if the schedule cannot progress (a deadlock)."""
+    for costs). A hand-over inside one stage (the V's turn) costs no comm. ValueError if
+    the schedule cannot progress (a deadlock)."""
     P = schedule.stages
     if len(schedule.actions) != P:
         raise ValueError(f"simulate: {schedule.name!r} has {len(schedule.actions)} rows of "
@@ -246,7 +258,8 @@ def simulate(schedule: PipelineSchedule, costs: Mapping | None = None,
                          for key, remote in deps]
                 start = max([free[s], *ready])
                 free[s] = start + _duration(schedule, cost, s, a)
-                end[(s, a)] = free[s]
+                for part in a.parts():
+                    end[(s, part)] = free[s]
                 rows[s].append(Slot(a, start, free[s]))
                 cursor[s] += 1
                 moved = True
@@ -276,16 +289,22 @@ def _deadlock(schedule: PipelineSchedule, cursor: list[int], end: dict) -> str:
 def peak_activations(schedule: PipelineSchedule) -> list[int]:
     """Per stage, the most (micro-batch, chunk) activations held at once: scan the stage's
     actions in order, +1 at F, -1 at the action that frees them (B, or W when split).
+    An FB's F comes in before its B goes (both are held while they overlap).
     Order-based, so independent of costs. GPipe: M on every stage; 1F1B: min(P-s, M)."""
-    release = "W" if schedule.split_backward else "B"
     peaks = []
-    for row in schedule.actions:
+    for s, row in enumerate(schedule.actions):
         held = peak = 0
         for a in row:
-            held += (a.kind == "F") - (a.kind == release)
-            peak = max(peak, held)
+            for part in a.parts():      # an FB: its F comes in, then its B lets one go
+                held += (part.kind == "F") - _releases(schedule, s, part)
+                peak = max(peak, held)
         peaks.append(peak)
     return peaks
+
+
+def _releases(schedule: PipelineSchedule, s: int, a: Action) -> bool:
+    """Does `a` free its micro-batch's activations: W, or a B whose W is not run."""
+    return a.kind == "W" or (a.kind == "B" and not schedule.is_split(s, a.micro_batch, a.chunk))
 
 
 def bubble_closed_form(name: str, P: int, M: int, V: int = 1) -> float:

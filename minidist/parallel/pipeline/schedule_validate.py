@@ -13,10 +13,11 @@ The runtime's model, which the checks prove against:
       micro-batch at the head of the channel is an error, not a reason to look further.
 
 Algorithm (each check assumes the ones before it passed):
-    a. shape         P lines of actions; kinds in F, B, W; 0 <= m < M; 0 <= c < V;
-                     W only in a split-backward (zero-bubble) schedule
+    a. shape         P lines of actions; kinds in F, B, W, FB; 0 <= m < M; 0 <= c < V;
+                     under the dual placement each micro-batch on its direction's chunk
     b. completeness  each stage runs F(m, c) and B(m, c) exactly once for every m, c
-                     (and W(m, c) exactly once iff split)
+                     (an FB counts as its F and its B), and W(m, c) at most once: where
+                     it runs, B(m, c) is split (the input gradient only)
     c. local order   B(m, c) after F(m, c), W(m, c) after B(m, c), on the same stage
     d. channel order on every channel the sender's messages, in its action order, are
                      exactly the messages the receiver expects, in its action order
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from minidist.parallel.pipeline.schedules import KINDS, Action, Message, PipelineSchedule
+from minidist.parallel.pipeline.schedules import FB, KINDS, Action, Message, PipelineSchedule
 
 _WHAT = {"act": "activation", "grad": "gradient"}
 
@@ -69,30 +70,35 @@ def _check_shape(s: PipelineSchedule) -> None:
         raise ScheduleError(f"{s.name}: {len(s.actions)} lines of actions for P = {s.stages} "
                             f"stages; give exactly one line per stage.")
     for stage, actions in enumerate(s.actions):
-        for i, a in enumerate(actions):
-            where = f"{s.name}: stage {stage}, action #{i} {a}"
-            if a.kind not in KINDS:
-                raise ScheduleError(f"{where}: unknown kind {a.kind!r}; use one of {KINDS}.")
-            if not 0 <= a.micro_batch < s.micro_batches:
-                raise ScheduleError(f"{where}: micro-batch {a.micro_batch} is outside "
-                                    f"0..{s.micro_batches - 1}; raise M or fix the index.")
-            if not 0 <= a.chunk < s.chunks:
-                raise ScheduleError(f"{where}: chunk {a.chunk} is outside 0..{s.chunks - 1}; "
-                                    f"raise V (chunks) or fix the index.")
-            if a.kind == "W" and not s.split_backward:
-                raise ScheduleError(f"{where}: W exists only when B is split (zero bubble); "
-                                    "set split_backward=True or remove the W actions.")
+        for i, action in enumerate(actions):
+            where = f"{s.name}: stage {stage}, action #{i} {action}"
+            if action.kind not in KINDS + (FB,):
+                raise ScheduleError(f"{where}: unknown kind {action.kind!r}; use one of "
+                                    f"{KINDS + (FB,)}.")
+            for a in action.parts():
+                if not 0 <= a.micro_batch < s.micro_batches:
+                    raise ScheduleError(f"{where}: micro-batch {a.micro_batch} is outside "
+                                        f"0..{s.micro_batches - 1}; raise M or fix the index.")
+                if not 0 <= a.chunk < s.chunks:
+                    raise ScheduleError(f"{where}: chunk {a.chunk} is outside "
+                                        f"0..{s.chunks - 1}; raise V (chunks) or fix the index.")
+                if s.placement == "dual" and a.chunk != s.direction(a.micro_batch):
+                    raise ScheduleError(
+                        f"{where}: micro-batch {a.micro_batch} flows "
+                        f"{'up from stage 0' if s.direction(a.micro_batch) == 0 else 'down from stage P-1'}"
+                        f" in the dual placement, through chunk {s.direction(a.micro_batch)} "
+                        f"of every stage, not chunk {a.chunk}.")
 
 
 def _check_complete(s: PipelineSchedule) -> None:
-    """b. Each stage runs every (kind, m, c) it owes exactly once."""
-    kinds = ("F", "B", "W") if s.split_backward else ("F", "B")
-    owed = [Action(k, m, c) for k in kinds for c in range(s.chunks)
-            for m in range(s.micro_batches)]
+    """b. Each stage runs every F(m, c) and B(m, c) it owes exactly once (an FB counts as
+    its F and its B), and at most one W(m, c): the W of a split B."""
     for stage, actions in enumerate(s.actions):
-        count = Counter(actions)
+        owed = [Action(k, m, c) for k in ("F", "B") for m in range(s.micro_batches)
+                for c in _chunks_of(s, m)]
+        count = Counter(part for a in actions for part in a.parts())
         missing = [str(a) for a in owed if count[a] == 0]
-        twice = [str(a) for a in owed if count[a] > 1]
+        twice = [str(a) for a in owed + [a for a in count if a.kind == "W"] if count[a] > 1]
         if missing:
             raise ScheduleError(f"{s.name}: stage {stage} never runs {', '.join(missing)}; "
                                 f"add each exactly once to stage {stage}'s actions.")
@@ -102,15 +108,23 @@ def _check_complete(s: PipelineSchedule) -> None:
                                 "gradient twice).")
 
 
+def _chunks_of(s: PipelineSchedule, m: int) -> range:
+    """The chunks micro-batch m passes through on every stage: all V, or its direction's
+    one ("dual")."""
+    return range(s.direction(m), s.direction(m) + 1) if s.placement == "dual" \
+        else range(s.chunks)
+
+
 def _check_local_order(s: PipelineSchedule) -> None:
     """c. B after its F, W after its B: each needs what the earlier one saved."""
     for stage, actions in enumerate(s.actions):
-        position = {a: i for i, a in enumerate(actions)}
+        position = {part: i for i, a in enumerate(actions) for part in a.parts()}
         for i, a in enumerate(actions):
             need = s.local_needs(a)
-            if need is not None and position[need] > i:
+            if need is not None and position[need] >= i:
                 raise ScheduleError(
-                    f"{s.name}: stage {stage} runs {a} (#{i}) before {need} "
+                    f"{s.name}: stage {stage} runs {a} (#{i}) "
+                    f"{'with' if position[need] == i else 'before'} {need} "
                     f"(#{position[need]}), but {a.kind} needs what {need.kind} saved; "
                     f"move {a} after {need}.")
 
@@ -153,7 +167,7 @@ def _check_deadlock(s: PipelineSchedule) -> None:
         for stage in range(s.stages):                      # each stage runs while it can
             while pc[stage] < len(s.actions[stage]) and not waits_for(stage):
                 a = s.actions[stage][pc[stage]]
-                done.add((stage, a))
+                done.update((stage, part) for part in a.parts())
                 sent.update(s.messages_out(stage, a))
                 pc[stage] += 1
                 progress = True

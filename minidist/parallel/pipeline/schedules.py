@@ -30,37 +30,73 @@ Read next: schedule_validate.py, schedule_sim.py, stage.py.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
 KINDS = ("F", "B", "W")
-PLACEMENTS = ("loop", "v")
+PLACEMENTS = ("loop", "v", "dual")
 
 
 def vstage_of(placement: str, P: int, stage: int, chunk: int) -> int:
     """The virtual stage that chunk `chunk` of stage `stage` is, under `placement`."""
     if placement == "v" and chunk == 1:
         return 2 * P - 1 - stage
+    if placement == "dual":
+        return stage if chunk == 0 else P - 1 - stage
     return chunk * P + stage
 
 
-def place_of(placement: str, P: int, vstage: int) -> tuple[int, int]:
-    """(stage, chunk) that holds virtual stage `vstage` under `placement`."""
+def place_of(placement: str, P: int, vstage: int, direction: int = 0) -> tuple[int, int]:
+    """(stage, chunk) that holds virtual stage `vstage` under `placement` (for "dual", on
+    the way of `direction`: 0 from stage 0 up, 1 from stage P-1 down)."""
     if placement == "v" and vstage >= P:
         return 2 * P - 1 - vstage, 1
+    if placement == "dual":
+        return (vstage, 0) if direction == 0 else (P - 1 - vstage, 1)
     return vstage % P, vstage // P
+
+
+def pieces_of(placement: str, P: int, chunks: int) -> int:
+    """How many pieces the model is cut into: V P, or P for "dual" (each stage holds two
+    of them, its own and its mirror's)."""
+    return P if placement == "dual" else P * chunks
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One cell of a schedule: kind F, B or W of micro-batch `micro_batch`, chunk `chunk`."""
+    """One cell of a schedule: kind F, B or W of micro-batch `micro_batch`, chunk `chunk`;
+    or kind "FB", the forward F(micro_batch, chunk) overlapped with the backward
+    B(back_micro_batch, back_chunk) of another micro-batch (DualPipe's F&B)."""
 
     kind: str
     micro_batch: int
     chunk: int = 0
+    back_micro_batch: int = -1
+    back_chunk: int = -1
 
     def __str__(self) -> str:
+        if self.kind == FB:
+            f, b = self.parts()
+            return f"{f}&{b}"
         return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
+
+    def parts(self) -> tuple["Action", ...]:
+        """(F, B) of an overlapped FB; (self,) for every other kind."""
+        if self.kind == FB:
+            return (Action("F", self.micro_batch, self.chunk),
+                    Action("B", self.back_micro_batch, self.back_chunk))
+        return (self,)
+
+
+FB = "FB"
+
+
+def overlapped(f: Action, b: Action) -> Action:
+    """The FB action that runs forward f and backward b as one overlapped chunk."""
+    if f.kind != "F" or b.kind != "B":
+        raise ValueError(f"overlapped: needs a forward and a backward, got {f} and {b}.")
+    return Action(FB, f.micro_batch, f.chunk, b.micro_batch, b.chunk)
 
 
 @dataclass(frozen=True)
@@ -79,63 +115,99 @@ class Message:
 @dataclass(frozen=True)
 class PipelineSchedule:
     """actions[s]: stage s's actions in the order it runs them. P stages, M micro-batches,
-    V chunks per stage; split_backward: B is the input gradient only and W exists;
-    placement: "loop" or "v" (module docstring), which chunk is which virtual stage."""
+    V chunks per stage; placement: "loop", "v" or "dual" (module docstring), which chunk
+    is which virtual stage. A backward B(m, c) is the whole backward, or, where the stage
+    also runs W(m, c), the input gradient only (a split backward: zero bubble)."""
 
     name: str
     stages: int
     micro_batches: int
     actions: tuple[tuple[Action, ...], ...]
     chunks: int = 1
-    split_backward: bool = False
     placement: str = "loop"
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"PipelineSchedule {self.name!r}: placement {self.placement!r} "
                              f"is unknown; use one of {PLACEMENTS}.")
-        if self.placement == "v" and self.chunks != 2:
-            raise ValueError(f"PipelineSchedule {self.name!r}: the V placement has exactly "
-                             f"2 chunks per stage (down and back up), not {self.chunks}.")
+        if self.placement in ("v", "dual") and self.chunks != 2:
+            raise ValueError(f"PipelineSchedule {self.name!r}: the {self.placement} placement "
+                             f"has exactly 2 chunks per stage, not {self.chunks}.")
+        if self.placement == "dual" and (self.stages % 2 or self.micro_batches % 2):
+            raise ValueError(f"PipelineSchedule {self.name!r}: the dual placement feeds half "
+                             "the micro-batches from each end and pairs stage s with P-1-s: "
+                             f"P and M must be even, not P={self.stages}, "
+                             f"M={self.micro_batches}.")
 
     @property
     def n_virtual(self) -> int:
-        """V P: the number of model pieces the layers are cut into."""
-        return self.chunks * self.stages
+        """The number of model pieces the layers are cut into: V P (P for "dual")."""
+        return pieces_of(self.placement, self.stages, self.chunks)
+
+    @functools.cached_property
+    def _splits(self) -> tuple[frozenset, ...]:
+        return tuple(frozenset((a.micro_batch, a.chunk) for a in row if a.kind == "W")
+                     for row in self.actions)
+
+    @property
+    def split_backward(self) -> bool:
+        """Does any backward run split (some stage runs a W)?"""
+        return any(self._splits)
+
+    def is_split(self, stage: int, micro_batch: int, chunk: int) -> bool:
+        """Is B(micro_batch, chunk) on `stage` the input gradient only (its W comes later)?"""
+        return (micro_batch, chunk) in self._splits[stage]
+
+    def direction(self, micro_batch: int) -> int:
+        """"dual": 0 for the first M/2 micro-batches (fed to stage 0, flowing up), 1 for the
+        rest (fed to stage P-1, flowing down); 0 for every other placement."""
+        if self.placement != "dual":
+            return 0
+        return int(micro_batch >= self.micro_batches // 2)
 
     def vstage(self, stage: int, chunk: int) -> int:
-        """Virtual stage of chunk `chunk` of stage `stage`: c P + s ("loop"), or s for chunk
-        0 and 2P-1-s for chunk 1 ("v")."""
+        """Virtual stage of chunk `chunk` of stage `stage`: c P + s ("loop"); s for chunk
+        0 and 2P-1-s for chunk 1 ("v"); s for chunk 0 and P-1-s for chunk 1 ("dual")."""
         return vstage_of(self.placement, self.stages, stage, chunk)
 
-    def place(self, vstage: int) -> tuple[int, int]:
-        """(stage, chunk) holding virtual stage k: (k mod P, k div P) ("loop"), or (k, 0)
-        for k < P and (2P-1-k, 1) after the turn ("v")."""
-        return place_of(self.placement, self.stages, vstage)
+    def place(self, vstage: int, micro_batch: int = 0) -> tuple[int, int]:
+        """(stage, chunk) holding virtual stage k (for micro-batch `micro_batch`): (k mod
+        P, k div P) ("loop"); (k, 0) for k < P and (2P-1-k, 1) after the turn ("v");
+        (k, 0) on the way up and (P-1-k, 1) on the way down ("dual")."""
+        return place_of(self.placement, self.stages, vstage, self.direction(micro_batch))
 
     def messages_in(self, stage: int, a: Action) -> list[Message]:
         """What action `a` of `stage` must receive before it runs: F the activation from
-        virtual stage k-1 (k > 0), B the gradient from k+1 (k < V P - 1); W nothing."""
-        k = self.vstage(stage, a.chunk)
+        virtual stage k-1 (k > 0), B the gradient from k+1 (k < V P - 1); W nothing; FB
+        what its F and its B receive."""
+        if a.kind == FB:
+            return [m for part in a.parts() for m in self.messages_in(stage, part)]
+        k, m = self.vstage(stage, a.chunk), a.micro_batch
         if a.kind == "F" and k > 0:
-            return [Message(self.place(k - 1)[0], stage, "act", a.micro_batch, k)]
+            return [Message(self.place(k - 1, m)[0], stage, "act", m, k)]
         if a.kind == "B" and k < self.n_virtual - 1:
-            return [Message(self.place(k + 1)[0], stage, "grad", a.micro_batch, k)]
+            return [Message(self.place(k + 1, m)[0], stage, "grad", m, k)]
         return []
 
     def messages_out(self, stage: int, a: Action) -> list[Message]:
         """What action `a` of `stage` sends when done: F its output to k+1, B the input
-        gradient to k-1; the last virtual stage's F ends in the loss and sends nothing."""
-        k = self.vstage(stage, a.chunk)
+        gradient to k-1; the last virtual stage's F ends in the loss and sends nothing; FB
+        what its F and its B send."""
+        if a.kind == FB:
+            return [m for part in a.parts() for m in self.messages_out(stage, part)]
+        k, m = self.vstage(stage, a.chunk), a.micro_batch
         if a.kind == "F" and k < self.n_virtual - 1:
-            return [Message(stage, self.place(k + 1)[0], "act", a.micro_batch, k + 1)]
+            return [Message(stage, self.place(k + 1, m)[0], "act", m, k + 1)]
         if a.kind == "B" and k > 0:
-            return [Message(stage, self.place(k - 1)[0], "grad", a.micro_batch, k - 1)]
+            return [Message(stage, self.place(k - 1, m)[0], "grad", m, k - 1)]
         return []
 
     def local_needs(self, a: Action) -> Action | None:
         """The action of the same stage that must run before `a`: B needs F (its saved
-        activations; on the last virtual stage also its loss), W needs B; F nothing."""
+        activations; on the last virtual stage also its loss), W needs B; F nothing; FB
+        what its B needs (its F is of another micro-batch)."""
+        if a.kind == FB:
+            return self.local_needs(a.parts()[1])
         if a.kind == "B":
             return Action("F", a.micro_batch, a.chunk)
         if a.kind == "W":
@@ -279,7 +351,7 @@ def _zero_bubble(name: str, P: int, M: int, warmup: list[int], held: int
         t += 1
         if t > 3 * M * P + P:                            # never seen; a bug, not bad input
             raise RuntimeError(f"{name}: no progress after {t} steps (P={P}, M={M})")
-    return PipelineSchedule(name, P, M, tuple(map(tuple, order)), split_backward=True)
+    return PipelineSchedule(name, P, M, tuple(map(tuple, order)))
 
 
 def _zb_pick(s: int, P: int, M: int, t: int, n: dict[str, int],

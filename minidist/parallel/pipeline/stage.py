@@ -77,7 +77,7 @@ from minidist.autograd.saved import ctx_arrays, distinct_bytes, graph_nodes
 from minidist.autograd.split import backward_input
 from minidist.nn.module import ModuleSubset
 from minidist.parallel import placement as pl
-from minidist.parallel.pipeline.schedules import Action, PipelineSchedule, place_of, vstage_of
+from minidist.parallel.pipeline.schedules import FB, Action, PipelineSchedule, vstage_of
 
 
 class PipelineError(RuntimeError):
@@ -120,7 +120,7 @@ class PipelineCut:
 
     @property
     def chunks(self) -> int:
-        return len(self.pieces) // self.stages
+        return 2 if self.placement == "dual" else len(self.pieces) // self.stages
 
     def vstage(self, chunk: int) -> int:
         return vstage_of(self.placement, self.stages, self.stage, chunk)
@@ -130,14 +130,15 @@ class PipelineCut:
 
     @property
     def first(self) -> bool:
-        """Holds virtual stage 0 (the embedding)?"""
-        return self.stage == 0
+        """Holds virtual stage 0 (the embedding)? Stage 0 (and, "dual", stage P-1)."""
+        return any(self.vstage(c) == 0 for c in range(self.chunks))
 
     @property
     def last(self) -> bool:
-        """Holds the last virtual stage (final LayerNorm, head, loss)? Stage P-1, or stage
-        0 under the V placement, where the model comes back up to where it started."""
-        return self.stage == place_of(self.placement, self.stages, len(self.pieces) - 1)[0]
+        """Holds the last virtual stage (final LayerNorm, head, loss)? Stage P-1; stage 0
+        under the V placement, where the model comes back up to where it started; both
+        under "dual", whose two directions end at opposite ends."""
+        return any(self.vstage(c) == len(self.pieces) - 1 for c in range(self.chunks))
 
     def holds(self, name: str, tied: bool) -> bool:
         """Does this stage keep the parameter called `name`?"""
@@ -208,11 +209,11 @@ def make_links(job, grid: np.ndarray, stages: int, chunks: int, placement: str =
     """COLLECTIVE over the world: the 2-rank link groups of every pp line.
 
     grid (P, L): global rank of stage s on pp line l. Activations flow s -> s+1 (and, with
-    chunks > 1, P-1 -> 0 into the next chunk; under the V placement back up, s+1 -> s);
-    gradients the other way.
+    chunks > 1, P-1 -> 0 into the next chunk; under the V placement back up, s+1 -> s, and
+    under "dual" both ways, one direction's micro-batches each); gradients the other way.
     """
     edges = [(s, s + 1) for s in range(stages - 1)]
-    if placement == "v":
+    if placement in ("v", "dual"):                # both ways between neighbours
         edges += [(s + 1, s) for s in range(stages - 1)]
     elif chunks > 1 and stages > 1:
         edges.append((stages - 1, 0))
@@ -240,13 +241,14 @@ class PipelineStage:
     """
 
     def __init__(self, model, cut: PipelineCut, links: Links, schedule: PipelineSchedule,
-                 sequence_shards: int = 1, sequence: bool = False, embed_group=None) -> None:
+                 sequence_shards: int = 1, sequence: bool = False, embed_group=None,
+                 mirror_group=None) -> None:
         if schedule.stages != cut.stages or schedule.chunks != cut.chunks:
             raise ValueError(f"pipeline: the schedule is for P={schedule.stages} stages x "
                              f"V={schedule.chunks} chunks, the model is cut into "
                              f"{cut.stages} x {cut.chunks}.")
         self.model, self.cut, self.links, self.schedule = model, cut, links, schedule
-        self.embed_group = embed_group
+        self.embed_group, self.mirror_group = embed_group, mirror_group
         self.shards, self.sequence = sequence_shards, sequence
         self.last_vstage = schedule.n_virtual - 1
         self.record: list[tuple[Action, float, float]] = []
@@ -274,13 +276,16 @@ class PipelineStage:
         chunk's last backward (its last B, or W when split) when the engine overlaps
         (DDP): there its hooks start the dp reduction of what that backward finished,
         bucket by bucket, while the schedule goes on; the tied wte is held until its two
-        shares are summed. The engine's step() then reduces the rest and updates."""
+        shares are summed. The engine's step() then reduces the rest and updates.
+        Under "dual" every parameter has a copy on the mirror stage P-1-s: the two copies'
+        gradients are summed (sync_mirror) before any dp reduction, so nothing overlaps."""
         self.begin(batches, n_tokens)
-        last = self.last_backwards() if engine.overlaps_backward else set()
+        overlap = engine.overlaps_backward and self.mirror_group is None
+        last = self.last_backwards() if overlap else set()
         # the tied wte takes two shares, the embedding's and the head's: on two stages
         # (summed by sync_tied), or on stage 0 in two chunks (the V placement)
-        tied = self.embed_group is not None or (
-            self.model.cfg.tie_weights and self.cut.first and self.cut.last)
+        tied = overlap and (self.embed_group is not None or (
+            self.model.cfg.tie_weights and self.cut.first and self.cut.last))
         if tied:
             engine.hold(self.model.wte.weight)
         for i, a in enumerate(self.schedule.actions[self.cut.stage]):
@@ -289,16 +294,21 @@ class PipelineStage:
         loss = self.finish()
         if self.embed_group is not None:
             sync_tied(engine, self.model, self.embed_group)
+        if self.mirror_group is not None:
+            sync_mirror(engine, self.model, self.mirror_group)
         if tied:
             engine.release(self.model.wte.weight)
         return loss
 
     def last_backwards(self) -> set[int]:
         """Indices in my actions of each chunk's last backward that adds to its weights'
-        gradients: its last B, or its last W under a split schedule (ZB-H1)."""
-        kind = "W" if self.schedule.split_backward else "B"
-        last = {a.chunk: i for i, a in enumerate(self.schedule.actions[self.cut.stage])
-                if a.kind == kind}
+        gradients: its last W, or its last B whose W is not run (a whole backward)."""
+        s, last = self.cut.stage, {}
+        for i, a in enumerate(self.schedule.actions[s]):
+            for p in a.parts():
+                if p.kind == "W" or (p.kind == "B" and not self.schedule.is_split(
+                        s, p.micro_batch, p.chunk)):
+                    last[p.chunk] = i
         return set(last.values())
 
     def begin(self, batches, n_tokens: int) -> None:
@@ -309,7 +319,16 @@ class PipelineStage:
 
     def run(self, a: Action) -> None:
         """Run one action; its (start, end) is recorded after its receive has arrived, so
-        time spent waiting for a neighbour shows as idle (bubble)."""
+        time spent waiting for a neighbour shows as idle (bubble). An overlapped FB runs
+        its F, then its B (one thread: nothing to overlap them on), recorded as one slot
+        from the F's start to the B's end."""
+        if a.kind == FB:
+            f, b = a.parts()
+            self._forward(f)
+            self._backward(b)
+            (_, t0, _), (_, _, t1) = self.record[-2:]
+            self.record[-2:] = [(a, t0, t1)]
+            return
         {"F": self._forward, "B": self._backward, "W": self._weights}[a.kind](a)
 
     def finish(self) -> float:
@@ -329,7 +348,8 @@ class PipelineStage:
             x = pl.carry(h0, Tensor(h0.data, requires_grad=True))       # B stops here
         else:                          # the message's tag is its micro-batch: recv checks it
             buf = np.empty(self._boundary_shape(mb), self.model.cfg.dtype)
-            buf = self.links.recv("act", self.schedule.place(k - 1)[0], buf, a.micro_batch)
+            buf = self.links.recv("act", self.schedule.place(k - 1, a.micro_batch)[0], buf,
+                                  a.micro_batch)
             t0 = time.perf_counter()
             x = Tensor(backend.xp.asarray(buf), requires_grad=True)
             pl.tag(x, "tp", pl.Shard(1) if self.sequence else pl.Replicate())
@@ -345,7 +365,8 @@ class PipelineStage:
                 y = y + term * mb.aux_weight
             self.loss += float(y.item())
         else:
-            self.links.send("act", self.schedule.place(k + 1)[0], y.data, a.micro_batch)
+            self.links.send("act", self.schedule.place(k + 1, a.micro_batch)[0], y.data,
+                            a.micro_batch)
             if aux_terms:              # this chunk's MoE losses: a term of the loss here
                 aux = sum(aux_terms[1:], aux_terms[0]) * mb.aux_weight
                 self.loss += float(aux.item())
@@ -361,12 +382,13 @@ class PipelineStage:
             dy = backend.xp.ones_like(y.data)                       # d loss / d loss
         else:
             buf = np.empty(y.shape, y.dtype)
-            dy = backend.xp.asarray(self.links.recv("grad", self.schedule.place(k + 1)[0],
-                                                    buf, a.micro_batch))
+            dy = backend.xp.asarray(self.links.recv(
+                "grad", self.schedule.place(k + 1, a.micro_batch)[0], buf, a.micro_batch))
         t0 = time.perf_counter()
         if state["aux"] is not None:   # one root: sum(y * dy) has gradient dy exactly
             y, dy = (y * Tensor(dy)).sum() + state["aux"], None
-        if self.schedule.split_backward:                            # B: input gradient only
+        split = self.schedule.is_split(self.cut.stage, a.micro_batch, a.chunk)
+        if split:                                                   # B: input gradient only
             (dx,), state["w"] = backward_input(y, dy, [state["x"]])
         else:                                                       # B: the whole backward
             y.backward(dy)
@@ -374,8 +396,9 @@ class PipelineStage:
             if state["h0"] is not None:
                 state["h0"].backward(dx)                            # into wte, wpe
         if k > 0:
-            self.links.send("grad", self.schedule.place(k - 1)[0], dx, a.micro_batch)
-        if self.schedule.split_backward:        # W keeps only what it needs of the graph
+            self.links.send("grad", self.schedule.place(k - 1, a.micro_batch)[0], dx,
+                            a.micro_batch)
+        if split:                               # W keeps only what it needs of the graph
             state.update(dx=dx, x=None, y=None, aux=None)
         else:
             del self.live[key]
@@ -392,6 +415,19 @@ class PipelineStage:
     def _boundary_shape(self, mb) -> tuple[int, int, int]:
         rows, T = mb.x.shape
         return rows, T // (self.shards if self.sequence else 1), self.model.cfg.n_embd
+
+
+def sync_mirror(engine, model, group) -> None:
+    """COLLECTIVE over the mirror pair (stages s and P-1-s of one pp line, "dual"): sum the
+    local gradient of every parameter over the two copies, in place, before the dp sync;
+    one all-reduce of all of them, in rank order, so both copies get the same bits."""
+    grads = [engine.local_grad(p) for p in model.parameters()]
+    flat = C.all_reduce(np.concatenate([g.reshape(-1) for g in grads]), group=group,
+                        algo="direct" if getattr(group, "supports_shared", False) else "auto")
+    at = 0
+    for g in grads:
+        g[...] = flat[at:at + g.size].reshape(g.shape)
+        at += g.size
 
 
 def sync_tied(engine, model, group) -> None:

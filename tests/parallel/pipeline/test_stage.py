@@ -51,13 +51,15 @@ def _run(plan: Plan, n_layer: int, tie: bool = True, n_head: int = 2, what: str 
     return runs
 
 
-SWEEP = [(P, M, name) for P in (2, 3, 4) for M in sorted({1, P, 2 * P + 1})
-         for name in family.SCHEDULES]
+SWEEP = [(P, M, name) for P in (2, 3, 4) for name in family.SCHEDULES
+         for M in sorted({1, P, 2 * P, 2 * P + 1, 2 * P + 2})
+         if family.runs_on(name, P, M) and (M != 2 * P + 2 or name.startswith("dualpipe"))
+         and (M != 2 * P or name.startswith("dualpipe"))]
 # Default run: each schedule once on 2 stages (the cheapest), 1F1B and ZB-H1 with M > P so
 # they reach their steady state; 3 stages (a middle stage) run in
 # test_tied_embedding_copies_stay_bitwise_equal[3]. The rest of the sweep is slow.
 DEFAULT = {(2, 1, "gpipe"), (2, 5, "1f1b"), (2, 2, "interleaved"), (2, 5, "zb-h1"),
-           (2, 5, "zb-2p"), (2, 5, "zbv")}
+           (2, 5, "zb-2p"), (2, 5, "zbv"), (2, 4, "dualpipe"), (2, 4, "dualpipev")}
 CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in SWEEP]
 
 
@@ -65,7 +67,7 @@ CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c i
 @pytest.mark.parametrize("P, M, name", CASES)
 def test_every_schedule_matches_the_single_process(P, M, name):
     # interleaved, zbv: 2 chunks of one layer per stage; else P + 1 layers, split unevenly
-    n_layer = 2 * P if family.chunks_of(name) == 2 else P + 1
+    n_layer = family.pieces(name, P) if family.chunks_of(name) == 2 else P + 1
     _run(Plan(pp=P, micro_batches=M, schedule=name), n_layer)
 
 
@@ -109,6 +111,51 @@ def test_tied_embedding_copies_stay_bitwise_equal(P):
     for step, (a, b) in enumerate(zip(first, last)):
         assert np.array_equal(a, b), f"step {step}: wte drifted between first and last stage"
     assert not np.array_equal(first[0], first[-1])             # it did train
+
+
+def _mirrored_params(ctx, plan, cfg):
+    """Train 3 steps; return this stage's parameters by name."""
+    from minidist.parallel.compose import build
+    from minidist.parallel.micro_batching import micro_batches
+    from minidist.data import SyntheticData
+    lay = build(ctx, plan, cfg, 0, optimizer="adamw", lr=LR, weight_decay=0.0,
+                betas=(0.9, 0.999), momentum=0.0)
+    data = SyntheticData(DATA)
+    for step in range(3):
+        batches, n = micro_batches(data, step, 8, plan.dp, lay.dp_group.rank,
+                                   plan.micro_batches, 0)
+        lay.pipeline.step(lay.engine, batches, n)
+        lay.engine.step(LR, None)
+    return {name: p.data.copy() for name, p in lay.model.named_parameters()}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_dualpipe_s_mirrored_copies_stay_bitwise_equal(P):
+    """Stage s and P-1-s hold the same pieces and see different micro-batches; their
+    gradients are summed before the update, so the copies never drift apart."""
+    got = spawn(P, _mirrored_params, Plan(pp=P, micro_batches=2 * P, schedule="dualpipe"),
+                _cfg(P))
+    for s in range(P // 2):
+        a, b = got[s], got[P - 1 - s]
+        assert sorted(a) == sorted(b) and "wte.weight" in got[0]
+        for name in a:
+            assert np.array_equal(a[name], b[name]), f"{name} differs between stage {s} " \
+                f"and its mirror {P - 1 - s}"
+
+
+COMPOSED = [(2, 2, 1, "dualpipe"), (2, 2, 2, "zbv"), (2, 1, 2, "dualpipev"),
+            (4, 2, 1, "dualpipe"), (4, 1, 2, "zb-2p")]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("P, dp, tp, name", [
+    c if c == COMPOSED[0] else pytest.param(*c, marks=pytest.mark.slow) for c in COMPOSED])
+def test_new_schedules_compose_with_dp_and_tp(P, dp, tp, name):
+    """The smallest M each allows (DualPipe: 2P), with the dp and tp groups around it."""
+    M = 2 * P if name.startswith("dualpipe") else P
+    _run(Plan(pp=P, dp=dp, tp=tp, micro_batches=M, schedule=name),
+         family.pieces(name, P), n_head=2 * tp if tp > 1 else 2)
 
 
 def _launched_during_schedule(ctx, plan, cfg):

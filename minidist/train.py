@@ -27,8 +27,8 @@ Result (RankResult): losses (global), grad_norms, lrs, full params and optimizer
 around the step: "sent", "recv" over all axes; bytes_by_axis: sent per axis, "dp" being
 the gradient sync over dp x cp, "pp" the pipeline's activations and gradients, "embed" the
 tied wte's all-reduce, "ep" the MoE tokens' all-to-alls, "edp" the experts' gradient
-sync), pipeline (pp > 1: this stage's timeline per step, as (kind, micro-batch, chunk,
-start, end) in perf_counter seconds, and its peak held activations), memory
+sync), pipeline (pp > 1: this stage's timeline per step, as (schedules.Action, start,
+end) in perf_counter seconds, and its peak held activations), memory
 (engine.memory()) and timing per step in seconds: "comm_wait" (the wall time this rank
 spent inside calls on its groups during the step: comm_by_axis summed), "compute" (forward +
 backward, less the part of comm_wait inside them), "step" (wall time of the whole step)
@@ -352,9 +352,8 @@ class ParallelStep:
             return micro_batching.grad_accumulation(engine, batches, n_tokens)
         else:
             loss = stage.step(engine, batches, n_tokens)
-        if stage is not None:                  # this step's actions: (kind, m, chunk, t0, t1)
-            self.timeline = [(a.kind, a.micro_batch, a.chunk, t0, t1)
-                             for a, t0, t1 in stage.record]
+        if stage is not None:                  # this step's actions: (Action, t0, t1)
+            self.timeline = list(stage.record)
             self.timelines.append(self.timeline)
         return loss
 

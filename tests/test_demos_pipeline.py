@@ -1,5 +1,6 @@
-"""The pipeline demo runs as a user runs it: four schedules drawn with their bubbles and peaks
-equal to the closed forms, real pp=2 runs whose losses equal the 1-process run, an OK line.
+"""The pipeline demo runs as a user runs it: the schedule family drawn with their bubbles and
+peaks equal to the closed forms and claims, real pp=2 runs (DualPipe's two directions among
+them) whose losses equal the 1-process run, an OK line.
 Its measured timelines draw every action the stage ran, whatever the machine's load made of
 their durations (nothing here depends on time)."""
 
@@ -11,10 +12,10 @@ pytestmark = pytest.mark.multiproc
 DEMO = "12_pipeline.py"
 
 
-def _ok(*args: str) -> list[str]:
+def _ok(*args: str, drawn: int = 10) -> list[str]:
     rc, out = run_demo(DEMO, *args)
-    assert rc == 0 and out[-1].startswith("OK: 4 schedules valid, bubbles and peaks as stated; "
-                                          "pp=2 losses = 1 process"), "\n".join(out)
+    assert rc == 0 and out[-1].startswith(f"OK: {drawn} schedules valid, bubbles and peaks as "
+                                          "stated; pp=2 losses = 1 process"), "\n".join(out)
     assert out[0].startswith("demo 12 · pipeline parallel · "), out[0]
     return out
 
@@ -49,7 +50,7 @@ def _actions(row: str) -> list[str]:
 
 # both slow (~1-2 s each): the default run keeps only the cheapest demos
 @pytest.mark.slow
-def test_pipeline_demo_default_draws_four_schedules_and_matches_one_process():
+def test_pipeline_demo_default_draws_the_family_and_matches_one_process():
     out = _ok()
     text = "\n".join(out)
     gpipe = _rows(out, "gpipe: P=4, M=8, bubble 27.3% (1 cell = 1 time unit)")
@@ -68,21 +69,31 @@ def test_pipeline_demo_default_draws_four_schedules_and_matches_one_process():
         assert line in out, f"missing {line!r}\n{text}"
     for title in ("== simulated with these costs ==", "== measured =="):
         drawn = [i for i, line in enumerate(out) if line == title]
-        assert len(drawn) == 2, text                       # one per real schedule
+        assert len(drawn) == 3, text                       # one per real schedule
         for i, kinds in zip(drawn, ("FB", "FBW")):        # every action of the step, in
             rows = _rows(out, i + 1)                       # order, whatever the load made
             assert len(rows) == 2, out[i:i + 4]            # of their durations
             for s, row in enumerate(rows):
                 want = sorted(f"{k}{m}" for k in kinds for m in range(4))
                 assert sorted(_actions(row)) == want, f"stage {s}: {row}"
-    for name in ("1f1b", "zb-h1"):
+        rows = _rows(out, drawn[2] + 1)                    # DualPipe: both directions, and
+        assert len(rows) == 2 and all("&" in row for row in rows), rows   # overlapped pairs
+        assert any(c in rows[0] for c in ("X", "x")) and "f2" in rows[0] and "F0" in rows[1]
+    assert "peak activations held per stage: measured [3, 3], peak_activations [3, 3]" in out
+    trade = next(i for i, line in enumerate(out) if line.startswith("== the trade-off"))
+    table = {line.split()[0]: line.split() for line in out[trade + 2:trade + 12]}
+    assert sorted(table) == sorted(("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-1p",
+                                    "zb-2p", "zbv", "dualpipe", "dualpipev")), table
+    assert table["zb-1p"][3] == "0.33" and table["zb-2p"][3] == "0.00"    # x 1F1B's bubble
+    assert table["dualpipe"][4:6] == ["5", "1.25"]         # P+1 pieces held
+    for name in ("1f1b", "zb-h1", "dualpipe"):
         assert sum(line.startswith("step ") and f"| loss pp=2 {name} " in line
                    for line in out) == 3
 
 
 @pytest.mark.slow
 def test_pipeline_demo_with_fewer_micro_batches_than_stages_and_a_real_interleaved_run():
-    out = _ok("--M", "2", "--run", "interleaved", "--run-m", "2", "--steps", "2")
+    out = _ok("--M", "2", "--run", "interleaved", "--run-m", "2", "--steps", "2", drawn=8)
     text = "\n".join(out)
     assert "  M=2 < P=4, the pipeline never fills" in out
     assert "(M not a multiple of P: not checked)" in text

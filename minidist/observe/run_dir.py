@@ -314,9 +314,9 @@ class RankObserver(Hook):
         bars = [] if span is None else [Event(
             f"step {step}", self.rank, span[0] * 1e6, span[1] * 1e6,
             {"loss": line["loss"], "time_s": line["time_s"]}, "step", 0).to_json()]
-        bars += [Event(f"{kind}{mb}" + (f".{chunk}" if chunk else ""), self.rank, t0 * 1e6,
-                       t1 * 1e6, {"micro_batch": mb, "chunk": chunk}, "pipeline", 0).to_json()
-                 for kind, mb, chunk, t0, t1 in pipeline]
+        bars += [Event(str(a), self.rank, t0 * 1e6, t1 * 1e6,
+                       {"micro_batch": a.micro_batch, "chunk": a.chunk}, "pipeline", 0).to_json()
+                 for a, t0, t1 in pipeline]
         ops, calls = self._tracer.take(self.names, self._lane)
         room = max(MAX_EVENTS - self.written - len(bars), 0)      # the bars are always kept
         calls = calls[:room]

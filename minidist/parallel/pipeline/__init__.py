@@ -10,9 +10,14 @@ first and the last stage, and their gradients are summed between the two every s
 
 The schedules are plain data (schedules.py): for each stage, the list of its actions in
 order, F(m, c) forward of micro-batch m through chunk c, B(m, c) its backward (only the
-input gradient in a split schedule), W(m, c) the weight gradient (split schedules;
-autograd/split.py cuts a backward in two, bitwise equal to one backward). The sends and
-receives are derived from the actions, never written.
+input gradient where the stage also runs W(m, c)), W(m, c) the weight gradient
+(autograd/split.py cuts a backward in two, bitwise equal to one backward), and FB, a
+forward of one micro-batch overlapped with the backward of another (DualPipe's F&B). The
+sends and receives are derived from the actions, never written. Which chunk holds which
+piece of the model is the placement: "loop" (chunk c of stage s is piece c P + s), "v"
+(down the stages and back up: stage 0 holds the first and the last piece) or "dual" (stage
+s holds piece s and its mirror's, P-1-s; half the micro-batches flow each way).
+family.py names them all, with what each needs and claims:
 
     schedule      order on stage s                 bubble (unit costs)     activations held
     gpipe         all M forwards, then all M       (P-1)/(M+P-1)           M on every stage
@@ -23,9 +28,18 @@ receives are derived from the actions, never written.
                   Megatron's order                 M >= P                  chunks
     zb-h1         1F1B's order with B split from   (P-1)/(3M+P-1), M >= P  P on every stage
                   W; the Ws fill the bubbles       (F = B = W)
+    zb-h2         ZB-H1 with the warm-up doubled   the same for one step;  2P-1
+                                                   0 when steps overlap
+    zb-1p, zb-2p  the list scheduler under P or    as zb-h1, zb-h2         P, 2P at most
+                  2P micro-batches held (schedule_auto.py; uneven costs welcome)
+    zbv           the same on the V placement      under 1/4 of 1F1B's     P (in 2P halves)
+                                                   when steps overlap
+    dualpipe      DeepSeek-V3's two-way order,     (P/2-1)(F&B+B-3W)       P+1; every
+                  overlapped F&B pairs             (Table 2)               parameter twice
+    dualpipev     DualPipe cut in half, on a V     the same, PP = 2P       2P+1 halves
 
 A schedule of your own is a CSV file like torchtitan's (schedule_csv.py), one line per
-stage, cells {virtual stage}{F|B|W}{micro-batch}:
+stage, cells {virtual stage}{F|B|W}{micro-batch} (an overlapped pair: 0F4&1B1):
     0F0,0F1,0B0,0B1
     1F0,1B0,1F1,1B1
 (`python -m minidist train --pp 2 --grad-accum 2 --schedule my.csv --check` runs it.)
@@ -48,13 +62,20 @@ On the ranks each action runs as the schedule says; activations and gradients tr
 2-rank link groups with asynchronous sends, every message a numbered send/recv tagged with
 its micro-batch: a message of another micro-batch is a CollectiveMismatch naming both
 (DeepSpeed #5729), a hung stage a CollectiveTimeout naming the pending receive. The dp
-reduction (DDP, ZeRO-1, ZeRO-2) starts after the stage's last backward; ZeRO-3 with pp is
+reduction (DDP, ZeRO-1, ZeRO-2) starts after the stage's last backward (under DualPipe
+after the two copies' gradients are summed between mirrors); ZeRO-3 with pp is
 refused, as DeepSpeed does (it would gather every unit again for each micro-batch). Under
 mpiexec a send runs inline (one thread talks to MPI): fine below MPI's eager limit.
 
-    schedules.py           schedules as data: GPipe, 1F1B, interleaved 1F1B, zero bubble
+    schedules.py           schedules as data: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2;
+                           the placements, the FB action
+    schedule_auto.py       the zero-bubble list scheduler under a memory limit (ZB-1p,
+                           ZB-2p, ZBV)
+    dualpipe.py            DualPipe and DualPipeV
+    family.py              every schedule by name: what it needs and claims
     stage.py               PipelineCut (which layers a stage holds), the links between
-                           stages, and PipelineStage, which runs a schedule's actions
+                           stages, and PipelineStage, which runs a schedule's actions (and
+                           sums DualPipe's mirrored copies' gradients)
     schedule_validate.py   proves a schedule complete and free of deadlock
     schedule_sim.py        its timeline, bubble and peak activations, and the closed forms
     schedule_render.py     the timeline as text, a Chrome trace or a PNG

@@ -27,11 +27,14 @@ The simulation, step by step:
     The simulator never reorders: the schedule is the policy, the simulator only clocks it.
 
 Costs: {"F": f, "B": b, "W": w}, each one number or P numbers (one per stage): the cost of
-a stage's whole share of layers (1/P of the model). Chunk c of an interleaved schedule is
-1/V of that share, so its actions cost f/V, ... . A non-split B is the whole backward and
+a stage's whole share of layers (1/P of the model). Chunk c of an interleaved or V
+schedule is 1/V of that share, so its actions cost f/V, ...; a chunk of the dual placement
+(DualPipe) is a whole share. A B whose W the stage does not run is the whole backward and
 costs b + w; a split B (zero bubble) is the input gradient, b, and W the weight gradient,
-w. Default 1 each: a backward costs two forwards (dX and dW each cost about a forward).
-Times keep the type of the costs: pass fractions.Fraction costs for exact arithmetic.
+w. An overlapped FB (DualPipe's F&B) costs costs["FB"] when given, else the longer of its
+F and its B: a perfect overlap. Default 1 each: a backward costs two forwards (dX and dW
+each cost about a forward). Times keep the type of the costs: pass fractions.Fraction
+costs for exact arithmetic.
 
 Closed forms, unit costs (F = B = W = 1, comm = 0), bubble = idle / total time:
     GPipe, 1F1B                (P-1) / (M+P-1)        any M >= 1
@@ -194,13 +197,17 @@ def _duration(schedule: PipelineSchedule, cost: dict[str, list], s: int, a: Acti
     overlapped F and whole B), else the longer of the two, the overlap being perfect."""
     if a.kind == FB:
         f, b = (_duration(schedule, cost, s, part) for part in a.parts())
-        share = 1 if schedule.placement == "dual" else schedule.chunks
-        return (cost[FB][s] / share if share > 1 else cost[FB][s]) if FB in cost else max(f, b)
+        return _scaled(schedule, cost[FB][s]) if FB in cost else max(f, b)
     c = cost[a.kind][s]
     if a.kind == "B" and not schedule.is_split(s, a.micro_batch, a.chunk):
         c = c + cost["W"][s]                      # a whole backward
-    share = 1 if schedule.placement == "dual" else schedule.chunks
-    return c / share if share > 1 else c
+    return _scaled(schedule, c)
+
+
+def _scaled(schedule: PipelineSchedule, c):
+    """A stage's cost c for one chunk: c / V (c under "dual"), in c's own type."""
+    n = schedule.chunk_share.denominator
+    return c / n if n > 1 else c
 
 
 def _deps(schedule: PipelineSchedule, s: int, a: Action) -> list[tuple[tuple, bool]]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from fractions import Fraction
 
 
 KINDS = ("F", "B", "W")
@@ -143,6 +144,12 @@ class PipelineSchedule:
     def n_virtual(self) -> int:
         """The number of model pieces the layers are cut into: V P (P for "dual")."""
         return pieces_of(self.placement, self.stages, self.chunks)
+
+    @property
+    def chunk_share(self) -> Fraction:
+        """The share of one stage's layers (1/P of the model) a chunk holds: 1/V, or 1
+        under "dual" (each chunk is a whole piece). Costs and memory scale by it."""
+        return Fraction(1) if self.placement == "dual" else Fraction(1, self.chunks)
 
     @functools.cached_property
     def _splits(self) -> tuple[frozenset, ...]:

@@ -12,8 +12,12 @@ and `PipelineStage.run(action)` executes one forward (F), backward (B) or weight
 (W) action and moves tensors to the neighbours. WHEN each action runs is a schedule,
 plain data built in schedules.py (GPipe, 1F1B, interleaved 1F1B, ZB-H1), proven complete
 and deadlock-free by schedule_validate.py before anything runs, so schedule and mechanics
-can be read and tested apart. With V chunks per rank (interleaved 1F1B) the layers are
-cut into V P pieces and chunk c of stage s is virtual stage k = c P + s.
+can be read and tested apart. With V chunks per rank the layers are cut into V P pieces
+and chunk c of stage s is the virtual stage the schedule's placement says: c P + s
+(interleaved 1F1B), s and 2P-1-s (the V of ZBV and DualPipeV: the turn at stage P-1 is a
+hand-over in memory, Links), or, for DualPipe, s and P-1-s of only P pieces: stage s and
+its mirror P-1-s hold the same two pieces, one direction's micro-batches each, and
+`sync_mirror` sums the two copies' gradients before the update.
 
 Tied embeddings. With tie_weights the head's weight is the token embedding: wte lives on
 the first AND the last stage. Their gradients (embedding part on the first, head part on

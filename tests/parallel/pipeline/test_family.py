@@ -32,7 +32,7 @@ def _steady(schedule, costs=ONE, comm=0):
 
 def _memory(schedule) -> Fraction:
     """Peak activations over stages, in whole-stage units."""
-    return Fraction(max(peak_activations(schedule)), schedule.chunks)
+    return max(peak_activations(schedule)) * schedule.chunk_share
 
 
 def _p2p(schedule) -> int:

@@ -230,6 +230,10 @@ def _arguments() -> argparse.ArgumentParser:
                          "stage, cells like 0F0,0F1,0B0; 0F4&1B1 an overlapped pair)")
     ap.add_argument("--virtual-stages", type=at_least(1), default=None,
                     help="model chunks per pp rank for --schedule interleaved (default 2)")
+    ap.add_argument("--schedule-costs", type=_costs, default=None, metavar="F,B,W",
+                    help="a stage's forward, input-gradient and weight-gradient costs (any "
+                         "unit; e.g. from bench pipeline) that --schedule zb-1p, zb-2p or "
+                         "zbv is searched for (default 1,1,1)")
     ap.add_argument("--layers-per-stage", type=_int_list, default=None,
                     help="layers of each (virtual) stage, comma-separated, e.g. 3,2")
     ap.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel ranks (Megatron)")
@@ -286,6 +290,18 @@ def _int_list(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
                                          "layer counts, e.g. 3,2") from None
+
+
+def _costs(text: str) -> tuple[float, float, float]:
+    """--schedule-costs: "1.3,1.1,0.8" -> (1.3, 1.1, 0.8)."""
+    try:
+        costs = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        costs = ()
+    if len(costs) != 3 or not all(0 < c < float("inf") for c in costs):
+        raise argparse.ArgumentTypeError(f"{text!r} is not three positive costs F,B,W, e.g. "
+                                         "1.3,1.1,0.8")
+    return costs
 
 
 def _rank_main(ctx, a, cfg: GPTConfig, data_cfg: DataConfig, plan: Plan, t0: float,

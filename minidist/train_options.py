@@ -78,6 +78,7 @@ FLAGS = {"global_batch": "--batch", "micro_batches": "--grad-accum", "dp": "--dp
          "n_embd": "--n-embd", "n_layer": "--n-layer", "moe_every": "--moe-every",
          "n_experts": "--n-experts", "moe_group_size": "--moe-group-size", "top_k": "--top-k",
          "layers_per_stage": "--layers-per-stage", "virtual_stages": "--virtual-stages",
+         "schedule_costs": "--schedule-costs",
          "schedule": "--schedule", "precision": "--precision", "grad_reduce": "--grad-reduce",
          "dtype": "--dtype", "recompute": "--recompute", "offload": "--offload",
          "offload_dir": "--offload-dir", "length": "--length", "task": "--task"}
@@ -260,6 +261,7 @@ def _validated(a: argparse.Namespace) -> Job:
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,
                 schedule=a.schedule_value, virtual_stages=a.virtual_stages,
+                schedule_costs=getattr(a, "schedule_costs", None),
                 layers_per_stage=a.layers_per_stage, precision=a.precision,
                 grad_reduce=a.grad_reduce, offload=a.offload, offload_dir=a.offload_dir)
     plan = plan.textbook() if a.plain else plan

@@ -62,7 +62,7 @@ from minidist.parallel.data.buckets import BucketedDataParallel
 from minidist.parallel.data.ddp import ALGOS, DataParallel
 from minidist.parallel.expert.expert_parallel import apply_experts, is_expert_parameter
 from minidist.parallel.pipeline.schedule_validate import validate
-from minidist.parallel.pipeline.family import SCHEDULES, chunks_of, make_schedule
+from minidist.parallel.pipeline.family import AUTOMATIC, SCHEDULES, chunks_of, make_schedule
 from minidist.parallel.pipeline.schedules import PipelineSchedule, pieces_of
 from minidist.parallel.pipeline.stage import PipelineCut, PipelineStage, make_links, split_layers
 from minidist.parallel.sharding import ModelSharding
@@ -80,9 +80,11 @@ def _positive_int(value, minimum: int) -> bool:
 class Plan:
     """How one training job is laid out over W = pp * dp * cp * tp ranks (ep divides dp).
 
-    Pipeline: `schedule` is a name in schedules.SCHEDULES or a PipelineSchedule (e.g.
+    Pipeline: `schedule` is a name in family.SCHEDULES or a PipelineSchedule (e.g.
     from_csv) for pp stages and micro_batches; virtual_stages V (interleaved; default 2
-    there, 1 otherwise); layers_per_stage: layer counts per virtual stage (default even).
+    there, 1 otherwise); layers_per_stage: layer counts per virtual stage (default even);
+    schedule_costs (F, B, W): the costs the searched schedules (zb-1p, zb-2p, zbv) are
+    found for (default 1, 1, 1: at those ZB-1p and ZB-2p are ZB-H1 and ZB-H2).
     Mixed precision (memory/precision.py; dp and ZeRO only): precision "bf16", "fp16" or
     "fp8" makes the model hold a rounded copy and wraps the engine in master_weights.py's
     MixedPrecision; grad_reduce "low" stores and sums the gradients in that format.
@@ -112,6 +114,7 @@ class Plan:
     check_placements: bool | None = None     # None: MINIDIST_CHECK_PLACEMENTS decides
     schedule: str | PipelineSchedule = "1f1b"    # pipeline schedule (pp > 1)
     virtual_stages: int | None = None        # chunks per pp rank; None: 2 interleaved, else 1
+    schedule_costs: tuple[float, float, float] | None = None   # F, B, W for zb-1p, zb-2p, zbv
     layers_per_stage: tuple[int, ...] | None = None
     precision: str = "fp32"                  # "fp32", "bf16", "fp16", "fp8" (memory/precision.py)
     grad_reduce: str = "fp32"                # gradients stored and summed in "fp32" or "low"
@@ -137,6 +140,13 @@ class Plan:
                 self.virtual_stages > 1 and self.schedule != "interleaved")):
             raise ValueError(f"Plan: virtual_stages={self.virtual_stages!r} must be an int >= 1,"
                              " and > 1 only with schedule='interleaved'.")
+        if self.schedule_costs is not None and (
+                self.schedule not in AUTOMATIC or len(self.schedule_costs) != 3
+                or not all(isinstance(c, (int, float)) and c > 0 for c in self.schedule_costs)):
+            raise ValueError(f"Plan: schedule_costs={self.schedule_costs!r} must be three "
+                             "positive numbers (F, B, W: a stage's forward, input gradient and "
+                             f"weight gradient), and only with a searched schedule "
+                             f"({', '.join(AUTOMATIC)}), not {self.schedule!r}.")
         if self.cp_algo not in CP_ALGOS or self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"Plan: cp_algo={self.cp_algo!r} must be one of {CP_ALGOS} and "
                              f"cp_layout={self.cp_layout!r} one of {CP_LAYOUTS}.")
@@ -186,7 +196,8 @@ class Plan:
         user's PipelineSchedule."""
         if isinstance(self.schedule, PipelineSchedule):
             return self.schedule
-        return make_schedule(self.schedule, self.pp, self.micro_batches, self.chunks)
+        costs = None if self.schedule_costs is None else dict(zip("FBW", self.schedule_costs))
+        return make_schedule(self.schedule, self.pp, self.micro_batches, self.chunks, costs)
 
     def describe(self) -> str:
         """'pp=2 (1f1b) x dp=2 (ep=2) x cp=2 x tp=2 (SP)': the axes (pp, ep, cp when > 1)."""

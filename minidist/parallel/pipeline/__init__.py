@@ -32,7 +32,7 @@ family.py names them all, with what each needs and claims:
                                                    0 when steps overlap
     zb-1p, zb-2p  the list scheduler under P or    as zb-h1, zb-h2         P, 2P at most
                   2P micro-batches held (schedule_auto.py; uneven costs welcome)
-    zbv           the same on the V placement      under 1/4 of 1F1B's     P (in 2P halves)
+    zbv           the same on the V placement      0.06-0.23 x 1F1B's      P (in 2P halves)
                                                    when steps overlap
     dualpipe      DeepSeek-V3's two-way order,     (P/2-1)(F&B+B-3W)       P+1; every
                   overlapped F&B pairs             (Table 2)               parameter twice

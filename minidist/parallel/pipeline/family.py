@@ -19,7 +19,7 @@ and M >= 2P, in units of 1F1B's (P-1)/M; memory: peak activations in units of 1F
 the claims of Qi et al. (arXiv:2401.10241, Secs. 2-3; the zero-bubble repository's
 table; arXiv:2405.15362 for ZBV); tests/parallel/pipeline/test_family.py measures each
 against the simulator and says where this implementation falls short (ZBV: its greedy
-leaves a small tail, under 1/4 of 1F1B's bubble, where the paper reports 0).
+leaves a small tail, 0.06-0.23 of 1F1B's bubble for P <= 8, where the paper reports 0).
 
 DualPipe and DualPipeV (dualpipe.py) overlap a forward with a backward (FB actions) and
 split only some backwards; their bubble is DeepSeek-V3's Table 2 formula, which

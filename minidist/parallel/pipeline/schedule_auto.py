@@ -35,7 +35,9 @@ One stage's rules, when it is free at time t (the list scheduler, `_play`):
 The open choices (the warm-up depth; Ws eager, fitted into gaps or only when memory is
 full or nothing else will come; F or B first once warm) are tried in every combination,
 beside the handcrafted ZB-H1 and ZB-H2 where they fit the limit (so the search is never
-worse than those); the schedule kept is the one with the shortest makespan, then
+worse than those, and returns them on a tie: at F = B = W, ZB-1p is ZB-H1 and ZB-2p is
+ZB-H2; with uneven costs it finds better, test_family.py); the schedule kept is the one
+with the shortest makespan, then
 the smallest steady-state bubble (schedule_sim.Timeline.steady_bubble: each stage's idle
 time inside its own span, the bubble left when iterations overlap; Qi et al.'s measure).
 
@@ -85,15 +87,15 @@ def auto_schedule(P: int, M: int, memory, *, placement: str = "loop",
     costs = dict(costs or {})
     unit = {k: Fraction(costs.get(k, 1)) if not isinstance(costs.get(k, 1), float)
             else costs.get(k, 1) for k in KINDS}
-    tried = []
+    tried = []                   # the handcrafted ones that fit first: on a tie, they win
+    if V == 1:
+        tried += [h(P, M).actions for h, held in ((zero_bubble_h2, 2 * P - 1),
+                                                  (zero_bubble_h1, P))
+                  if min(held, M) <= limit]
     for deep, fill, f_first in itertools.product((True, False), ("eager", "fit", "lazy"),
                                                 (True, False)):
         ahead = [min(limit, _warmup(P, V, s) if deep else V * (P - s)) for s in range(P)]
         tried.append(_play(P, M, V, placement, limit, ahead, fill, f_first, unit, comm))
-    if V == 1:                   # the handcrafted ones that fit: never worse than those
-        tried += [h(P, M).actions for h, held in ((zero_bubble_h1, P),
-                                                  (zero_bubble_h2, 2 * P - 1))
-                  if min(held, M) <= limit]
     scheduled = [PipelineSchedule(name, P, M, order, chunks=V, placement=placement)
                  for order in tried]
     return min(scheduled, key=lambda sched: _score(sched, unit, comm))

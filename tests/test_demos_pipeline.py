@@ -12,7 +12,7 @@ pytestmark = pytest.mark.multiproc
 DEMO = "12_pipeline.py"
 
 
-def _ok(*args: str, drawn: int = 10) -> list[str]:
+def _ok(*args: str, drawn: int = 12) -> list[str]:
     rc, out = run_demo(DEMO, *args)
     assert rc == 0 and out[-1].startswith(f"OK: {drawn} schedules valid, bubbles and peaks as "
                                           "stated; pp=2 losses = 1 process"), "\n".join(out)
@@ -81,10 +81,12 @@ def test_pipeline_demo_default_draws_the_family_and_matches_one_process():
         assert any(c in rows[0] for c in ("X", "x")) and "f2" in rows[0] and "F0" in rows[1]
     assert "peak activations held per stage: measured [3, 3], peak_activations [3, 3]" in out
     trade = next(i for i, line in enumerate(out) if line.startswith("== the trade-off"))
-    table = {line.split()[0]: line.split() for line in out[trade + 2:trade + 12]}
+    table = {line.split()[0]: line.split() for line in out[trade + 2:trade + 14]}
     assert sorted(table) == sorted(("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-1p",
-                                    "zb-2p", "zbv", "dualpipe", "dualpipev")), table
+                                    "zb-2p", "zbv", "v-half", "v-min", "dualpipe",
+                                    "dualpipev")), table
     assert table["zb-1p"][3] == "0.33" and table["zb-2p"][3] == "0.00"    # x 1F1B's bubble
+    assert table["v-half"][4:6] == ["3", "0.75"] and table["v-min"][4:6] == ["2", "0.50"]
     assert table["dualpipe"][4:6] == ["5", "1.25"]         # P+1 pieces held
     for name in ("1f1b", "zb-h1", "dualpipe"):
         assert sum(line.startswith("step ") and f"| loss pp=2 {name} " in line
@@ -93,7 +95,7 @@ def test_pipeline_demo_default_draws_the_family_and_matches_one_process():
 
 @pytest.mark.slow
 def test_pipeline_demo_with_fewer_micro_batches_than_stages_and_a_real_interleaved_run():
-    out = _ok("--M", "2", "--run", "interleaved", "--run-m", "2", "--steps", "2", drawn=8)
+    out = _ok("--M", "2", "--run", "interleaved", "--run-m", "2", "--steps", "2", drawn=10)
     text = "\n".join(out)
     assert "  M=2 < P=4, the pipeline never fills" in out
     assert "(M not a multiple of P: not checked)" in text

@@ -109,7 +109,8 @@ def test_pipeline_layouts_equal_the_single_process_bit_for_bit(dtype, dp, pp, ze
 FAMILY_CASES = [(1, 2, 0, 4, "dualpipe"), (1, 2, 0, 4, "zbv"), (2, 2, 1, 6, "dualpipe"),
                 (1, 4, 0, 12, "dualpipe"), (1, 2, 0, 4, "dualpipev"), (1, 4, 0, 12, "dualpipev"),
                 (2, 2, 2, 6, "zbv"), (1, 4, 0, 4, "zbv"), (1, 2, 0, 3, "zb-2p"),
-                (1, 3, 0, 3, "zb-1p"), (1, 2, 0, 3, "zb-h2")]
+                (1, 3, 0, 3, "zb-1p"), (1, 2, 0, 3, "zb-h2"), (1, 2, 0, 4, "v-half"),
+                (2, 3, 0, 6, "v-min")]
 
 
 # default: DualPipe (two directions, mirrored copies, FB actions) and ZBV (the V's turn)

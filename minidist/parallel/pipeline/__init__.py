@@ -34,6 +34,9 @@ family.py names them all, with what each needs and claims:
                   2P micro-batches held (schedule_auto.py; uneven costs welcome)
     zbv           the same on the V placement      0.06-0.23 x 1F1B's      P (in 2P halves)
                                                    when steps overlap
+    v-half,       a building block repeated every  under 1/2, 2/3 of       P/2 + 1, ~P/3 + 1
+    v-min         6 passes, on the V placement     1F1B's
+                  (controllable_memory.py)
     dualpipe      DeepSeek-V3's two-way order,     (P/2-1)(F&B+B-3W)       P+1; every
                   overlapped F&B pairs             (Table 2)               parameter twice
     dualpipev     DualPipe cut in half, on a V     the same, PP = 2P       2P+1 halves
@@ -71,6 +74,7 @@ mpiexec a send runs inline (one thread talks to MPI): fine below MPI's eager lim
                            the placements, the FB action
     schedule_auto.py       the zero-bubble list scheduler under a memory limit (ZB-1p,
                            ZB-2p, ZBV)
+    controllable_memory.py V-Half and V-Min from their building blocks
     dualpipe.py            DualPipe and DualPipeV
     family.py              every schedule by name: what it needs and claims
     stage.py               PipelineCut (which layers a stage holds), the links between

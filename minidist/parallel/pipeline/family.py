@@ -10,6 +10,8 @@ claims (bubble, activation memory, point-to-point volume), with its source.
     zb-1p        schedule_auto, memory P     loop       yes      1/3       1       1
     zb-2p        schedule_auto, memory 2P    loop       yes      0         2       1
     zbv          schedule_auto, memory P     v          yes      0         1       2
+    v-half       controllable_memory         v          yes      1/2       1/2     2
+    v-min        controllable_memory         v          yes      2/3       1/3     2
     dualpipe     dualpipe.dualpipe           dual       part     see below (P+1)/P 1
     dualpipev    dualpipe.dualpipe_v         v          part     see below (2P+1)/2P 2
 
@@ -17,9 +19,14 @@ bubble: the steady-state bubble rate (schedule_sim.Timeline.steady_bubble) at F 
 and M >= 2P, in units of 1F1B's (P-1)/M; memory: peak activations in units of 1F1B's
 (P micro-batches of a stage); p2p: messages per micro-batch in units of 1F1B's. These are
 the claims of Qi et al. (arXiv:2401.10241, Secs. 2-3; the zero-bubble repository's
-table; arXiv:2405.15362 for ZBV); tests/parallel/pipeline/test_family.py measures each
-against the simulator and says where this implementation falls short (ZBV: its greedy
-leaves a small tail, 0.06-0.23 of 1F1B's bubble for P <= 8, where the paper reports 0).
+table; arXiv:2405.15362 for ZBV, V-Half and V-Min); tests/parallel/pipeline/test_family.py
+measures each against the simulator and says where this implementation falls short (ZBV:
+its greedy leaves a small tail, 0.06-0.23 of 1F1B's bubble for P <= 8, where the paper
+reports 0). V-Half's and V-Min's are the paper's limits for many stages: their building
+blocks hold P + 2 (P + 1 for odd P) and about 2P/3 + 2 chunk activations (half a stage
+each), so at P = 8
+V-Half holds 5/8 of 1F1B's and V-Min 1/2, and 0.53 and 0.38 at P = 32; their one-step
+bubbles stay under 1/2 and 2/3 of 1F1B's for every P tested.
 
 DualPipe and DualPipeV (dualpipe.py) overlap a forward with a backward (FB actions) and
 split only some backwards; their bubble is DeepSeek-V3's Table 2 formula, which
@@ -37,6 +44,7 @@ import functools
 from fractions import Fraction
 from typing import Mapping
 
+from minidist.parallel.pipeline.controllable_memory import controllable_memory
 from minidist.parallel.pipeline.dualpipe import dualpipe, dualpipe_v
 from minidist.parallel.pipeline.schedule_auto import auto_schedule
 from minidist.parallel.pipeline.schedules import (PipelineSchedule, gpipe, interleaved_1f1b,
@@ -44,9 +52,11 @@ from minidist.parallel.pipeline.schedules import (PipelineSchedule, gpipe, inter
                                                   zero_bubble_h2)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-1p", "zb-2p", "zbv",
-             "dualpipe", "dualpipev")
-CHUNKS = {"interleaved": None, "zbv": 2, "dualpipe": 2, "dualpipev": 2}   # None: V; else 1
-PLACEMENT = {"zbv": "v", "dualpipev": "v", "dualpipe": "dual"}           # else "loop"
+             "v-half", "v-min", "dualpipe", "dualpipev")
+CHUNKS = {"interleaved": None, "zbv": 2, "v-half": 2, "v-min": 2, "dualpipe": 2,
+          "dualpipev": 2}                                                # None: V; else 1
+PLACEMENT = {"zbv": "v", "v-half": "v", "v-min": "v", "dualpipev": "v",
+             "dualpipe": "dual"}                                         # else "loop"
 
 # (bubble, memory, p2p) of the table above, as exact fractions (None: depends on V)
 CLAIMS = {
@@ -56,6 +66,8 @@ CLAIMS = {
     "zb-1p": (Fraction(1, 3), Fraction(1), Fraction(1)),
     "zb-2p": (Fraction(0), Fraction(2), Fraction(1)),
     "zbv": (Fraction(0), Fraction(1), Fraction(2)),
+    "v-half": (Fraction(1, 2), Fraction(1, 2), Fraction(2)),
+    "v-min": (Fraction(2, 3), Fraction(1, 3), Fraction(2)),
 }
 
 
@@ -112,6 +124,8 @@ def make_schedule(name: str, P: int, M: int, V: int = 2,
         return dualpipe(P, M)
     if name == "dualpipev":
         return dualpipe_v(P, M)
+    if name in ("v-half", "v-min"):
+        return controllable_memory(name, P, M)
     if name in AUTOMATIC:
         if costs is None:
             return _unit_cost(name, P, M)

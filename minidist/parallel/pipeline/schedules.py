@@ -9,8 +9,8 @@ is virtual stage k is the schedule's placement:
             (V = 1: plain pipelines; V >= 2: interleaved 1F1B)
     "v"     V = 2, chunk 0 of stage s is k = s and chunk 1 is k = 2P-1-s: down the stages
             and back up, so stage 0 holds the first AND the last piece of the model and
-            the turn at stage P-1 is a hand-over inside one rank (ZBV, DualPipeV; Qi et
-            al. 2024, arXiv:2405.15362, Sec. 3)
+            the turn at stage P-1 is a hand-over inside one rank (ZBV, V-Half, V-Min,
+            DualPipeV; Qi et al. 2024, arXiv:2405.15362, Sec. 3)
     "dual"  V = 2 of only P pieces: chunk 0 of stage s is piece s, chunk 1 is piece P-1-s,
             so stage s and its mirror P-1-s hold the same pieces; the first M/2
             micro-batches flow up through chunk 0, the rest down through chunk 1
@@ -28,7 +28,8 @@ The messages an action implies are not written in the schedule; `messages_in` an
 
 Generators (the handcrafted ones): gpipe, one_f_one_b, interleaved_1f1b, zero_bubble_h1,
 zero_bubble_h2; schedule_auto.py finds ZB-1p, ZB-2p and ZBV under a memory limit,
-dualpipe.py builds DualPipe and DualPipeV, and family.py names them all (make_schedule).
+controllable_memory.py builds V-Half and V-Min from their building blocks, dualpipe.py
+DualPipe and DualPipeV, and family.py names them all (make_schedule).
 schedule_csv.py reads and writes them as text, schedule_validate.py proves one complete
 and deadlock-free, schedule_sim.py gives its timeline, bubble and peak activations, and
 stage.py runs it on the ranks. The micro-batches themselves, and the trivial schedule

@@ -192,3 +192,37 @@ def test_a_plan_searches_for_the_costs_it_is_given():
                 dict(schedule="zbv", schedule_costs=(1, 1))]:
         with pytest.raises(ValueError, match="schedule_costs=.* must be three positive"):
             Plan(pp=2, micro_batches=4, **bad)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 6, 8, 12, 16])
+def test_v_half_and_v_min_hold_their_memory_for_their_bubble(P):
+    """Qi et al. 2024 (arXiv:2405.15362): V-Half, half of 1F1B's memory for half its bubble;
+    V-Min, a third for two thirds. Their building blocks hold P + 2 and about 2P/3 + 2
+    chunk activations (half a stage each): the claims are the limits for many stages (at
+    P = 32: 0.53 and 0.38 of 1F1B's memory); the one-step idle time stays under the
+    claimed share of 1F1B's at every P here. Both send 1F1B's messages twice. (V-Half:
+    P + 1 for an odd P, whose block needs no shift to keep its slots apart.)"""
+    M = 2 * P
+    one = simulate(one_f_one_b(P, M), ONE)
+    idle_1f1b = one.makespan - one.busy(0)
+    for name, bubble, held in (("v-half", Fraction(1, 2), P + 2),
+                               ("v-min", Fraction(2, 3), -(-2 * P // 3) + 2)):
+        s = make_schedule(name, P, M)
+        validate(s)
+        t = simulate(s, ONE)
+        assert max(t.makespan - t.busy(i) for i in range(P)) <= bubble * idle_1f1b, name
+        assert max(peak_activations(s)) <= held, (name, peak_activations(s))
+        assert _p2p(s) == 2 * _p2p(one_f_one_b(P, M)), name
+    assert max(peak_activations(make_schedule("v-half", P, M))) == P + 2 - P % 2
+
+
+def test_the_building_blocks_never_collide():
+    """Each stage's four passes and its two Ws sit in distinct slots modulo 6, so the
+    repeated blocks leave no bubble in the steady state (and the schedule is valid)."""
+    from minidist.parallel.pipeline.controllable_memory import INTERVAL, block
+    for name in ("v-half", "v-min"):
+        for P in range(1, 13):
+            for slots in block(name, P):
+                assert len({t % INTERVAL for t in slots}) == 4, (name, P, slots)
+    with pytest.raises(ValueError, match="unknown building block"):
+        block("v-max", 4)

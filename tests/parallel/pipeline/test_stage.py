@@ -59,7 +59,8 @@ SWEEP = [(P, M, name) for P in (2, 3, 4) for name in family.SCHEDULES
 # they reach their steady state; 3 stages (a middle stage) run in
 # test_tied_embedding_copies_stay_bitwise_equal[3]. The rest of the sweep is slow.
 DEFAULT = {(2, 1, "gpipe"), (2, 5, "1f1b"), (2, 2, "interleaved"), (2, 5, "zb-h1"),
-           (2, 5, "zb-2p"), (2, 5, "zbv"), (2, 4, "dualpipe"), (2, 4, "dualpipev")}
+           (2, 5, "zb-2p"), (2, 5, "zbv"), (2, 4, "dualpipe"), (2, 4, "dualpipev"),
+           (2, 5, "v-min")}
 CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in SWEEP]
 
 

@@ -32,7 +32,7 @@ import argparse
 from fractions import Fraction
 
 from minidist.baseline import train_single_process
-from minidist.bench.pipeline import measured_costs
+from minidist.bench.pipeline import measured_costs, p2p_formula
 from minidist.cli import CliParser
 from minidist.data import DataConfig, model_config_for
 from minidist.parallel.pipeline.schedule_render import FB_LEGEND, LEGEND, ascii, side_by_side
@@ -154,12 +154,6 @@ def draw(rows: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _p2p(schedule) -> int:
-    """Messages over links in one step (the V's turn stays on its rank)."""
-    return sum(m.dst != s for s, row in enumerate(schedule.actions) for a in row
-               for m in schedule.messages_out(s, a))
-
-
 def show_schedules(P: int, M: int, V: int, png: str | None) -> list[str]:
     """Part 1: each schedule validated, simulated in unit costs, drawn; then the family's
     trade-off table (and plot); returns problems."""
@@ -199,7 +193,8 @@ def show_schedules(P: int, M: int, V: int, png: str | None) -> list[str]:
             problems += [f"{name}: memory {memory} > {CLAIMS[name][1]} x {P}"] * (
                 memory > CLAIMS[name][1] * P)
         print(f"  notice: {NOTICE[name]}")
-        rows_out.append((name, tl, max(peaks) * schedule.chunk_share, _p2p(schedule)))
+        messages = sum(p2p_formula(schedule, 1))   # over links: the V's turn stays local
+        rows_out.append((name, tl, max(peaks) * schedule.chunk_share, messages))
     return problems + trade_off(rows_out, one, P, M, png)
 
 

@@ -109,13 +109,13 @@ def measured_costs(schedule: PipelineSchedule, timelines: list[Timeline]) -> dic
     kinds that never ran cost 0 (W unsplit). B is the median of the split Bs where some
     are split (a whole one is then simulated as B + W); FB only where the schedule has
     some (DualPipe's overlapped pairs, run one after the other here)."""
-    share = 1 / schedule.chunk_share                  # chunks per stage's share: V, or 1
+    share = schedule.chunk_share.denominator          # chunks per stage's share: V, or 1
 
     def cost(kind: str, s: int) -> float:
         d = [sl.duration for tl in timelines for sl in tl.stages[s] if sl.action.kind == kind
              and (kind != "B" or not schedule.split_backward or schedule.is_split(
                  s, sl.action.micro_batch, sl.action.chunk))]
-        return statistics.median(d) * int(share) if d else 0.0
+        return statistics.median(d) * share if d else 0.0
     kinds = KINDS + ((FB,) if any(a.kind == FB for r in schedule.actions for a in r) else ())
     return {kind: [cost(kind, s) for s in range(schedule.stages)] for kind in kinds}
 

@@ -37,7 +37,7 @@ Read next: family.py (the names and their claims).
 
 from __future__ import annotations
 
-from minidist.parallel.pipeline.schedules import Action, PipelineSchedule
+from minidist.parallel.pipeline.schedules import Action, PipelineSchedule, check_sizes
 
 INTERVAL = 6                      # chunk passes per micro-batch and stage: 2 F, 2 B, 2 W
 # the four passes of a block, in the order `block` gives their slots:
@@ -60,9 +60,7 @@ def block(name: str, P: int) -> list[tuple[int, int, int, int]]:
 
 def controllable_memory(name: str, P: int, M: int) -> PipelineSchedule:
     """V-Min or V-Half (`name`) on P stages for M micro-batches (module docstring)."""
-    for what, value in (("P (stages)", P), ("M (micro-batches)", M)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {what} = {value!r}, but it must be an integer >= 1.")
+    check_sizes(name, P, M)
     slots = [[[t + INTERVAL * m for m in range(M)] for t in stage]
              for stage in block(name, P)]                       # 1. repeat
     slots = _squeeze([_put_w(st) for st in slots], with_w=True)   # 2., 3. with the Ws

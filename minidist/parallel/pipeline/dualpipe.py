@@ -51,7 +51,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from minidist.parallel.pipeline.schedules import Action, PipelineSchedule, overlapped
+from minidist.parallel.pipeline.schedules import (Action, PipelineSchedule, check_sizes,
+                                                  overlapped)
 
 
 def _order(H: int, h: int, n: int) -> list[tuple]:
@@ -108,9 +109,7 @@ def _actions(ops: list[tuple], chunk_of, first_of) -> tuple[Action, ...]:
 
 
 def _check(name: str, P: int, M: int, even_p: bool) -> None:
-    for what, value in (("P (stages)", P), ("M (micro-batches)", M)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {what} = {value!r}, but it must be an integer >= 1.")
+    check_sizes(name, P, M)
     if even_p and P % 2:
         raise ValueError(f"{name}: P = {P} stages; DualPipe pairs stage s with stage P-1-s, "
                          "so P must be even (or use dualpipev, which takes any P).")

@@ -61,7 +61,8 @@ from fractions import Fraction
 from typing import Mapping
 
 from minidist.parallel.pipeline.schedule_sim import simulate
-from minidist.parallel.pipeline.schedules import (KINDS, Action, PipelineSchedule, zero_bubble_h1,
+from minidist.parallel.pipeline.schedules import (KINDS, Action, PipelineSchedule, check_sizes,
+                                                  zero_bubble_h1,
                                                   zero_bubble_h2)
 
 
@@ -71,9 +72,7 @@ def auto_schedule(P: int, M: int, memory, *, placement: str = "loop",
     """The best schedule the list scheduler finds for P stages, M micro-batches and at
     most `memory` activation units held per stage (module docstring); placement "loop"
     (one chunk per stage) or "v" (two, in a V)."""
-    for what, value in (("P (stages)", P), ("M (micro-batches)", M)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {what} = {value!r}, but it must be an integer >= 1.")
+    check_sizes(name, P, M)
     if placement not in ("loop", "v"):
         raise ValueError(f"{name}: placement {placement!r}; use 'loop' or 'v'.")
     V = 2 if placement == "v" else 1

@@ -238,7 +238,8 @@ class PipelineSchedule:
 # Backwards (and Ws) run in ascending micro-batch order on every stage, so each gradient
 # accumulates in the order the single process adds it.
 
-def _check_sizes(name: str, P: int, M: int, V: int = 1) -> None:
+def check_sizes(name: str, P: int, M: int, V: int = 1) -> None:
+    """ValueError unless P, M and V are integers >= 1 (every generator checks its sizes)."""
     for what, value in (("P (stages)", P), ("M (micro-batches)", M), ("V (chunks)", V)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: {what} = {value!r}, but it must be an integer >= 1; "
@@ -251,7 +252,7 @@ def gpipe(P: int, M: int) -> PipelineSchedule:
     All M micro-batches' activations are held at once; bubble (P-1)/(M+P-1) with F, B of
     equal cost. Reference: Huang et al. 2019, arXiv:1811.06965, Sec. 2.
     """
-    _check_sizes("gpipe", P, M)
+    check_sizes("gpipe", P, M)
     one = tuple(Action("F", m) for m in range(M)) + tuple(Action("B", m) for m in range(M))
     return PipelineSchedule("gpipe", P, M, (one,) * P)
 
@@ -270,7 +271,7 @@ def one_f_one_b(P: int, M: int) -> PipelineSchedule:
     of activations instead of M. Reference: Narayanan et al. 2021, arXiv:2006.09503
     (PipeDream-Flush); arXiv:2104.04473, Sec. 2.2.1.
     """
-    _check_sizes("1f1b", P, M)
+    check_sizes("1f1b", P, M)
     fwd, bwd = [Action("F", m) for m in range(M)], [Action("B", m) for m in range(M)]
     return PipelineSchedule("1f1b", P, M, tuple(
         _one_f_one_b(fwd, bwd, min(P - 1 - s, M)) for s in range(P)))
@@ -298,7 +299,7 @@ def interleaved_1f1b(P: int, M: int, V: int = 2) -> PipelineSchedule:
     V <= 3, and Megatron's rule deadlocking). Reference: Narayanan et al. 2021,
     arXiv:2104.04473, Sec. 2.2.2.
     """
-    _check_sizes("interleaved", P, M, V)
+    check_sizes("interleaved", P, M, V)
     if V < 2:
         raise ValueError(f"interleaved: V = {V} chunk per stage is plain 1F1B; use "
                          "one_f_one_b(P, M), or V >= 2 for the interleaved schedule.")
@@ -329,7 +330,7 @@ def zero_bubble_h1(P: int, M: int) -> PipelineSchedule:
     makespan is 3M + P-1, bubble (P-1)/(3M+P-1), a third of 1F1B's (P-1)/(M+P-1) when
     B+W = 2. Reference: Qi et al. 2023, arXiv:2401.10241, Sec. 2.1 (ZB-H1).
     """
-    _check_sizes("zb-h1", P, M)
+    check_sizes("zb-h1", P, M)
     return _zero_bubble("zb-h1", P, M, [P - s for s in range(P)], P)
 
 
@@ -345,7 +346,7 @@ def zero_bubble_h2(P: int, M: int) -> PipelineSchedule:
     optimizer post-validation) the bubble is gone: Timeline.steady_bubble = 0. Peak
     memory 2P-1 micro-batches. Reference: Qi et al. 2023, arXiv:2401.10241, Sec. 2.2.
     """
-    _check_sizes("zb-h2", P, M)
+    check_sizes("zb-h2", P, M)
     return _zero_bubble("zb-h2", P, M, [2 * (P - 1 - s) + 1 for s in range(P)], 2 * P - 1)
 
 

@@ -10,7 +10,7 @@ This module is the mechanics: `split_layers` and `PipelineCut` decide who owns w
 layers (the embedding on the first stage; final LayerNorm, head and loss on the last),
 and `PipelineStage.run(action)` executes one forward (F), backward (B) or weight-gradient
 (W) action and moves tensors to the neighbours. WHEN each action runs is a schedule,
-plain data built in schedules.py (GPipe, 1F1B, interleaved 1F1B, ZB-H1), proven complete
+plain data (family.py names them all: GPipe to DualPipe), proven complete
 and deadlock-free by schedule_validate.py before anything runs, so schedule and mechanics
 can be read and tested apart. With V chunks per rank the layers are cut into V P pieces
 and chunk c of stage s is the virtual stage the schedule's placement says: c P + s

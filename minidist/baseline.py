@@ -15,6 +15,9 @@ One training step (step s, global batch B, M = grad_accum micro-batches of B/M r
        would weigh a token by how many answer tokens its micro-batch happens to hold).
     4. optional: clip the global gradient norm; set lr from the schedule (optim.lr_at)
     5. optimizer step (AdamW or SGD), zero the gradients.
+    6. MoE with aux-loss-free balancing (bias_rate > 0): each layer's routing bias moves by
+       the rule of nn/routing.py from the load the step's forwards counted (the global
+       batch's: this one process routed all of it).
 A dense model gives the same gradients (to rounding) for any M; so does a MoE model whose
 routing groups (nn/moe.py: capacity and the aux losses are decided per group of G tokens)
 lie inside the micro-batches, i.e. B/M rows hold whole groups.
@@ -50,6 +53,7 @@ class TrainResult:
     lrs: tuple[float, ...]
     params: dict[str, np.ndarray]           # full name -> final values
     optimizer_state: dict
+    routing_biases: tuple[dict[str, np.ndarray], ...] = ()   # per step: {MoE layer: bias}
 
 
 def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: int,
@@ -88,7 +92,9 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
         determinize(model, token_tiles)
     opt = optim.make_optimizer(optimizer, model.parameters(), lr, weight_decay, betas,
                                momentum)
-    losses, norms, lrs = [], [], []
+    losses, norms, lrs, biases = [], [], [], []
+    balanced = {name: m for name, m in model.named_modules()
+                if hasattr(m, "update_bias") and m.rule.bias_rate}
     for step in range(steps):
         opt.lr = lr if lr_schedule == "constant" else optim.lr_at(
             step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr=min_lr)
@@ -102,11 +108,15 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
         lrs.append(float(opt.lr))
         opt.step()
         opt.zero_grad()
+        for layer in balanced.values():
+            layer.update_bias(layer.take_routed())
+        if balanced:
+            biases.append({name: m.score_bias.copy() for name, m in balanced.items()})
         if on_step is not None:
             on_step(step, losses[-1], model)
     return TrainResult(losses=tuple(losses), grad_norms=tuple(float(n) for n in norms),
                        lrs=tuple(lrs), params=model.state_dict(),
-                       optimizer_state=opt.state_dict())
+                       optimizer_state=opt.state_dict(), routing_biases=tuple(biases))
 
 
 def _accumulate_gradients(model: GPT, data: SyntheticData, step: int, global_batch: int,

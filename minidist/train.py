@@ -21,6 +21,8 @@ One rank's view of step s (dp rank d of dp, cp rank c, tp rank t, M micro-batche
     2. (check mode) micro_batching.check_token_count: n is the global count of targets
     3. loss_s = micro_batching.grad_accumulation(engine, batches, n)   (pp > 1: stage.step)
     4. engine.step(lr_s, clip_grad): wait, clip by the GLOBAL norm, update; returns the norm
+    5. MoE with aux-loss-free balancing: the routing biases' update from the global batch's
+       load (parallel/expert/balancing.py)
 Shapes: x, y (B/(dp M), T/cp) per micro-batch, the same on every tp rank.
 Result (RankResult): losses (global), grad_norms, lrs, full params and optimizer state
 (gathered over dp under ZeRO and over tp), bytes sent/received per step (group.stats deltas
@@ -29,7 +31,8 @@ the gradient sync over dp x cp, "pp" the pipeline's activations and gradients, "
 tied wte's all-reduce, "ep" the MoE tokens' all-to-alls, "edp" the experts' gradient
 sync), pipeline (pp > 1: this stage's timeline per step, as (schedules.Action, start,
 end) in perf_counter seconds, and its peak held activations), memory
-(engine.memory()) and timing per step in seconds: "comm_wait" (the wall time this rank
+(engine.memory()), routing_biases (per step, every MoE layer's balancing bias after
+the update, the same on every rank) and timing per step in seconds: "comm_wait" (the wall time this rank
 spent inside calls on its groups during the step: comm_by_axis summed), "compute" (forward +
 backward, less the part of comm_wait inside them), "step" (wall time of the whole step)
 and "cpu" (this process's CPU time in the step, all threads). comm_by_axis: per step, the
@@ -67,8 +70,8 @@ train_on_rank's configuration is four dataclasses and the hooks:
                                      in bytes_per_step), OnStepEnd(fn) calls fn(StepEnd)
 baseline.train_single_process takes the same model, data, run and optimizer settings
 (grad_accum is plan.micro_batches; for a dense model the same result up to the order of
-additions). Resuming: initial_state = (params, optimizer state) in the global layout (any
-Plan's) is loaded, and data, dropout and the lr schedule follow the global step index.
+additions). Resuming: initial_state = (params, optimizer state[, routing biases]) in the
+global layout (any Plan's) is loaded, and data, dropout and the lr schedule follow the global step index.
 
 CLI: `python -m minidist train --pp 2 --dp 2 --cp 2 --tp 2 [--sp] [--zero 1] [--schedule
 1f1b] [--check]` (train_cli.py).
@@ -96,6 +99,7 @@ from minidist.optim import OptimizerConfig
 from minidist.parallel import micro_batching
 from minidist.parallel import placement
 from minidist.parallel.compose import Plan, build
+from minidist.parallel.expert.balancing import RoutingBalance
 from minidist.runtime.errors import rank_prefix
 
 __all__ = ["Hook", "OnStep", "OnStepEnd", "OptimizerConfig", "Plan", "RankResult",
@@ -117,6 +121,7 @@ class RankResult:
     timing: dict[str, tuple[float, ...]]            # "compute", "comm_wait", "step", "cpu"
     pipeline: dict | None = None                    # pp > 1: "timeline", "held_peak", ...
     moe: tuple[dict[str, dict], ...] = ()           # per step: {layer: routing stats}
+    routing_biases: tuple[dict[str, np.ndarray], ...] = ()   # per step, after the update
     comm_by_axis: tuple[dict[str, float], ...] = ()  # {"dp": s, "tp": s}: seconds in calls
 
 
@@ -141,6 +146,7 @@ class StepEnd:
     span: tuple[float, float] | None = None   # perf_counter at the step's start and end
     timeline: list | None = None              # pp > 1: this stage's actions
     dp_rank: int = 0
+    routing_bias: dict | None = None          # MoE with a balancing bias: every layer's
 
 
 class Hook:
@@ -264,7 +270,8 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan,
     features attached as hooks (None entries skipped; the module docstring has the
     protocol). straggler (reliability/straggler.py) is the first hook and decides the
     rows of each dp rank; guard (reliability/spike.py) decides each update; initial_state:
-    (params, optimizer state) in the global layout, loaded before the first step."""
+    (params, optimizer state) in the global layout, and the routing biases' table
+    (StepEnd.routing_bias) when the model balances by bias, loaded before the first step."""
     check_compatible(model_cfg, data_cfg)
     B = run.global_batch
     plan.validate(model_cfg, B, data_cfg.block_size)
@@ -277,9 +284,11 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan,
     placement.set_checking(plan.checks)
     lay = build(ctx, plan, model_cfg, run.seed, **opt.engine_arguments())
     if initial_state is not None:
-        lay.engine.load_full_state(*initial_state)
+        lay.engine.load_full_state(*initial_state[:2])
     step_run = ParallelStep(lay, model_cfg, B, opt.clip_grad, guard,
                             (grain, run.token_tiles) if run.deterministic else None)
+    if initial_state is not None and len(initial_state) > 2 and step_run.balance is not None:
+        step_run.balance.load(initial_state[2])
     meter = Meter(ctx, lay, plan, run.device_memory, run.memory_ledger)
     hooks = [h for h in (straggler, *hooks) if h is not None]
     data, dp_rank = SyntheticData(data_cfg), lay.dp_group.rank
@@ -308,7 +317,7 @@ def train_on_rank(ctx, model_cfg: GPTConfig, data_cfg: DataConfig, plan: Plan,
 
         loss = meter.compute(compute)          # timed, under the memory ledger if any
         norm = step_run.update(step, lr_s, loss, compute, meter.global_loss)
-        end = meter.end(step, lr_s, norm, step_run.timeline, dp_rank)
+        end = meter.end(step, lr_s, norm, step_run.timeline, dp_rank, step_run.routing_bias)
         for h in hooks:
             h.on_step_end(end)
     return meter.result(step_run.timelines)
@@ -332,11 +341,21 @@ class ParallelStep:
             self.experts = None if lay.ep_group is None else \
                 ExpertGrains(lay.model, lay.ep_group, lay.expert_group)
             self.leaves, self.order = global_batch // grain, determinism.param_order(model_cfg)
+        self.balance, self.routing_bias = None, None
+        if model_cfg.moe_every and model_cfg.bias_rate:   # aux-loss-free balancing, on the
+            #                                             layers that run (twins included)
+            algo = "direct" if getattr(lay.grad_group, "supports_shared", False) else "auto"
+            self.balance = RoutingBalance(
+                lay.model, [f"blocks.{i}.moe" for i in range(model_cfg.n_layer)
+                            if model_cfg.is_moe(i)],
+                model_cfg.n_experts, lay.grad_group, lay.pp_group, algo)
 
     def compute(self, batches: list, n_tokens: int, first: int, lr: float) -> float:
         """Forward and backward of `batches` (the first is grain `first` of the global
         batch, for the deterministic mode): the local loss."""
         lay, engine, stage = self.lay, self.lay.engine, self.stage
+        if self.balance is not None:
+            self.balance.begin()
         if self.deterministic:
             if stage is None:
                 loss, self.norm = determinism.step(
@@ -359,8 +378,17 @@ class ParallelStep:
 
     def update(self, step: int, lr: float, loss: float, compute: Callable[[], float],
                global_loss: Callable[[float], float]) -> float:
-        """The optimizer step after compute; returns the gradient norm. guard (reliability/
-        spike.py) sees the global loss and may skip the update or run compute again."""
+        """The optimizer step after compute, then the routing biases' (MoE with
+        aux-loss-free balancing, parallel/expert/balancing.py); returns the gradient norm.
+        guard (reliability/spike.py) sees the global loss and may skip the update or run
+        compute again."""
+        norm = self._update(step, lr, loss, compute, global_loss)
+        if self.balance is not None:
+            self.routing_bias = self.balance.step()
+        return norm
+
+    def _update(self, step: int, lr: float, loss: float, compute: Callable[[], float],
+                global_loss: Callable[[float], float]) -> float:
         if self.deterministic:                 # the update ran inside compute()
             return float(self.norm)
         if self.guard is None:
@@ -406,6 +434,7 @@ class Meter:
         self.local, self.norms, self.lrs, self.traffic, self.by_axis = [], [], [], [], []
         self.comm_by_axis: list[dict[str, float]] = []
         self.moe: list[dict] = []
+        self.routing_biases: list[dict] = []
         self.timing: dict[str, list[float]] = {"compute": [], "comm_wait": [], "step": [],
                                                "cpu": []}
 
@@ -425,7 +454,8 @@ class Meter:
             self.local[-1] = local
         return float(_global_loss([local], self.grad, self.lay.pp_group, self.algo)[0])
 
-    def end(self, step: int, lr: float, norm: float, timeline, dp_rank: int) -> StepEnd:
+    def end(self, step: int, lr: float, norm: float, timeline, dp_rank: int,
+            routing_bias: dict | None = None) -> StepEnd:
         """After the update: record the step; COLLECTIVE under MoE (the routing's sums)."""
         t2, s2, engine = time.perf_counter(), _seconds(self.groups, self.others), self.engine
         if self.ledger is not None:                # memory/ledger.py: this step's peak
@@ -450,11 +480,13 @@ class Meter:
         t["cpu"].append(time.process_time() - self.c0)
         if self.moe_layers:
             self.moe.append(_moe_stats(self.moe_layers, self.grad, self.algo))
+        if routing_bias is not None:
+            self.routing_biases.append(routing_bias)
         loss = functools.lru_cache(maxsize=1)(lambda: self.global_loss(self.local[-1]))
         return StepEnd(step, engine, self.losses, (t["step"][-1], t["comm_wait"][-1],
                        t["compute"][-1]), int(peak), loss, norm, float(lr),
                        {k: v[-1] for k, v in t.items()}, self.traffic[-1], self.by_axis[-1],
-                       (self.t0, t2), timeline, dp_rank)
+                       (self.t0, t2), timeline, dp_rank, routing_bias)
 
     def losses(self) -> tuple[float, ...]:
         """COLLECTIVE: the global loss of every step so far."""
@@ -477,7 +509,7 @@ class Meter:
                                 "stage": stage.cut.stage, "timeline": timelines,
                                 "held_peak": stage.held_peak,
                                 "held_bytes_peak": stage.held_bytes_peak},
-                            moe=tuple(self.moe))
+                            moe=tuple(self.moe), routing_biases=tuple(self.routing_biases))
         if self.offload:                       # memory/offload.py: remove its files now
             engine.opt.close()
         return result
@@ -502,19 +534,33 @@ def _memory(engine, ledger) -> dict:
 
 def _moe_stats(layers: dict, grad, algo: str) -> dict[str, dict]:
     """COLLECTIVE over dp x cp: each MoE layer's routing in this step, over the global
-    batch: tokens routed to each expert ("load", before dropping), kept ("kept"), the
-    share of assignments dropped, and the aux and z losses (means over routing groups);
-    under expert parallelism "a2a_bytes", this rank's all-to-all bytes by the formula."""
+    batch: tokens routed to each expert ("load", before dropping), what the choice without
+    the balancing bias would have given ("unbiased_load"), kept ("kept"), the share of
+    assignments dropped, the max violation (max load / mean load - 1, 0 when balanced) of
+    both loads, and the aux and z losses (means over
+    routing groups); under expert parallelism "a2a_bytes", this rank's all-to-all bytes by
+    the formula."""
     out = {}
     for name, layer in layers.items():
         t = C.all_reduce(layer.take_totals(), group=grad, algo=algo)
         E, groups = layer.n_experts, max(t[-1], 1.0)
-        out[name] = {"load": t[:E].astype(int).tolist(), "kept": t[E:2 * E].astype(int).tolist(),
-                     "drop_rate": float(t[2 * E] / max(t[2 * E + 1], 1.0)),
-                     "aux": float(t[2 * E + 2] / groups), "z": float(t[2 * E + 3] / groups)}
+        load, unbiased = t[:E], t[2 * E:3 * E]
+        out[name] = {"load": load.astype(int).tolist(), "kept": t[E:2 * E].astype(int).tolist(),
+                     "unbiased_load": unbiased.astype(int).tolist(),
+                     "max_violation": max_violation(load),
+                     "unbiased_max_violation": max_violation(unbiased),
+                     "drop_rate": float(t[3 * E] / max(t[3 * E + 1], 1.0)),
+                     "aux": float(t[3 * E + 2] / groups), "z": float(t[3 * E + 3] / groups)}
         if hasattr(layer, "take_traffic"):      # expert parallel: this rank's a2a bytes
             out[name]["a2a_bytes"] = layer.take_traffic(layer.router.weight.data.itemsize)
     return out
+
+
+def max_violation(load: np.ndarray) -> float:
+    """max_e load[e] / mean_e load - 1: 0 for a perfectly balanced layer (DeepSeek-V3's and
+    Wang et al.'s MaxVio)."""
+    mean = float(np.mean(load))
+    return float(np.max(load)) / mean - 1.0 if mean > 0 else 0.0
 
 
 def _global_loss(local: list[float], grad, pp, algo: str) -> np.ndarray:

@@ -124,12 +124,37 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--n-experts", type=at_least(1), default=4, help="experts per MoE block")
     ap.add_argument("--top-k", type=at_least(1), default=1, help="experts per token (MoE)")
     ap.add_argument("--capacity-factor", type=at_least(0.0, float), default=1.25,
-                    help="an expert's slots per routing group: factor x k x tokens / experts")
+                    help="an expert's slots per routing group: factor x k x tokens / experts "
+                         "(0: dropless, no token dropped)")
     ap.add_argument("--moe-group-size", type=at_least(0), default=None,
                     help="tokens per MoE routing group (None or 0: one sequence; under --cp "
                          "one cp chunk)")
     ap.add_argument("--z-loss", type=at_least(0.0, float), default=0.0,
                     help="router z-loss coefficient")
+    ap.add_argument("--router", default="softmax", choices=["softmax", "sigmoid",
+                                                            "expert-choice"],
+                    help="MoE routing (nn/routing.py): softmax top-k, sigmoid top-k with the "
+                         "gates normalised over the k (DeepSeek-V3), or expert choice (each "
+                         "expert takes its top tokens)")
+    ap.add_argument("--balance", default="aux", choices=["aux", "bias"],
+                    help="MoE load balancing: the auxiliary loss (--aux-loss), or bias: "
+                         "aux-loss-free, a routing bias moved by --bias-rate after each step "
+                         "from the global batch's load (with a small sequence-wise aux loss)")
+    ap.add_argument("--bias-rate", type=at_least(0.0, float), default=None,
+                    help="gamma of --balance bias: each step's bias move (None: 0.001)")
+    ap.add_argument("--aux-loss", type=at_least(0.0, float), default=None,
+                    help="load-balancing loss coefficient (None: 0.01; 0.0001 under "
+                         "--balance bias, DeepSeek-V3's sequence-wise alpha)")
+    ap.add_argument("--shared-experts", type=at_least(0), default=0,
+                    help="always-on experts beside the routed ones (DeepSeekMoE)")
+    ap.add_argument("--expert-hidden", type=at_least(0), default=0,
+                    help="each expert's hidden width (0: 4 x n_embd; smaller for "
+                         "fine-grained experts)")
+    ap.add_argument("--route-groups", type=at_least(1), default=1,
+                    help="experts in this many equal groups (group-limited routing)")
+    ap.add_argument("--route-limit", type=at_least(0), default=0,
+                    help="a token's experts in at most this many of --route-groups "
+                         "(DeepSeek-V3's node-limited routing; 0: no limit)")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                     help="activation recomputation: selective = the attention core, full = "
                          "every block (memory/recompute.py; the same numbers, less memory)")
@@ -392,12 +417,15 @@ def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str
                                         deterministic=getattr(a, "deterministic", False),
                                         grain=getattr(a, "grain", 1),
                                         token_tiles=getattr(a, "token_tiles", None))
+    d_bias = _bias_gap(run.routing_biases, ref.routing_biases)
     if getattr(a, "deterministic", False):       # the same bits, or a mismatch
-        same = run.losses == ref.losses and all(np.array_equal(run.params[k], v)
-                                                for k, v in ref.params.items())
+        same = run.losses == ref.losses and d_bias == 0.0 and all(
+            np.array_equal(run.params[k], v) for k, v in ref.params.items())
         print(f"{'OK' if same else 'MISMATCH'}: {layout} training "
               f"{'equals' if same else 'differs from'} the deterministic single-process run "
-              f"bit for bit ({cfg.dtype}; every loss and parameter compared with ==)")
+              f"bit for bit ({cfg.dtype}; every loss and parameter"
+              f"{', and every routing bias at every step,' if ref.routing_biases else ''} "
+              f"compared with ==)")
         return 0 if same else 1
     d_loss = max((abs(x - y) for x, y in zip(run.losses, ref.losses)), default=0.0)
     d_param = max(float(np.max(np.abs(run.params[k] - v))) for k, v in ref.params.items())
@@ -405,9 +433,21 @@ def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str
     # The layouts add the same numbers in a different order (partial sums over ranks,
     # then their sum), a ~1e-16 difference per step that Adam's 1/sqrt(v) amplifies over
     # many steps; hence a tight bound on the first step and a looser one over the run.
-    ok = d_first <= 1e-12 and max(d_loss, d_param) <= 1e-6
+    # A routing bias moves by +-gamma from integer loads: equal, or a routing choice flipped.
+    ok = d_first <= 1e-12 and max(d_loss, d_param) <= 1e-6 and d_bias == 0.0
+    biases = f", routing biases max |Δ| over the steps = {d_bias:.1e}" \
+        if ref.routing_biases else ""
     print(f"{'OK' if ok else 'MISMATCH'}: {layout} training "
           f"{'matches' if ok else 'differs from'} the single-process run (float64; |Δ| loss "
           f"at step 0 = {d_first:.1e}, max over {a.steps} steps = {d_loss:.1e}, final params "
-          f"max |Δ| = {d_param:.1e})")
+          f"max |Δ| = {d_param:.1e}{biases})")
     return 0 if ok else 1
+
+
+def _bias_gap(run: tuple, ref: tuple) -> float:
+    """max |Δ| between two runs' routing biases over every step and layer (inf if the
+    runs recorded different steps or layers)."""
+    if len(run) != len(ref) or any(set(a) != set(b) for a, b in zip(run, ref)):
+        return float("inf")
+    return max((float(np.max(np.abs(np.asarray(a[n]) - b[n])))
+                for a, b in zip(run, ref) for n in b), default=0.0)

@@ -81,9 +81,24 @@ FLAGS = {"global_batch": "--batch", "micro_batches": "--grad-accum", "dp": "--dp
          "schedule_costs": "--schedule-costs",
          "schedule": "--schedule", "precision": "--precision", "grad_reduce": "--grad-reduce",
          "dtype": "--dtype", "recompute": "--recompute", "offload": "--offload",
-         "offload_dir": "--offload-dir", "length": "--length", "task": "--task"}
+         "offload_dir": "--offload-dir", "length": "--length", "task": "--task",
+         "router": "--router", "route_groups": "--route-groups", "route_limit": "--route-limit",
+         "bias_rate": "--bias-rate", "shared_experts": "--shared-experts",
+         "expert_hidden": "--expert-hidden", "capacity_factor": "--capacity-factor",
+         "aux_loss_coef": "--aux-loss", "z_loss_coef": "--z-loss"}
 _FIELD = re.compile(r"\b(" + "|".join(FLAGS) + r")\s*(<=|>=|=)\s*"
                     r"('[^']*'|\([^)]*\)|\d+(?:\.\d+)?|\w+)")
+
+
+def _balancing(a) -> tuple[float, float]:
+    """(bias_rate, aux_loss_coef) of --balance, --bias-rate and --aux-loss."""
+    if a.balance == "aux" and a.bias_rate is not None:
+        raise OptionError(f"--bias-rate {a.bias_rate} moves the routing bias of --balance "
+                          "bias; add --balance bias, or drop --bias-rate")
+    if a.balance == "bias":
+        return (0.001 if a.bias_rate is None else a.bias_rate,
+                0.0001 if a.aux_loss is None else a.aux_loss)
+    return 0.0, 0.01 if a.aux_loss is None else a.aux_loss
 
 
 def in_flags(message: object) -> str:
@@ -253,10 +268,15 @@ def _validated(a: argparse.Namespace) -> Job:
     if a.device == "gpu" and _world_size(a) > 1:
         raise OptionError(backend.MULTI_RANK_GPU)
     data_cfg = DataConfig(task=a.task, length=a.length, seed=a.seed)
+    bias_rate, aux_loss = _balancing(a)
     cfg = model_config_for(data_cfg, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head,
                            moe_every=a.moe_every, n_experts=a.n_experts, top_k=a.top_k,
                            capacity_factor=a.capacity_factor, moe_group_size=a.moe_group_size,
-                           z_loss_coef=a.z_loss, dtype=a.dtype, recompute=a.recompute)
+                           z_loss_coef=a.z_loss, dtype=a.dtype, recompute=a.recompute,
+                           router=a.router, route_groups=a.route_groups,
+                           route_limit=a.route_limit, bias_rate=bias_rate,
+                           aux_loss_coef=aux_loss, shared_experts=a.shared_experts,
+                           expert_hidden=a.expert_hidden)
     plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, zero=a.zero,
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,

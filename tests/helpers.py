@@ -161,6 +161,10 @@ def assert_runs_match(runs, ref, what: str, atol: float = 1e-12) -> None:
         for name, p in ref.params.items():
             assert_close(run.params[name], p, atol=atol, what=f"{tag}: param {name}")
         assert run.optimizer_state.keys() == ref.optimizer_state.keys(), f"{tag}: state keys"
+        assert len(run.routing_biases) == len(ref.routing_biases), f"{tag}: routing biases"
+        for step, (mine, want) in enumerate(zip(run.routing_biases, ref.routing_biases)):
+            for name, b in want.items():     # moves of +-gamma from integer loads: exact
+                assert np.array_equal(mine[name], b), f"{tag}: {name} bias at step {step}"
         for key, s in ref.optimizer_state.items():
             assert_close(run.optimizer_state[key], s, atol=atol, what=f"{tag}: state {key}")
     for rank, run in enumerate(runs[1:], start=1):

@@ -5,7 +5,7 @@
     loss = F.cross_entropy(logits, targets)  # logits (B, T, V), targets (B, T) int
 
 This module defines concatenate/split, relu, embedding (its backward's add_rows_at),
-dropout, where/masked_fill, linear, and re-exports matmul and the elementwise ops (tensor.py) and
+dropout, where/masked_fill, normalize, sigmoid, linear, and re-exports matmul and the elementwise ops (tensor.py) and
 the fused ops with hand-written backward (fused.py). Every function accepts Tensors and
 constants (Python numbers, xp arrays) and returns a Tensor.
 
@@ -228,6 +228,39 @@ def softmax(x: Any, axis: int = -1) -> Tensor:
     if core.autocast is not None:
         x = core.autocast.upcast(x)
     return fused.Softmax.apply(x, axis=axis)
+
+
+class Normalize(Function):
+    """y = x / sum(x) over `axis`.  dx = (g - sum(g y)) / sum(x), both sums over `axis`.
+
+    One node where x / x.sum() would be two: a tensor with three or more consumers sums
+    their gradients in the order the backward walk meets them, which depends on the graph
+    around it, so fewer consumers keep a gradient's bits the same in every layout (a
+    pipeline stage's graph is not the single process's)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, *, axis: int) -> Any:
+        total = x.sum(axis=axis, keepdims=True)
+        y = x / total
+        ctx.save_for_backward(y, total)
+        ctx.axis = axis
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        y, total = ctx.saved_tensors
+        return ((g - (g * y).sum(axis=ctx.axis, keepdims=True)) / total,)
+
+
+def normalize(x: Any, axis: int = -1) -> Tensor:
+    """x / sum(x) over `axis` (Normalize): positive scores made into weights summing to 1."""
+    return Normalize.apply(x, axis=axis)
+
+
+def sigmoid(x: Any) -> Tensor:
+    """1 / (1 + exp(-x)), written as (1 + tanh(x / 2)) / 2: the same function, and no
+    exp(-x) to overflow for very negative x. Its gradient is sigmoid(x) (1 - sigmoid(x))."""
+    return Tanh.apply(x * 0.5) * 0.5 + 0.5
 
 
 def log_softmax(x: Any, axis: int = -1) -> Tensor:

@@ -6,7 +6,9 @@
 With `tie_weights` the head is the transposed token embedding, W_head = wte^T (C, V).
 Every `moe_every`-th block (blocks moe_every-1, 2*moe_every-1, ...) swaps its MLP for a
 mixture of experts (nn/moe.py), routing groups of moe_group_size tokens (0: one sequence,
-block_size); its weighted load-balancing and router z-losses are added to the LM loss.
+block_size) by the rule of `router`, route_groups, route_limit and bias_rate
+(nn/routing.py), with shared_experts always-on experts and routed experts of width
+expert_hidden; its weighted load-balancing and router z-losses are added to the LM loss.
 
 Loss (the quantity every parallel layout must reproduce):
     loss = sum_{(b,t): y != -100} CE(logits[b, t], y[b, t]) / n_tokens
@@ -49,6 +51,7 @@ from minidist.nn.layers import STD, MLP, DropoutKey, Dropout, Embedding, LayerNo
 from minidist.nn.layers import name_dropouts
 from minidist.nn.module import Module, ModuleList
 from minidist.nn.moe import MoE
+from minidist.nn.routing import RoutingRule
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,12 @@ class GPTConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     moe_group_size: int = 0                    # tokens per routing group; 0: block_size
+    router: str = "softmax"                    # "softmax", "sigmoid", "expert-choice"
+    route_groups: int = 1                      # experts in groups (group-limited routing)
+    route_limit: int = 0                       # a token's experts in <= this many groups
+    bias_rate: float = 0.0                     # gamma of aux-loss-free balancing (0: off)
+    shared_experts: int = 0                    # always-on experts beside the routed ones
+    expert_hidden: int = 0                     # an expert's width; 0: mlp_ratio * n_embd
     dtype: str = "float64"
     # an execution choice, like the Plan: it changes no number, so repr (what a checkpoint
     # must agree on to be resumed, reliability/recovery.py) leaves it out
@@ -93,16 +102,29 @@ class GPTConfig:
         if self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"GPTConfig: top_k={self.top_k} must be between 1 and n_experts="
                              f"{self.n_experts}; lower top_k or add experts.")
-        if not self.capacity_factor > 0 or self.aux_loss_coef < 0 or self.z_loss_coef < 0:
-            raise ValueError(f"GPTConfig: capacity_factor={self.capacity_factor} must be > 0, "
+        if not self.capacity_factor >= 0 or self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+            raise ValueError(f"GPTConfig: capacity_factor={self.capacity_factor} must be >= 0 "
+                             f"(0: dropless), "
                              f"aux_loss_coef={self.aux_loss_coef} and z_loss_coef="
                              f"{self.z_loss_coef} >= 0.")
+        if self.shared_experts < 0 or self.expert_hidden < 0:
+            raise ValueError(f"GPTConfig: shared_experts={self.shared_experts} and "
+                             f"expert_hidden={self.expert_hidden} must be >= 0.")
+        try:
+            self.routing_rule.check(self.n_experts, self.top_k, self.capacity_factor)
+        except ValueError as e:
+            raise ValueError(f"GPTConfig: {e}") from None
         if self.moe_group_size < 0:
             raise ValueError(f"GPTConfig: moe_group_size={self.moe_group_size} must be >= 0 "
                              "(tokens per routing group; 0 = one sequence of block_size).")
         if self.dtype not in ("float64", "float32"):
             raise ValueError(f"GPTConfig: dtype={self.dtype!r} must be 'float64' or 'float32'.")
         recomputation.check_mode(self.recompute, "GPTConfig")
+
+    @property
+    def routing_rule(self) -> RoutingRule:
+        """How the MoE blocks route (nn/routing.py)."""
+        return RoutingRule(self.router, self.route_groups, self.route_limit, self.bias_rate)
 
     @property
     def routing_group(self) -> int:
@@ -130,9 +152,11 @@ class Block(Module):
         self.ln_2 = LayerNorm(C, cfg.bias, dt)
         hidden = cfg.mlp_ratio * C
         if cfg.is_moe(layer):
-            self.moe = MoE(C, hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
-                           cfg.bias, dt, proj_std, group_size=cfg.routing_group,
-                           aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef)
+            self.moe = MoE(C, cfg.expert_hidden or hidden, cfg.n_experts, cfg.top_k,
+                           cfg.capacity_factor, cfg.bias, dt, proj_std,
+                           group_size=cfg.routing_group, aux_loss_coef=cfg.aux_loss_coef,
+                           z_loss_coef=cfg.z_loss_coef, rule=cfg.routing_rule,
+                           shared_experts=cfg.shared_experts)
         else:
             self.mlp = MLP(C, hidden, cfg.bias, cfg.dropout, dt, proj_std)
         self.recompute = cfg.recompute

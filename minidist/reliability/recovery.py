@@ -141,7 +141,9 @@ class RankCheckpoints:
             data_cursor={"next_step": s, "offset": self.data_offset},
             losses=self.prior + list(end.losses()),
             extra={**self.extra, "hooks": {name: hook.state_dict()
-                                           for name, hook in self.hooks.items()}})
+                                           for name, hook in self.hooks.items()},
+                   **({} if end.routing_bias is None else {"routing_bias": {
+                       name: [float(v) for v in b] for name, b in end.routing_bias.items()}})})
         if self.writer is not None:
             self.writer.snapshot(state, owned=True)     # the engine's arrays are copies
         else:
@@ -414,5 +416,7 @@ def on_rank(ctx, a, plan, job: tuple,
         {"run": config, "plan": plan.describe()}, lambda: C.barrier(group=ctx.world),
         r.progress, injector, offset, token, hooks)
     return {"start_step": start, "steps": max(0, stop - start), "total_steps": a.steps,
-            "initial_state": None if state is None else (state.params, state.optimizer),
+            "initial_state": None if state is None else (
+                state.params, state.optimizer,
+                *([state.extra["routing_bias"]] if "routing_bias" in state.extra else [])),
             "injector": injector, "guard": guard, "data_offset": offset}, saver

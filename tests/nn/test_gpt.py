@@ -110,7 +110,11 @@ def test_generate_appends_tokens_and_crops_context():
     (dict(dtype="float16"), "dtype"),
     (dict(dropout=1.0), "dropout"),
     (dict(moe_every=-1), "moe_every"),
-    (dict(capacity_factor=0.0), "capacity_factor"),
+    (dict(capacity_factor=-0.5), "capacity_factor"),   # 0 is dropless
+        (dict(router="top1"), "router"),
+        (dict(n_experts=4, route_groups=3), "route_groups"),
+        (dict(router="expert-choice", bias_rate=0.01), "expert-choice"),
+        (dict(shared_experts=-1), "shared_experts"),
 ])
 def test_bad_configs_raise(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -117,4 +117,4 @@ def test_bad_moe_arguments():
     with pytest.raises(ValueError, match="top_k=3"):
         MoE(4, 8, n_experts=2, top_k=3, capacity_factor=1.0)
     with pytest.raises(ValueError, match="capacity_factor"):
-        MoE(4, 8, n_experts=2, top_k=1, capacity_factor=0.0)
+        MoE(4, 8, n_experts=2, top_k=1, capacity_factor=-1.0)   # 0: dropless

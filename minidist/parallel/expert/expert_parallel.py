@@ -54,7 +54,8 @@ from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
 from minidist.nn.module import ModuleSubset
-from minidist.nn.moe import MoE, Routing
+from minidist.nn.moe import MoE
+from minidist.nn.routing import Routing
 
 
 class AllToAll(Function):

@@ -17,7 +17,7 @@ from minidist.autograd import Tensor, gradcheck
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.nn import GPT, MoE
-from minidist.nn.moe import route_groups
+from minidist.nn.routing import route_groups
 from minidist.parallel.pipeline import family
 from minidist.runtime.launch import spawn
 from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank

@@ -258,14 +258,29 @@ def test_the_verdict_says_matches_or_differs_from(capsys):
     cfg = model_config_for(data, n_layer=1, n_embd=8, n_head=2, dtype="float64")
     a = Namespace(steps=2, batch=4, lr=1e-2, seed=0, grad_accum=1, optimizer="sgd")
     ref = train_single_process(cfg, data, steps=2, global_batch=4, lr=1e-2, optimizer="sgd")
-    same = SimpleNamespace(losses=ref.losses, params=ref.params)
-    off = SimpleNamespace(losses=ref.losses, params={k: v + 1e-3 for k, v in ref.params.items()})
+    same = SimpleNamespace(losses=ref.losses, params=ref.params, routing_biases=())
+    off = SimpleNamespace(losses=ref.losses, params={k: v + 1e-3 for k, v in ref.params.items()},
+                          routing_biases=())
     assert _check(a, cfg, data, same, "dp=2") == 0
     assert _check(a, cfg, data, off, "dp=2") == 1
     ok, bad = capsys.readouterr().out.splitlines()
     assert ok.startswith("OK: dp=2 training matches the single-process run (float64; ")
     assert bad.startswith("MISMATCH: dp=2 training differs from the single-process run ")
     assert "final params max |Δ| = 1.0e-03" in bad
+    # a MoE with aux-loss-free balancing: a routing bias one step apart is a mismatch
+    moe = model_config_for(data, n_layer=1, n_embd=8, n_head=2, dtype="float64", moe_every=1,
+                           router="sigmoid", bias_rate=0.01)
+    ref = train_single_process(moe, data, steps=2, global_batch=4, lr=1e-2, optimizer="sgd")
+    biased = [dict(b) for b in ref.routing_biases]
+    biased[1] = {k: v + 0.02 for k, v in biased[1].items()}
+    same = SimpleNamespace(losses=ref.losses, params=ref.params,
+                           routing_biases=ref.routing_biases)
+    off = SimpleNamespace(losses=ref.losses, params=ref.params, routing_biases=tuple(biased))
+    assert _check(a, moe, data, same, "dp=2") == 0
+    assert _check(a, moe, data, off, "dp=2") == 1
+    ok, bad = capsys.readouterr().out.splitlines()
+    assert ok.endswith("routing biases max |Δ| over the steps = 0.0e+00)")
+    assert bad.startswith("MISMATCH") and bad.endswith("max |Δ| over the steps = 2.0e-02)")
 
 
 def test_each_demo_header_carries_its_file_number():

@@ -72,6 +72,8 @@ from minidist import backend
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
 from minidist.memory.recompute import is_recomputing
+from minidist.nn.grouped_experts import applies as grouped_applies
+from minidist.nn.grouped_experts import grouped_mlp
 from minidist.nn.layers import MLP, STD, Linear
 from minidist.nn.module import Module, ModuleList
 from minidist.nn import routing
@@ -86,9 +88,11 @@ class MoE(Module):
                  capacity_factor: float, bias: bool = True, dtype: str = "float64",
                  proj_std: float = STD, group_size: int | None = None,
                  aux_loss_coef: float = 1.0, z_loss_coef: float = 0.0,
-                 rule: RoutingRule = RoutingRule(), shared_experts: int = 0) -> None:
+                 rule: RoutingRule = RoutingRule(), shared_experts: int = 0,
+                 grouped: bool = True) -> None:
         """group_size: tokens per routing group (None: all the tokens of a call); hidden:
-        each expert's (and shared expert's) width; capacity_factor 0: dropless."""
+        each expert's (and shared expert's) width; capacity_factor 0: dropless; grouped:
+        run the experts by the fast path (nn/grouped_experts.py), False the plain loop."""
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"MoE: top_k={top_k} must be between 1 and n_experts={n_experts}.")
         if not capacity_factor >= 0:
@@ -105,7 +109,7 @@ class MoE(Module):
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.group_size, self.aux_loss_coef, self.z_loss_coef = group_size, aux_loss_coef, \
             z_loss_coef
-        self.rule = rule
+        self.rule, self.grouped = rule, grouped
         self.last_stats: dict = {}
         self.router = Linear(n_embd, n_experts, bias=False, dtype=dtype)
         self.experts = ModuleList([MLP(n_embd, hidden, bias, 0.0, dtype, proj_std)
@@ -207,7 +211,10 @@ class MoE(Module):
 
     def run_experts(self, tokens: Tensor, r: Routing) -> tuple[Tensor, np.ndarray]:
         """Each expert on its kept tokens, outputs stacked (+ a zero row for the dropped);
-        returns (stacked (A + 1, C), row_of (N, K): the row of each assignment)."""
+        returns (stacked (A + 1, C), row_of (N, K): the row of each assignment). The plain
+        loop below, or its fast path run_experts_grouped (the same bits)."""
+        if self.grouped and grouped_applies():
+            return self.run_experts_grouped(tokens, r)
         N, C = tokens.shape
         K = r.choice.shape[1]            # K, or E under expert choice
         # Run each expert on its tokens and stack the outputs: expert e's rows start at
@@ -225,6 +232,21 @@ class MoE(Module):
         stacked = F.concatenate(outputs + [zero_row], axis=0)      # (A + 1, C)
         row_of[~r.kept] = stacked.shape[0] - 1                     # dropped -> the zero row
         return stacked, row_of
+
+    def run_experts_grouped(self, tokens: Tensor, r: Routing) -> tuple[Tensor, np.ndarray]:
+        """run_experts' fast path, the same bits (tests/nn/test_grouped_experts.py): the
+        kept assignments gathered once, expert-major, and every expert run on its segment
+        in one node (nn/grouped_experts.py)."""
+        N, C = tokens.shape
+        ids = [r.tokens_of(e) for e in range(self.n_experts)]          # slot order each
+        counts = np.array([len(i) for i in ids], np.int64)
+        order = np.concatenate(ids)
+        zero_row = Tensor(backend.xp.zeros((1, C), dtype=tokens.dtype))
+        stacked = F.concatenate([grouped_mlp(tokens[order], list(self.experts), counts),
+                                 zero_row], axis=0)                    # (A + 1, C)
+        offset = np.concatenate([[0], np.cumsum(counts)])
+        row_of = np.where(r.kept, offset[r.choice] + np.maximum(r.slot, 0), int(offset[-1]))
+        return stacked, row_of.astype(np.int64)
 
     @staticmethod
     def combine(expert_out: tuple[Tensor, np.ndarray], gate: Tensor, r: Routing) -> Tensor:

@@ -53,8 +53,9 @@ def _n(shape: Shape) -> int:
 
 
 def _unbroadcast(out: Shape, inp: Shape) -> int:
-    """Adds that sum a gradient of shape `out` back to an input of shape `inp`."""
-    return _n(out) - _n(inp)
+    """Adds that sum a gradient of shape `out` back to an input of shape `inp` (none when
+    `out` is empty: a sum over 0 rows adds nothing)."""
+    return max(_n(out) - _n(inp), 0)
 
 
 # --- elementwise and reductions (autograd/tensor.py) ----------------------------------
@@ -179,6 +180,16 @@ def _softmax_bwd(ctx, shapes, out, done) -> Counts:
     return 0, 4 * n - r                    # g * y, sum, y * sum, subtract
 
 
+def _normalize_fwd(ctx, shapes, out) -> Counts:
+    n, r = _rows(shapes, ctx.axis)
+    return 0, 2 * n - r                    # sum, divide
+
+
+def _normalize_bwd(ctx, shapes, out, done) -> Counts:
+    n, r = _rows(shapes, ctx.axis)
+    return 0, 4 * n - r                    # g * y, sum, subtract, divide
+
+
 def _log_softmax_fwd(ctx, shapes, out) -> Counts:
     n, r = _rows(shapes, ctx.axis)
     return 0, 5 * n - r                    # max, subtract, exp, sum, log (r), subtract
@@ -232,6 +243,32 @@ def _gelu_bwd(ctx, shapes, out, done) -> Counts:
     return 0, (12 if ctx.approximate == "tanh" else 9) * _n(shapes[0])
 
 
+def _grouped_segments(ctx, shapes):
+    """Per expert segment of nn/grouped_experts.py's GroupedMLP: (n, C, F, bias?)."""
+    C = shapes[0][-1]
+    for e, n in enumerate(ctx.counts):
+        w1, b1 = shapes[1 + 4 * e], shapes[2 + 4 * e]
+        yield n, C, w1[-1], b1 is not None
+
+
+def _grouped_fwd(ctx, shapes, out) -> Counts:
+    """Each segment's fc (+ b), tanh GELU and proj (+ b), as the plain MLP's nodes count."""
+    mm = other = 0
+    for n, C, F_, bias in _grouped_segments(ctx, shapes):
+        mm += 2 * n * C * F_ + 2 * n * F_ * C
+        other += 11 * n * F_ + (n * F_ + n * C if bias else 0)
+    return mm, other
+
+
+def _grouped_bwd(ctx, shapes, out, done) -> Counts:
+    """Each segment's proj, GELU and fc backward (dx and dW of both GEMMs, db sums)."""
+    mm = other = 0
+    for n, C, F_, bias in _grouped_segments(ctx, shapes):
+        mm += 2 * (2 * n * C * F_ + 2 * n * F_ * C)
+        other += 12 * n * F_ + ((n - 1) * (C + F_) if bias and n else 0)
+    return mm, other
+
+
 def _selective_attention_bwd(ctx, shapes, out, done) -> Counts:
     """memory/recompute.py's SelectiveAttention calls MatMul's backward rule itself for
     att @ v (att (..., Tq, Tk) rebuilt from q, k; its own ops are counted as they run)."""
@@ -261,12 +298,13 @@ RULES: dict[str, tuple[Rule, Rule]] = {
     _A + "GetItem": (_zero, _getitem_bwd),
     _A + "MatMul": (_matmul_fwd, _matmul_bwd), _F + "Concatenate": (_zero, _zero),
     _F + "ReLU": _elementwise(1, 2), _F + "Embedding": (_zero, _embedding_bwd),
-    _F + "Where": (_zero, _where_bwd),
+    _F + "Where": (_zero, _where_bwd), _F + "Normalize": (_normalize_fwd, _normalize_bwd),
     _U + "Softmax": (_softmax_fwd, _softmax_bwd),
     _U + "LogSoftmax": (_log_softmax_fwd, _log_softmax_bwd),
     _U + "LayerNorm": (_layer_norm_fwd, _layer_norm_bwd),
     _U + "CrossEntropy": (_cross_entropy_fwd, _cross_entropy_bwd),
     _U + "Gelu": (_gelu_fwd, _gelu_bwd), _U + "Linear": (_linear_fwd, _linear_bwd),
+    "minidist.nn.grouped_experts.GroupedMLP": (_grouped_fwd, _grouped_bwd),
     # communication and data movement only (the adds inside a collective are the
     # collective's, not counted here); ZeRO-3's _HookCall runs layers whose own ops count
     _P + "tensor.tensor_parallel.f": (_zero, _zero),

@@ -54,6 +54,8 @@ from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
 from minidist.nn.module import ModuleSubset
+from minidist.nn.grouped_experts import applies as grouped_applies
+from minidist.nn.grouped_experts import grouped_mlp
 from minidist.nn.moe import MoE
 from minidist.nn.routing import Routing
 
@@ -132,6 +134,8 @@ class ExpertParallelMoE(MoE):
         the results back in the received layout: source-major, then expert, then slot."""
         W, per = recv_counts.shape
         blocks = received_blocks(recv_counts)
+        if self.grouped and grouped_applies():
+            return self._compute_grouped(received, recv_counts, blocks)
         pieces: dict[tuple[int, int], Tensor] = {}
         first = self.group.rank * per
         for j in range(per):
@@ -143,6 +147,22 @@ class ExpertParallelMoE(MoE):
                 pieces[s, j] = y[at:at + n]
                 at += n
         return in_received_order(pieces, received, W, per)
+
+
+    def _compute_grouped(self, received: Tensor, recv_counts: np.ndarray,
+                         blocks: dict) -> Tensor:
+        """_compute's fast path (nn/grouped_experts.py), the same bits: the received rows
+        sorted expert-major (source order inside), every local expert on its segment in
+        one node, the results put back in the received order."""
+        W, per = recv_counts.shape
+        first = self.group.rank * per
+        perm = np.concatenate([blocks[s, j] for j in range(per) for s in range(W)]
+                              ).astype(np.int64)
+        y = grouped_mlp(received[perm], [self.experts[first + j] for j in range(per)],
+                        recv_counts.sum(axis=0))
+        back = np.empty_like(perm)
+        back[perm] = np.arange(perm.size)
+        return y[back]
 
 
 def received_blocks(recv_counts: np.ndarray) -> dict[tuple[int, int], np.ndarray]:

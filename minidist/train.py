@@ -29,7 +29,7 @@ Result (RankResult): losses (global), grad_norms, lrs, full params and optimizer
 around the step: "sent", "recv" over all axes; bytes_by_axis: sent per axis, "dp" being
 the gradient sync over dp x cp, "pp" the pipeline's activations and gradients, "embed" the
 tied wte's all-reduce, "ep" the MoE tokens' all-to-alls, "edp" the experts' gradient
-sync), pipeline (pp > 1: this stage's timeline per step, as (schedules.Action, start,
+sync, "etp" the expert-tensor-parallel gathers and reduce-scatters), pipeline (pp > 1: this stage's timeline per step, as (schedules.Action, start,
 end) in perf_counter seconds, and its peak held activations), memory
 (engine.memory()), routing_biases (per step, every MoE layer's balancing bias after
 the update, the same on every rank) and timing per step in seconds: "comm_wait" (the wall time this rank
@@ -415,6 +415,8 @@ class Meter:
                                 **({"cp": lay.cp_group} if plan.cp > 1 else {})})
         if lay.ep_group is not None:               # the tokens' all-to-alls; experts' sync
             self.groups.update({"ep": lay.ep_group, "edp": lay.expert_group})
+        if lay.etp_group is not None:              # the experts' tensor parallelism
+            self.groups["etp"] = lay.etp_group
         if lay.pipeline is not None:
             self.groups["pp"] = lay.pipeline.links
             if lay.pipeline.embed_group is not None:
@@ -539,7 +541,7 @@ def _moe_stats(layers: dict, grad, algo: str) -> dict[str, dict]:
     assignments dropped, the max violation (max load / mean load - 1, 0 when balanced) of
     both loads, and the aux and z losses (means over
     routing groups); under expert parallelism "a2a_bytes", this rank's all-to-all bytes by
-    the formula."""
+    the formula, and under expert tensor parallelism "etp_bytes", its etp traffic's."""
     out = {}
     for name, layer in layers.items():
         t = C.all_reduce(layer.take_totals(), group=grad, algo=algo)
@@ -553,6 +555,9 @@ def _moe_stats(layers: dict, grad, algo: str) -> dict[str, dict]:
                      "aux": float(t[3 * E + 2] / groups), "z": float(t[3 * E + 3] / groups)}
         if hasattr(layer, "take_traffic"):      # expert parallel: this rank's a2a bytes
             out[name]["a2a_bytes"] = layer.take_traffic(layer.router.weight.data.itemsize)
+        if hasattr(layer, "take_etp_traffic"):  # expert tensor parallel: its gathers
+            out[name]["etp_bytes"] = layer.take_etp_traffic(
+                layer.router.weight.data.itemsize)
     return out
 
 

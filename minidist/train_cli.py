@@ -247,6 +247,10 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--dp", type=at_least(1), default=None,
                     help="data-parallel ranks (None: 1, or --ep)")
     ap.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (one rank each)")
+    ap.add_argument("--expert-tp", type=at_least(1), default=1,
+                    help="expert tensor parallelism: each expert's MLP split over this many "
+                         "of the data-parallel ranks (MoE parallel folding; dp = edp x ep x "
+                         "expert-tp)")
     ap.add_argument("--ep", type=at_least(1), default=1,
                     help="expert-parallel ranks: data-parallel ranks sharing the experts")
     ap.add_argument("--schedule", default="1f1b",

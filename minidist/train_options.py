@@ -8,7 +8,7 @@ layout that cannot run is refused in a fraction of a second, whichever rank woul
 found out.
 
     1. defaults that depend on the layout (a note on stdout says each one):
-         --dp              --ep (the expert-parallel ranks are data-parallel ranks)
+         --dp              --ep x --expert-tp (the experts' ranks are data-parallel ranks)
          --grad-accum      1; under --pp P a CSV schedule's own count, else the divisor of
                            the rows per dp rank nearest 2 P (>= P where one exists): the
                            pipeline fills with micro-batches that split the batch evenly
@@ -74,6 +74,7 @@ class Job:
 # The flag that sets each field the Plan, GPTConfig and DataConfig name in their messages.
 FLAGS = {"global_batch": "--batch", "micro_batches": "--grad-accum", "dp": "--dp",
          "tp": "--tp", "cp": "--cp", "pp": "--pp", "ep": "--ep", "zero": "--zero",
+         "expert_tp": "--expert-tp",
          "cp_layout": "--cp-layout", "cp_algo": "--cp-algo", "n_head": "--n-head",
          "n_embd": "--n-embd", "n_layer": "--n-layer", "moe_every": "--moe-every",
          "n_experts": "--n-experts", "moe_group_size": "--moe-group-size", "top_k": "--top-k",
@@ -149,7 +150,7 @@ def _defaults(a: argparse.Namespace) -> list[str]:
     """Fill the options left at None (module docstring, step 1); the notes to print."""
     notes = []
     if a.dp is None:
-        a.dp = a.ep
+        a.dp = a.ep * getattr(a, "expert_tp", 1)
     a.schedule_value = _schedule_argument(a.schedule)
     if a.n_layer is None:
         a.n_layer = max(2, _pieces(a)) if a.layers_per_stage is None \
@@ -277,7 +278,8 @@ def _validated(a: argparse.Namespace) -> Job:
                            route_limit=a.route_limit, bias_rate=bias_rate,
                            aux_loss_coef=aux_loss, shared_experts=a.shared_experts,
                            expert_hidden=a.expert_hidden)
-    plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, zero=a.zero,
+    plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, expert_tp=a.expert_tp,
+                zero=a.zero,
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,
                 schedule=a.schedule_value, virtual_stages=a.virtual_stages,

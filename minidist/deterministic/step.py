@@ -94,6 +94,12 @@ def check(plan, cfg, spike: bool = False, rebalance: bool = False, grain: int = 
                          f"with MoE blocks (moe_every={cfg.moe_every}), whose token sums "
                          f"across ranks run over other grains. Drop one of the two, or "
                          f"run without --deterministic (equal within ~1e-12 in float64).")
+    if plan.expert_tp > 1:
+        raise ValueError(f"--deterministic with expert_tp={plan.expert_tp}: not built yet "
+                         "(each expert's partial outputs are summed over the etp ranks, "
+                         "another order than the single process's matmul); drop one of "
+                         "the two (without --deterministic the layout equals the single "
+                         "process within ~1e-12 in float64).")
     if plan.precision != "fp32" or plan.grad_reduce != "fp32":
         raise ValueError("--deterministic with mixed precision: not supported; the tiled "
                          "matmuls and tree sums run in the model's dtype. Drop --precision "

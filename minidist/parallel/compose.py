@@ -61,6 +61,7 @@ from minidist.parallel.context.context_parallel import LAYOUTS as CP_LAYOUTS
 from minidist.parallel.data.buckets import BucketedDataParallel
 from minidist.parallel.data.ddp import ALGOS, DataParallel
 from minidist.parallel.expert.expert_parallel import apply_experts, is_expert_parameter
+from minidist.parallel.expert.expert_tensor import apply_expert_tensor
 from minidist.parallel.pipeline.schedule_validate import validate
 from minidist.parallel.pipeline.family import AUTOMATIC, SCHEDULES, chunks_of, make_schedule
 from minidist.parallel.pipeline.schedules import PipelineSchedule, pieces_of
@@ -101,6 +102,7 @@ class Plan:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    expert_tp: int = 1                        # experts' own tensor parallelism (folded)
     zero: int = 0
     micro_batches: int = 1
     sequence_parallel: bool = False
@@ -123,16 +125,19 @@ class Plan:
 
     def __post_init__(self) -> None:
         for field, minimum in (("dp", 1), ("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1),
-                               ("micro_batches", 1), ("bucket_bytes", 1),
+                               ("expert_tp", 1), ("micro_batches", 1), ("bucket_bytes", 1),
                                ("replica_check_every", 0)):
             if not _positive_int(getattr(self, field), minimum):
                 raise ValueError(f"Plan: {field}={getattr(self, field)!r} must be an int >= "
                                  f"{minimum}.")
-        if self.dp % self.ep:
-            raise ValueError(f"Plan: ep={self.ep} must divide dp={self.dp}: the expert-"
+        if self.dp % (self.ep * self.expert_tp):
+            ex = self.ep * self.expert_tp
+            what = f"ep={self.ep}" if self.expert_tp == 1 else \
+                f"ep={self.ep} x expert_tp={self.expert_tp} = {ex}"
+            raise ValueError(f"Plan: {what} must divide dp={self.dp}: the expert-"
                              "parallel ranks are data-parallel ranks that share the experts "
-                             f"(Megatron's layout); use dp={-(-self.dp // self.ep) * self.ep} "
-                             f"or another multiple of {self.ep}.")
+                             f"(Megatron's layout); use dp={-(-self.dp // ex) * ex} "
+                             f"or another multiple of {ex}.")
         if not isinstance(self.schedule, PipelineSchedule) and self.schedule not in SCHEDULES:
             raise ValueError(f"Plan: schedule={self.schedule!r} must be one of {SCHEDULES} or a "
                              "schedules.PipelineSchedule (e.g. schedule_csv.from_csv(text)).")
@@ -206,6 +211,8 @@ class Plan:
             if self.pp > 1 else ""
         cp = f" x cp={self.cp} ({self.cp_algo})" if self.cp > 1 else ""
         ep = f" (ep={self.ep})" if self.ep > 1 else ""
+        if self.expert_tp > 1:
+            ep = f" (ep={self.ep}, expert-tp={self.expert_tp})"
         low = f", {self.precision} (grads {self.grad_reduce})" \
             if self.policy() is not None else ""
         return f"{pp}dp={self.dp}{ep}{cp} x tp={self.tp}" \
@@ -284,6 +291,9 @@ class Plan:
                              f"{tp * cp}.")
         if cfg.moe_every:
             self._validate_routing_groups(cfg, global_batch, seq_len)
+        if self.expert_tp > 1 and not cfg.moe_every:
+            raise ValueError(f"Plan: expert_tp={self.expert_tp} splits the experts of MoE "
+                             "layers, but the model has none (moe_every=0); use moe_every=1.")
         if self.ep > 1 and not cfg.moe_every:
             raise ValueError(f"Plan: ep={self.ep} splits the experts of MoE layers, but the "
                              f"model has none (moe_every=0); use moe_every=1 (every block a "
@@ -353,6 +363,7 @@ class Layout:
     pipeline: PipelineStage | None = None     # pp > 1: my stage and its schedule
     ep_group: object = None                   # ep > 1: the ranks sharing the experts
     expert_group: object = None               # ep > 1: my experts' replicas (edp x cp)
+    etp_group: object = None                  # expert_tp > 1: the ranks splitting my experts
 
     @property
     def model(self):
@@ -389,7 +400,7 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
                               mirror_group=groups["mirror"])
     return Layout(groups["mesh"], groups["dp"], groups["cp"], groups["tp"], groups["grad"],
                   sharding, engine, context, groups.get("pp"), stage, groups.get("ep"),
-                  groups.get("edp"))
+                  groups.get("edp"), groups.get("etp"))
 
 
 def parallelize(cfg: GPTConfig, seed: int, plan: Plan, groups: dict,
@@ -417,14 +428,17 @@ def parallelize(cfg: GPTConfig, seed: int, plan: Plan, groups: dict,
         apply_tensor(model, tensor_parallel)
     if context is not None:                       # every rank holds the whole weights
         apply_context(model, context)
-    if plan.ep > 1:
+    if plan.expert_tp > 1:
+        apply_expert_tensor(model, groups["ep"], groups["etp"])
+    elif plan.ep > 1:
         apply_experts(model, groups["ep"])
     cut = groups.get("cut")
     if cut is not None:
         cut.cut(model)
     return ModelSharding(model, whole, tensor_parallel, check=plan.checks, cut=cut,
                          pp=groups.get("pp"), model_group=groups.get("model"),
-                         ep=groups.get("ep"))
+                         ep=groups.get("ep"), etp=groups.get("etp"),
+                         experts_group=groups.get("emp", groups.get("ep")))
 
 
 def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
@@ -486,21 +500,26 @@ def _groups(ctx, plan: Plan, cfg: GPTConfig) -> dict:
     job = getattr(ctx, "job", ctx)
     axes = (("pp",) if plan.pp > 1 else ()) + ("dp", "cp", "tp")
     shape = ((plan.pp,) if plan.pp > 1 else ()) + (plan.dp, plan.cp, plan.tp)
-    if plan.ep > 1:                               # dp = (edp, ep), ep the faster
+    experts = plan.ep * plan.expert_tp > 1
+    if experts:                                   # dp = (edp, ep, etp), etp the fastest
         i = axes.index("dp")
-        axes = axes[:i] + ("edp", "ep") + axes[i + 1:]
-        shape = shape[:i] + (plan.dp // plan.ep, plan.ep) + shape[i + 1:]
+        axes = axes[:i] + ("edp", "ep", "etp") + axes[i + 1:]
+        shape = shape[:i] + (plan.dp // (plan.ep * plan.expert_tp), plan.ep,
+                             plan.expert_tp) + shape[i + 1:]
     mesh = DeviceMesh(job, axes, shape)
-    dp_axes = ("edp", "ep") if plan.ep > 1 else ("dp",)
-    dp = mesh.group("dp") if plan.ep == 1 else mesh.flatten(dp_axes, "dp")
+    dp_axes = ("edp", "ep", "etp") if experts else ("dp",)
+    dp = mesh.flatten(dp_axes, "dp") if experts else mesh.group("dp")
     # the gradient sync gets a group of its own even when dp = 1, so that the cp
     # group's traffic (bytes_by_axis["cp"]) is attention and nothing else
     groups = {"mesh": mesh, "dp": dp, "cp": mesh.group("cp"), "tp": mesh.group("tp"),
               "grad": dp if plan.cp == 1 else mesh.flatten(dp_axes + ("cp",), "dp_cp")}
-    if plan.ep > 1:
+    if experts:
         groups["ep"] = mesh.group("ep")
         groups["edp"] = mesh.group("edp") if plan.cp == 1 else \
             mesh.flatten(("edp", "cp"), "edp_cp")
+        if plan.expert_tp > 1:                    # the experts' model-parallel ranks
+            groups["etp"] = mesh.group("etp")
+            groups["emp"] = mesh.flatten(("ep", "etp"), "ep_etp")
     if plan.pp > 1:
         groups.update(_pipeline_groups(job, mesh, plan, cfg))
     return groups

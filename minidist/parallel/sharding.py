@@ -32,7 +32,10 @@ tp (each rank would keep the part from its own positions).
 
 Under expert parallelism (parallel/expert/) a rank keeps E/ep experts of each MoE layer,
 under their global names; their squares in the norm are summed over ep, and full_values
-fetches every expert from the ep rank holding it.
+fetches every expert from the ep rank holding it. Under expert tensor parallelism each of
+those experts is split over the etp group (placements over "etp"): its squares are summed
+over ep x etp (the replicated output bias counted on etp rank 0), full_values gathers its
+pieces over etp first.
 Under pipeline parallelism (parallel/pipeline/stage.py) a rank keeps only its stage's layers
 (`PipelineCut.cut`), each parameter under its global name. The tied wte lives on the first
 and the last stage; the first owns it (it counts once in the norm). Sums over the model
@@ -75,13 +78,19 @@ class ModelSharding:
 
     def __init__(self, model: GPT, whole: list[tuple[str, tuple]],
                  tp: TensorParallel | None = None, *, check: bool = False, cut=None, pp=None,
-                 model_group=None, ep=None) -> None:
+                 model_group=None, ep=None, etp=None, experts_group=None) -> None:
+        """etp: the expert-tensor-parallel group; experts_group: ep x etp, over which an
+        expert's squares are summed (ep when there is no etp)."""
         cfg = model.cfg
         self.model = model
         self.global_names = [n for n, _ in whole]           # the baseline's order
         self.global_shapes = [tuple(shape) for _, shape in whole]
         self.tp = tp if tp is not None and tp.group.size > 1 else None
         self.ep = ep if ep is not None and ep.size > 1 else None
+        self.etp = etp if etp is not None and etp.size > 1 else None
+        self.experts_group = experts_group if experts_group is not None and \
+            experts_group.size > 1 else None
+        self.etp_rank = 0 if self.etp is None else self.etp.rank
         self.cut, self.pp = cut, pp if cut is not None else None
         self.model_group = model_group if cut is not None else (
             None if self.tp is None else self.tp.group)
@@ -92,8 +101,10 @@ class ModelSharding:
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.tp_rank = 0 if self.tp is None else self.tp.group.rank
         self.owned = [pl.owns_uniquely(p, "tp", self.tp_rank) and self._stage_owns(n)
-                      for n, p in named]
-        self.expert = [self.ep is not None and is_expert_parameter(n) for n in self.names]
+                      and (not is_expert_parameter(n) or self.etp is None
+                           or pl.owns_uniquely(p, "etp", self.etp_rank)) for n, p in named]
+        self.expert = [self.experts_group is not None and is_expert_parameter(n)
+                       for n in self.names]
         if check and self.tp is not None:
             for name, p in named:
                 if not isinstance(pl.placement_of(p, "tp"), pl.Shard):
@@ -124,8 +135,9 @@ class ModelSharding:
                     experts += float(backend.xp.dot(flat, flat))
                 else:
                     total += float(backend.xp.dot(flat, flat))
-        if self.ep is not None:
-            for part in C.all_gather(np.array([experts]), group=self.ep).reshape(-1):
+        if self.experts_group is not None:     # ep x etp: every expert, every piece
+            for part in C.all_gather(np.array([experts]),
+                                     group=self.experts_group).reshape(-1):
                 total += float(part)
         return total
 
@@ -182,6 +194,8 @@ class ModelSharding:
 
     def _piece(self, full: np.ndarray, p) -> np.ndarray:
         """My piece of one full array, cut as parameter p was at initialisation (a copy)."""
+        if self.etp is not None and isinstance(pl.placement_of(p, "etp"), pl.Shard):
+            return pl.shard(full, pl.placement_of(p, "etp"), self.etp.size, self.etp_rank)
         if self.tp is None:
             return np.array(full, copy=True)
         return pl.shard(full, pl.placement_of(p, "tp"), self.tp.group.size, self.tp_rank)
@@ -218,6 +232,10 @@ class ModelSharding:
         return out
 
     def _full(self, piece: np.ndarray, p) -> np.ndarray:
+        if self.etp is not None and isinstance(pl.placement_of(p, "etp"), pl.Shard):
+            pieces = list(C.all_gather(np.ascontiguousarray(piece), group=self.etp))
+            return pl.unshard(pieces, pl.placement_of(p, "etp"),
+                              p.full_shape[pl.placement_of(p, "etp").dim])
         placement = pl.placement_of(p, "tp")
         if self.tp is None or not isinstance(placement, pl.Shard):
             return np.array(piece, copy=True)

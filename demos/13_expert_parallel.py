@@ -82,8 +82,10 @@ def fill(text: str, indent: str = "    ") -> str:
 
 
 def make_moe(a) -> MoE:
+    # grouped=False: the plain loop, one call per expert (part 1 records each call's rows);
+    # the grouped fast path (nn/grouped_experts.py) gives the same bits in one node
     moe = MoE(a.c, a.hidden, n_experts=a.experts, top_k=a.top_k, group_size=a.group,
-              capacity_factor=a.capacity_factor, z_loss_coef=a.z_loss)
+              capacity_factor=a.capacity_factor, z_loss_coef=a.z_loss, grouped=False)
     seeding.init_parameters(moe, seed=a.seed)          # the same weights on every rank
     return moe
 

@@ -58,3 +58,31 @@ def test_expert_demo_without_drops_and_with_a_png(tmp_path):
     assert not any("DROPPED" in line for line in out)
     assert f"heatmap written to {path}" in out
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+BALANCING = "30_moe_balancing.py"
+
+
+def test_balancing_demo_short_run_shows_every_router_and_the_layout_s_biases():
+    rc, out = run_demo(BALANCING, "--steps", "12", "--last", "4", "--layout-steps", "2")
+    text = "\n".join(out)
+    assert rc in (0, 1) and out[0].startswith("demo 30 · MoE balancing · E=8, top-2: "), text
+    assert out[5].split() == ["token", "softmax", "sigmoid", "sigmoid,", "1", "group",
+                              "expert", "choice"], text
+    # expert choice: token t1 taken by all 4 experts, t2 by one only
+    assert out[7].endswith("e0 0.23 e1 0.26 e2 0.26 e3 0.24") and out[8].endswith(
+        "e0 0.51 e1 0.49   e0 0.27"), text
+    assert sum(line.endswith("rank 0 = rank 1 = 1 process: True") for line in out) == 2, text
+    assert out[-2].startswith(("OK: aux-loss-free max violation",
+                               "NOT REACHED: aux-loss-free max violation")), text
+
+
+@pytest.mark.slow
+def test_balancing_demo_reaches_a_lower_max_violation_at_a_lower_loss(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "balance.png"
+    rc, out = run_demo(BALANCING, "--png", str(path))
+    text = "\n".join(out)
+    assert rc == 0 and out[-2].startswith("OK: aux-loss-free max violation "), text
+    assert f"plot written to {path}" in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -147,6 +147,7 @@ class StepEnd:
     timeline: list | None = None              # pp > 1: this stage's actions
     dp_rank: int = 0
     routing_bias: dict | None = None          # MoE with a balancing bias: every layer's
+    moe: dict | None = None                   # MoE: this step's routing per layer (_moe_stats)
 
 
 class Hook:
@@ -488,7 +489,8 @@ class Meter:
         return StepEnd(step, engine, self.losses, (t["step"][-1], t["comm_wait"][-1],
                        t["compute"][-1]), int(peak), loss, norm, float(lr),
                        {k: v[-1] for k, v in t.items()}, self.traffic[-1], self.by_axis[-1],
-                       (self.t0, t2), timeline, dp_rank, routing_bias)
+                       (self.t0, t2), timeline, dp_rank, routing_bias,
+                       self.moe[-1] if self.moe_layers else None)
 
     def losses(self) -> tuple[float, ...]:
         """COLLECTIVE: the global loss of every step so far."""

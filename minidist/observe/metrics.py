@@ -57,7 +57,39 @@ def line(rank: int, step: int, values: dict[str, Any]) -> dict[str, Any]:
             "bytes": {k: int(v) for k, v in values.get("bytes", {}).items()},
             "memory": {k: int(v) for k, v in values.get("memory", {}).items()},
             "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB
-            "unix_time": time.time()}
+            "unix_time": time.time(), **_moe(values.get("moe"))}
+
+
+def _moe(stats: dict | None) -> dict:
+    """{"moe": {layer: routing of the step}} for a MoE model (train._moe_stats: the global
+    batch's load per expert, with and without the balancing bias, their max violation, the
+    drop rate, aux and z; the bias after the step when the model balances by bias)."""
+    if not stats:
+        return {}
+    keep = ("load", "unbiased_load", "max_violation", "unbiased_max_violation",
+            "drop_rate", "aux", "z")
+    out = {}
+    for name, st in stats.items():
+        out[name] = {k: st[k] for k in keep if k in st}
+        if st.get("bias") is not None:
+            out[name]["bias"] = [float(b) for b in st["bias"]]
+    return {"moe": out}
+
+
+def check_moe(rec: dict, where: str) -> dict:
+    """rec["moe"] ({} if absent): each layer's max_violation and drop_rate numbers, its
+    bias (if any) a list of numbers; else RunFileError naming `where` and the field."""
+    moe = rec.get("moe", {})
+    run_files.check(moe, "an object", where, "moe")
+    for name, st in moe.items():
+        at = f"moe.{name}"
+        run_files.check(st, "an object", where, at)
+        for key in ("max_violation", "drop_rate"):
+            run_files.field(st, key, "a number", where, at)
+        if "bias" in st:
+            for i, b in enumerate(run_files.field(st, "bias", "a list", where, at)):
+                run_files.check(b, "a number", where, f"{at}.bias.{i}")
+    return moe
 
 
 class MetricsWriter:
@@ -106,12 +138,14 @@ def read(folder: str | os.PathLike) -> dict[int, list[dict]]:
 
 def check_line(rec: Any, where: str) -> dict:
     """`rec` if it holds what `summarize` and the report take from a line (`line`): an int
-    step, numbers loss, grad_norm and rss_peak, and `_check_numbers`' objects; else
+    step, numbers loss, grad_norm and rss_peak, `_check_numbers`' objects and a MoE
+    model's "moe" (check_moe); else
     RunFileError naming `where` and the field."""
     run_files.check(rec, "an object", where)
     run_files.field(rec, "step", "an int", where)
     for key in ("loss", "grad_norm"):
         run_files.field(rec, key, "a number", where)
+    check_moe(rec, where)
     return _check_numbers(rec, where)
 
 

@@ -18,6 +18,8 @@ What it prints (times are means per step; shares are of the rank's step time):
     line's and `bench throughput`'s (no line for a MoE model or an older run)
     per rank: step ms, compute / comm wait / other ms (share), bytes sent per step and
     axis, model state after the last step (params + grads + optimizer), peak RSS
+    a MoE model: per layer, the max violation of the first and last 10 steps, the drop
+    rate and the balancing bias's range (metrics lines' "moe")
     the trace: its events, the traced steps, and where to open it
 With the `plot` extra (matplotlib), PNGs in RUN_DIR/plots: loss.png (loss and gradient
 norm per step), step_time.png (each rank's step split into compute / comm wait /
@@ -104,7 +106,30 @@ def text(path: Path) -> list[str]:
         out.append(f"MFU {100 * u:.2f}% = {human(s['tokens_per_s'])} tokens/s x "
                    f"{human(cfg['model_flops_per_token'])} FLOPs/token (6N + 12LHQT) / "
                    f"({human(cfg['peak_flops'], 'FLOP/s')} x {cfg['world_size']} ranks)")
-    return out + _rank_table(s["ranks"]) + [_trace_line(path)]
+    return out + _rank_table(s["ranks"]) + _moe_lines(path) + [_trace_line(path)]
+
+
+def _moe_lines(path: Path) -> list[str]:
+    """A MoE model's routing, per layer, from the lowest rank's metrics lines: the max
+    violation (max load / mean load - 1) over the first and the last 10 steps, the drop
+    rate over the run, and the balancing bias's range after the last step."""
+    lines = metrics.read(path / "metrics")
+    first = next((recs for _, recs in sorted(lines.items()) if recs), [])
+    per_step = [rec.get("moe", {}) for rec in first]      # checked as they were read
+    layers = list(per_step[-1]) if per_step else []
+    if not layers:
+        return []
+    out = ["MoE routing per layer, the global batch's (max violation = max / mean load - 1,",
+           "  mean of the first 10 steps -> of the last 10; tokens dropped; the bias at the end):"]
+    for name in layers:
+        vio = [st[name]["max_violation"] for st in per_step if name in st]
+        drops = [st[name]["drop_rate"] for st in per_step if name in st]
+        bias = per_step[-1][name].get("bias")
+        out.append(f"  {name:<16} max violation {sum(vio[:10]) / len(vio[:10]):.3f} -> "
+                   f"{sum(vio[-10:]) / len(vio[-10:]):.3f} · dropped "
+                   f"{100 * sum(drops) / len(drops):.1f}%"
+                   + ("" if bias is None else f" · bias {min(bias):+.3f} .. {max(bias):+.3f}"))
+    return out
 
 
 def mfu_of(cfg: dict, s: dict) -> float | None:

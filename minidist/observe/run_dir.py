@@ -286,10 +286,14 @@ class RankObserver(Hook):
 
     def on_step_end(self, end) -> None:
         """COLLECTIVE (the step's global loss): the metrics line and the trace of the step."""
-        self.end(end.step, {"loss": end.loss(), "grad_norm": end.grad_norm, "lr": end.lr,
-                            "time_s": end.timing, "bytes_sent": end.bytes_by_axis,
-                            "bytes": end.bytes, "memory": end.engine.memory()},
-                 end.span, end.timeline)
+        values = {"loss": end.loss(), "grad_norm": end.grad_norm, "lr": end.lr,
+                  "time_s": end.timing, "bytes_sent": end.bytes_by_axis, "bytes": end.bytes,
+                  "memory": end.engine.memory()}
+        if getattr(end, "moe", None):            # MoE: each layer's routing of the step
+            values["moe"] = {name: {**stats, **({} if end.routing_bias is None else
+                                                {"bias": end.routing_bias.get(name)})}
+                             for name, stats in end.moe.items()}
+        self.end(end.step, values, end.span, end.timeline)
 
     def end(self, step: int, values: dict, span: tuple[float, float] | None = None,
             pipeline: Sequence[tuple] | None = None) -> dict:

@@ -105,3 +105,32 @@ def test_a_folder_that_is_not_a_run_directory_is_a_usage_error(tmp_path, capsys)
     with pytest.raises(SystemExit) as e:
         report.main([])
     assert e.value.code == 2
+
+
+MOE = ["--ep", "2", "--moe-every", "1", "--router", "sigmoid", "--balance", "bias",
+       "--bias-rate", "0.01", "--task", "reverse", "--length", "3", "--n-layer", "2",
+       "--n-embd", "16", "--n-head", "2", "--batch", "4", "--steps", "12", "--every", "100",
+       "--trace-steps", "none"]
+
+
+@pytest.mark.multiproc
+def test_a_moe_run_reports_each_layers_balance_from_its_metrics(tmp_path, capsys):
+    """The metrics lines carry each MoE layer's routing of the step (load with and without
+    the bias, their max violation, drops, the bias); the report prints its balance."""
+    path = tmp_path / "moe"
+    assert train_main(MOE + ["--run-dir", str(path)]) == 0
+    capsys.readouterr()
+    lines = [json.loads(x) for x in (path / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    st = lines[-1]["moe"]["blocks.1.moe"]
+    assert sum(st["load"]) == sum(st["unbiased_load"]) == 4 * 6    # batch 4 x T 6, top-1
+    mean = sum(st["load"]) / len(st["load"])
+    assert st["max_violation"] == pytest.approx(max(st["load"]) / mean - 1)
+    assert len(st["bias"]) == 4 and any(b != 0 for b in st["bias"])
+    code, out = _report(capsys, str(path), "--no-plots")
+    i = out.index("MoE routing per layer, the global batch's (max violation = max / mean "
+                  "load - 1,")
+    vio = [x["moe"]["blocks.0.moe"]["max_violation"] for x in lines]
+    first, last = sum(vio[:10]) / 10, sum(vio[-10:]) / 10
+    assert out[i + 2].startswith(f"  blocks.0.moe     max violation {first:.3f} -> "
+                                 f"{last:.3f} · dropped "), out[i + 2]
+    assert " · bias " in out[i + 3] and all(len(line) <= 100 for line in out[i:i + 4])

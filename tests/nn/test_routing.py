@@ -12,6 +12,7 @@ from minidist.autograd import Tensor, gradcheck
 from minidist.nn import MoE, RoutingRule
 from minidist.nn.routing import choose, expert_choice, expert_capacity, route, \
     route_groups, update_bias
+from tests.nn.test_moe import _swap
 
 
 def test_sigmoid_gates_are_normalised_over_the_chosen_experts_and_the_bias_only_chooses():
@@ -168,15 +169,6 @@ def test_every_router_equals_the_loop_reference(kw):
     want, want_aux = _reference(moe, x, moe.score_bias)
     np.testing.assert_allclose(out.data.reshape(18, 5), want, rtol=0, atol=1e-13)
     assert float(aux.item()) / moe.aux_loss_coef == pytest.approx(want_aux, abs=1e-13)
-
-
-def _swap(module, names, tensors):
-    for name, t in zip(names, tensors):
-        *path, attr = name.split(".")
-        owner = module
-        for part in path:
-            owner = getattr(owner, part)
-        setattr(owner, attr, t)
 
 
 @pytest.mark.parametrize("kw", CASES.values(), ids=CASES.keys())

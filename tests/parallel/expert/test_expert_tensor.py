@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from minidist import seed as seeding
-from minidist.autograd import Tensor
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, SyntheticData, model_config_for
 from minidist.nn import MoE, RoutingRule
@@ -20,6 +19,7 @@ from minidist.parallel.expert.expert_tensor import AllGatherRows, ExpertTensorPa
 from minidist.runtime.launch import spawn
 from minidist.train import OptimizerConfig, Plan, RunConfig, train_on_rank
 from tests.helpers import assert_close, assert_runs_match, dist_gradcheck
+from tests.parallel.expert.test_expert_parallel import _grads, _x
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,17 +29,6 @@ def _moe(top_k=2, cf=0.8, **kw):
               aux_loss_coef=0.3, z_loss_coef=0.1, **kw)
     seeding.init_parameters(moe, seed=1)
     return moe
-
-
-def _x(rank, rows=2):
-    return np.random.default_rng(10 + rank).standard_normal((rows, 4, 6))
-
-
-def _grads(moe, x):
-    xt = Tensor(x, requires_grad=True)
-    out, aux = moe(xt)
-    ((out * np.linspace(0.5, 1.5, out.size).reshape(out.shape)).sum() + aux).backward()
-    return out.data, float(aux.item()), xt.grad, {n: p.grad for n, p in moe.named_parameters()}
 
 
 def _groups(ctx, ep: int, etp: int):

@@ -349,7 +349,8 @@ class ParallelStep:
             self.balance = RoutingBalance(
                 lay.model, [f"blocks.{i}.moe" for i in range(model_cfg.n_layer)
                             if model_cfg.is_moe(i)],
-                model_cfg.n_experts, lay.grad_group, lay.pp_group, algo)
+                model_cfg.n_experts, lay.grad_group, lay.pp_group, algo,
+                None if lay.pipeline is None else lay.pipeline.mirror_group)
 
     def compute(self, batches: list, n_tokens: int, first: int, lr: float) -> float:
         """Forward and backward of `batches` (the first is grain `first` of the global

@@ -34,7 +34,9 @@ and keeps the gathered values. Full recomputation makes new aliases when it runs
 again; the recomputed ones are those the backward reaches, and the ones read.
 Under pipeline parallelism several micro-batches are in flight: the aliases are kept per
 (micro-batch, expert, source), `at(j)` naming the micro-batch before each action, and
-taken when the stage's schedule ends.
+taken when the stage's schedule ends. Under DualPipe each layer lives on two stages, each
+copy running one direction's micro-batches: a copy takes zeros for the grains it did not
+run, and `over_mirror` adds the pair's grains (x + 0 = x) before the tree.
 Read next: deterministic/layout.py.
 """
 
@@ -116,8 +118,10 @@ class ExpertGrains:
         for layer in self.layers.values():
             layer.micro_batch = j
 
-    def take(self, j: int) -> None:
-        """After micro-batch j's backward: each source's grain gradient of my experts."""
+    def take(self, j: int, mirrored: bool = False) -> None:
+        """After micro-batch j's backward: each source's grain gradient of my experts.
+        mirrored (DualPipe): a layer whose copy here did not run micro-batch j (its mirror
+        stage's did) contributes zeros; over_mirror adds the two copies' grains."""
         if not self.named:
             return
         for s, first in enumerate(self.firsts):
@@ -125,6 +129,10 @@ class ExpertGrains:
             for name, p in self.named:               # "<layer>.experts.<e>.<param>"
                 layer, rest = name.split(".experts.", 1)
                 e, param = rest.split(".", 1)
+                ran = self.layers[layer].grain_aliases.get((j, int(e), s))
+                if ran is None and mirrored:
+                    parts.append(np.zeros(p.data.size, p.data.dtype))
+                    continue
                 g = self.layers[layer].grain_aliases[j, int(e), s].alias_leaves[param].grad
                 parts.append(np.zeros(p.data.size, p.data.dtype) if g is None
                              else backend.to_numpy(g).reshape(-1))
@@ -132,6 +140,15 @@ class ExpertGrains:
         for layer in self.layers.values():            # micro-batch j's aliases are done
             for key in [k for k in layer.grain_aliases if k[0] == j]:
                 del layer.grain_aliases[key]
+
+    def over_mirror(self, mirror) -> None:
+        """COLLECTIVE over DualPipe's mirror pair: each grain's gradient of my experts is
+        on the copy that ran it, zeros on the other; their sum (x + 0 = x) on both."""
+        if not self.named:
+            return
+        grains = sorted(self.leaves)
+        both = C.all_gather(np.stack([self.leaves[g] for g in grains]), group=mirror)
+        self.leaves = {g: both[0, i] + both[1, i] for i, g in enumerate(grains)}
 
     def roots(self, count: int) -> dict[str, np.ndarray]:
         """COLLECTIVE over edp: each of my expert parameters' gradient, summed over all

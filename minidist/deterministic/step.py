@@ -350,9 +350,11 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
                 for v in views:
                     v[...] = 0
     stage.finish()
-    for m in range(len(batches) if experts is not None else 0):
-        experts.take(m)
     mirror = stage.mirror_group
+    for m in range(len(batches) if experts is not None else 0):
+        experts.take(m, mirrored=mirror is not None)
+    if experts is not None and mirror is not None:
+        experts.over_mirror(mirror)
     if mirror is not None:                    # "dual": each sample's share on its copy
         per_sample = _over_mirror(per_sample, mirror)
         if last:                              # stages 0 and P-1: each direction's losses

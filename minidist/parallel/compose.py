@@ -334,10 +334,6 @@ class Plan:
                              "the backward of each of the M micro-batches. Use zero <= 2 "
                              "(they reduce once, after the stage's last backward).")
         s = self.pipeline_schedule()
-        if s.placement == "dual" and cfg.moe_every and cfg.bias_rate:
-            raise ValueError(f"Plan: the schedule {s.name!r} holds every layer twice (mirrored "
-                             "stages route different micro-batches); aux-loss-free balancing "
-                             "over mirrors is not built. Use another schedule, or bias_rate=0.")
         split_layers(cfg.n_layer, pieces_of(s.placement, self.pp, self.chunks),
                      self.layers_per_stage)
         if (s.stages, s.micro_batches) != (self.pp, self.micro_batches):

@@ -18,11 +18,14 @@ One rank's view of the end of a step (after the optimizer update):
        route the same tokens, and pipeline stages hold other layers: neither is summed.
     3. layer.update_bias(load): the same integers everywhere, so the same bits.
     4. the table: every MoE layer of the model, (L_moe, E), my stage's rows filled and the
-       rest 0, summed over pp (x + 0 = x exactly): every rank holds every bias, which is
-       what a checkpoint keeps and what a resumed run (any layout) loads back.
-Communication per step: L_stage E int64 over dp x cp, and L_moe E float64 over pp.
-DualPipe's stages hold every layer twice (mirrors routing different micro-batches): not
-built; parallel/compose.py refuses the combination.
+       rest 0, summed over pp, and divided by the number of stages holding each layer
+       (x + 0 = x, and x + x = 2x halves back to x, exactly): every rank holds every bias,
+       which is what a checkpoint keeps and what a resumed run (any layout) loads back.
+DualPipe holds every layer on two stages (s and P-1-s), each copy routing the micro-batches
+of its direction: step 2 sums the load over that mirror pair too, so both copies make the
+global batch's update.
+Communication per step: L_stage E int64 over dp x cp (and over the mirror pair), and
+L_moe (E + 1) float64 over pp.
 References: DeepSeek-AI 2024, DeepSeek-V3, arXiv:2412.19437, Sec. 2.1.2; Wang et al.
     2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts",
     arXiv:2408.15664.
@@ -40,11 +43,13 @@ class RoutingBalance:
     """The bias update of every bias-balanced MoE layer of this rank's model (docstring)."""
 
     def __init__(self, model, names: list[str], n_experts: int, load_group, pp_group=None,
-                 algo: str = "auto") -> None:
+                 algo: str = "auto", mirror_group=None) -> None:
         """names: every MoE layer of the whole model, in order ("blocks.1.moe", ...), each
-        of n_experts; load_group: dp x cp; pp_group: the pipeline's stages, or None."""
+        of n_experts; load_group: dp x cp; pp_group: the pipeline's stages, or None;
+        mirror_group: DualPipe's pair of stages holding the same layers, or None."""
         self.names, self.load_group, self.pp_group, self.algo = list(names), load_group, \
             pp_group, algo
+        self.mirror_group = mirror_group
         self.n_experts = n_experts
         self.layers = {n: m for n, m in model.named_modules()
                        if hasattr(m, "update_bias") and m.rule.bias_rate}
@@ -64,18 +69,20 @@ class RoutingBalance:
         table {layer: bias} of the whole model, the same on every rank."""
         for layer in self.layers.values():
             load = C.all_reduce(layer.take_routed(), group=self.load_group, algo=self.algo)
+            if self.mirror_group is not None:       # the other direction's micro-batches
+                load = C.all_reduce(load, group=self.mirror_group, algo=self.algo)
             layer.update_bias(load)
         return self.table()
 
     def table(self) -> dict[str, np.ndarray]:
         """COLLECTIVE over pp: {layer: bias (E,)} for every MoE layer of the model."""
-        rows = np.zeros((len(self.names), self.n_experts))
+        rows = np.zeros((len(self.names), self.n_experts + 1))     # the bias, then 1 if held
         for i, name in enumerate(self.names):
             if name in self.layers:
-                rows[i] = self.layers[name].score_bias
+                rows[i, :-1], rows[i, -1] = self.layers[name].score_bias, 1.0
         if self.pp_group is not None:
             rows = C.all_reduce(rows, group=self.pp_group, algo=self.algo)
-        return {name: rows[i].copy() for i, name in enumerate(self.names)}
+        return {name: rows[i, :-1] / max(rows[i, -1], 1.0) for i, name in enumerate(self.names)}
 
     def load(self, table: dict) -> None:
         """Set my layers' biases from a table (a checkpoint's, any layout's)."""

@@ -9,6 +9,8 @@ Reading order:
     direct.py            canonical rank order over shared memory: bitwise reproducible
     all_to_all.py        pairwise exchange with uneven split sizes (mixture of experts)
     cost.py              the alpha-beta model and algo="auto"
+    tiers.py             the same formulas on a two-level topology (nodes of fast links,
+                         a slower network across): flat and hierarchical, a chooser
     api.py               the public, torch.distributed-shaped calls re-exported here
     prepared.py          their lean path: calls whose signature was validated before
 """

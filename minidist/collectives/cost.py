@@ -93,7 +93,7 @@ from minidist.collectives.ring import SEGMENT_BYTES
 
 __all__ = ["ANY_W", "DEFAULT", "DEFAULTS", "NAMES", "VERSION", "Constants", "Table",
            "constants", "cost_file", "describe", "load", "load_table", "recent_constants",
-           "save", "predict", "choose", "rule", "fit", "setup_key", "ALGOS", "CACHE_GRID",
+           "save", "predict", "choose", "rule", "fit", "setup_key", "terms", "ALGOS", "CACHE_GRID",
            "SHM_DIRECT_MIN_BYTES", "SMALL_BYTES"]
 
 
@@ -113,7 +113,7 @@ SHM_DIRECT_MIN_BYTES = 1 << 18      # measured crossover, see the module docstri
 SMALL_BYTES = 4096                  # = direct_small.SMALL_BYTES (checked by a test)
 
 
-def _terms(op: str, algo: str, p: int, n: float) -> tuple[float, ...]:
+def terms(op: str, algo: str, p: int, n: float) -> tuple[float, ...]:
     """(messages, barriers, bytes sent, bytes reduced, bytes copied) on the critical path,
     and u, the ranks that work at once (total bytes sent over critical-path bytes)."""
     L, lp = math.ceil(math.log2(p)), p.bit_length() - 1
@@ -161,7 +161,7 @@ def _columns(op: str, algo: str, W: int, nbytes: float, cache: float, setup: flo
              cores: int) -> tuple[float, ...]:
     """What (1, alpha, barrier, beta, gamma, copy, dram) multiply in t (module docstring):
     the set-up and the bytes are CPU work, g = max(1, u / cores) times longer when shared."""
-    m, z, s, r, c, u = _terms(op, algo, int(W), float(nbytes))
+    m, z, s, r, c, u = terms(op, algo, int(W), float(nbytes))
     g = max(1.0, u / cores) if cores else 1.0
     return (g * setup, m, z, g * s, g * r, g * c, g * max(0.0, s + r + c - cache))
 

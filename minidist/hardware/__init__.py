@@ -8,6 +8,9 @@
                       CPU's measured rates)
     roofline_cli.py   `python -m minidist roofline`: this CPU's roofs, NumPy op timings
                       against their bounds, the table and the PNG
+    profiles.py       GPUs and clusters as data (profiles/*.json: A100 40/80 GB, H100 SXM,
+                      H200; peaks per format, HBM, NVLink and network per GPU, each number
+                      with its source) and this machine in the same terms
     cpu_caches.py     this CPU's memory hierarchy: read GB/s and random-access ns over
                       working sets from 16 KB up, one plateau per cache level (the CPU twin
                       of gpu/kernels/bandwidth.cu and pointer_chase.cu)

@@ -20,7 +20,8 @@ cached), its read bandwidth (hardware/cpu_caches.py) and the shared-memory link 
 collectives/calibration.py's constants (this machine's fit, or the defaults).
 
 `Hardware.topology()` gives the two-level topology collectives/tiers.py prices collectives
-on. Nothing here communicates.
+on, and `layout_span(plan, hardware)` where each mesh axis's group of a Plan lies on it
+(Plan.group_ranks: the ranks `build` gives each group). Nothing here communicates.
 References: NVIDIA A100, H100 and H200 Tensor Core GPU datasheets; NVIDIA DGX A100 and DGX
     H100 user guides (one compute-fabric InfiniBand port per GPU).
 Read next: collectives/tiers.py.
@@ -83,6 +84,14 @@ class Hardware:
         return Topology(self.gpus_per_node,
                         Link(self.intra_latency_s, 1.0 / self.intra_bytes_per_s),
                         Link(self.inter_latency_s, 1.0 / self.inter_bytes_per_s))
+
+
+def layout_span(plan, hardware: Hardware) -> dict[str, tuple[int, int]]:
+    """Where rank 0's group on each mesh axis of `plan` (parallel/compose.Plan) lies on
+    `hardware`'s nodes: {axis: (nodes it touches, its ranks on one node)}. With Megatron's
+    order (tp the fastest axis) tp stays inside a node while it fits, dp and pp cross."""
+    topo = hardware.topology()
+    return {axis: topo.span(ranks) for axis, ranks in plan.group_ranks(0).items()}
 
 
 def names() -> list[str]:

@@ -204,6 +204,39 @@ class Plan:
         costs = None if self.schedule_costs is None else dict(zip("FBW", self.schedule_costs))
         return make_schedule(self.schedule, self.pp, self.micro_batches, self.chunks, costs)
 
+    def mesh_axes(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(axes, sizes) of the mesh `build` makes, slowest first: (pp,) dp, cp, tp, with
+        dp = (edp, ep, etp) under expert parallelism; rank = row-major index, so tp's ranks
+        are neighbours (inside a node) and pp's the farthest apart (across nodes)."""
+        axes = (("pp",) if self.pp > 1 else ()) + ("dp", "cp", "tp")
+        shape = ((self.pp,) if self.pp > 1 else ()) + (self.dp, self.cp, self.tp)
+        if self.ep * self.expert_tp > 1:              # dp = (edp, ep, etp), etp the fastest
+            i = axes.index("dp")
+            axes = axes[:i] + ("edp", "ep", "etp") + axes[i + 1:]
+            shape = shape[:i] + (self.dp // (self.ep * self.expert_tp), self.ep,
+                                 self.expert_tp) + shape[i + 1:]
+        return axes, shape
+
+    def group_ranks(self, rank: int = 0) -> dict[str, tuple[int, ...]]:
+        """The global ranks of `rank`'s group on each mesh axis ("tp", "cp", "dp", "pp", and
+        "ep", "etp", "edp" under expert parallelism; "grad": dp x cp, the gradient sync),
+        as `build` lays them out: where each group lies on a topology of nodes."""
+        axes, shape = self.mesh_axes()
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"Plan.group_ranks: rank={rank} is not in 0..{self.world_size - 1}.")
+        grid = np.arange(self.world_size).reshape(shape)
+        me = tuple(int(c) for c in np.argwhere(grid == rank)[0])
+
+        def along(names: tuple[str, ...]) -> tuple[int, ...]:
+            index = tuple(slice(None) if a in names else c for a, c in zip(axes, me))
+            return tuple(int(r) for r in grid[index].reshape(-1))
+        out = {a: along((a,)) for a in axes}
+        dp_axes = tuple(a for a in ("edp", "ep", "etp", "dp") if a in axes)
+        out["dp"] = along(dp_axes)
+        out["grad"] = along(dp_axes + ("cp",))
+        out.setdefault("pp", (rank,))
+        return out
+
     def describe(self) -> str:
         """'pp=2 (1f1b) x dp=2 (ep=2) x cp=2 x tp=2 (SP)': the axes (pp, ep, cp when > 1)."""
         name = getattr(self.schedule, "name", self.schedule)
@@ -494,14 +527,8 @@ def _groups(ctx, plan: Plan, cfg: GPTConfig) -> dict:
         w = ctx.world
         return {"mesh": None, "dp": w, "cp": w, "tp": w, "grad": w}
     job = getattr(ctx, "job", ctx)
-    axes = (("pp",) if plan.pp > 1 else ()) + ("dp", "cp", "tp")
-    shape = ((plan.pp,) if plan.pp > 1 else ()) + (plan.dp, plan.cp, plan.tp)
+    axes, shape = plan.mesh_axes()
     experts = plan.ep * plan.expert_tp > 1
-    if experts:                                   # dp = (edp, ep, etp), etp the fastest
-        i = axes.index("dp")
-        axes = axes[:i] + ("edp", "ep", "etp") + axes[i + 1:]
-        shape = shape[:i] + (plan.dp // (plan.ep * plan.expert_tp), plan.ep,
-                             plan.expert_tp) + shape[i + 1:]
     mesh = DeviceMesh(job, axes, shape)
     dp_axes = ("edp", "ep", "etp") if experts else ("dp",)
     dp = mesh.flatten(dp_axes, "dp") if experts else mesh.group("dp")

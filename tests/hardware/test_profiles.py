@@ -57,3 +57,13 @@ def test_this_machine_is_one_node_of_its_cores():
     h = profiles.this_machine(measure=False, memory_bytes=1 << 30)
     assert h.name == "cpu" and h.hbm_bytes == 1 << 30 and h.peak("fp64") == 1e9
     assert h.topology().span(range(h.gpus_per_node)) == (1, h.gpus_per_node)
+
+
+def test_a_layout_s_groups_on_the_nodes_follow_the_mesh_order():
+    """Megatron's GPT-3 175B layout on 1,024 A100s: tp=8 fills a node, pp=16 and dp=8
+    cross nodes, one rank per node each."""
+    from minidist.parallel.compose import Plan
+    span = profiles.layout_span(Plan(tp=8, pp=16, dp=8), profiles.load("a100-80g"))
+    assert span["tp"] == (1, 8) and span["pp"] == (16, 1) and span["dp"] == (8, 1)
+    span = profiles.layout_span(Plan(tp=2, dp=8), profiles.load("h100-sxm"))
+    assert span["tp"] == (1, 2) and span["dp"] == (2, 4)          # 4 dp ranks per node

@@ -294,3 +294,26 @@ def test_64_ranks_run_with_the_default_settings(argv, tmp_path):
                          timeout=300, env={k: v for k, v in __import__("os").environ.items()
                                            if not k.startswith("MINIDIST_GROUP")})
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def _built_groups(ctx, plan):
+    """The ranks of every group `build`'s mesh gives this rank, beside Plan.group_ranks."""
+    from minidist.parallel.compose import _groups
+    from minidist.nn import GPTConfig
+    cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16,
+                    moe_every=1 if plan.ep * plan.expert_tp > 1 else 0)
+    groups = _groups(ctx, plan, cfg)
+    # edp is left out: under cp the experts' replicas are edp x cp (one group)
+    built = {k: tuple(groups[k].ranks) for k in ("tp", "cp", "dp", "grad", "ep", "etp", "pp")
+             if k in groups and hasattr(groups[k], "ranks")}
+    return built, plan.group_ranks(ctx.rank)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("plan", [Plan(dp=2, cp=2, tp=2), Plan(pp=2, dp=2, tp=2),
+                                  Plan(dp=4, ep=2, expert_tp=2, tp=2)],
+                         ids=lambda p: p.describe())
+def test_group_ranks_are_the_groups_build_makes(plan):
+    for built, claimed in spawn(plan.world_size, _built_groups, plan):
+        for axis, ranks in built.items():
+            assert claimed[axis] == ranks, (axis, claimed[axis], ranks)

@@ -12,6 +12,8 @@
     python -m minidist report RUN_DIR                 a run directory's summary (and plots)
     python -m minidist roofline [--model tiny]        every op of a step on the H200's roofs
                                                       and this CPU's (measured)
+    python -m minidist predict --model gpt3-175b --gpus 1024 --tp 8 --pp 16
+                                                      a layout's step at scale, predicted
     python -m minidist gpu check [--dry-run]          the GPU path on a GPU (a few minutes;
                                                      exit 3: no GPU, 4: CuPy without CUDA)
     python -m minidist cluster simulate --policy fifo|easy|sjf|fair|las|all [--real]
@@ -171,6 +173,11 @@ def _roofline(argv: list[str]) -> int:
     return roofline_main(argv) or 0
 
 
+def _predict(argv: list[str]) -> int:
+    from minidist.hardware.predict_cli import main as predict_main
+    return predict_main(argv) or 0
+
+
 def _gpu(argv: list[str]) -> int:
     """`gpu check`: imports nothing of the runtime (the GPU machine may lack multiprocess)."""
     if not argv or argv[0] != "check":
@@ -186,7 +193,7 @@ def _train(argv: list[str]) -> int:
 
 COMMANDS = {"run": _run, "train": _train, "demo": _demo, "bench": _bench, "memory": _memory,
             "cluster": _cluster, "report": _report, "roofline": _roofline, "gpu": _gpu,
-            "interval": _interval}
+            "interval": _interval, "predict": _predict}
 
 
 def main(argv: list[str] | None = None) -> int:

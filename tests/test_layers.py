@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("command line", ("minidist.__main__", "minidist.train_cli", "minidist.train_options",
                       "minidist.memory.budget_cli",
                       "minidist.reliability.interval_cli", "minidist.cluster.cli",
-                      "minidist.hardware.roofline_cli")),
+                      "minidist.hardware.roofline_cli", "minidist.hardware.predict_cli")),
 ]
 
 # (importer, imported): why it is there today, and what removes it.

@@ -11,6 +11,12 @@
     profiles.py       GPUs and clusters as data (profiles/*.json: A100 40/80 GB, H100 SXM,
                       H200; peaks per format, HBM, NVLink and network per GPU, each number
                       with its source) and this machine in the same terms
+    predict.py        a layout's training step at scale: step time, tokens/s, MFU and HFU,
+                      its breakdown and memory per GPU, from gpt_ops' kernels, the tiered
+                      collective costs, the pipeline simulator and the memory estimator
+    replay.py         that model against Megatron's published runs (Tables 1 and 2): fitted
+                      on 3 rows, the error on every other
+    predict_cli.py    `python -m minidist predict` (and --replay)
     cpu_caches.py     this CPU's memory hierarchy: read GB/s and random-access ns over
                       working sets from 16 KB up, one plateau per cache level (the CPU twin
                       of gpu/kernels/bandwidth.cu and pointer_chase.cu)

@@ -157,9 +157,12 @@ def parameter_sizes(cfg: GPTConfig) -> list[int]:
 
 
 def gpt_ops(cfg: GPTConfig, batch: int, T: int | None = None, precision: str = "float32",
-            weight_decay: float = 0.0) -> list[Op]:
+            weight_decay: float = 0.0, tp: int = 1) -> list[Op]:
     """The ops of one training step of GPT(cfg) on `batch` sequences of T tokens (default
-    block_size), in the order they run, with AdamW; see the module docstring."""
+    block_size), in the order they run, with AdamW; see the module docstring. tp: the ops of
+    one rank of tensor parallelism (Megatron's split: its H / tp heads, F / tp hidden
+    columns, ceil(V / tp) vocabulary columns, the projections' K / tp rows; LayerNorms,
+    residuals and the embedding whole; its 1/tp of the split parameters in the optimizer)."""
     s = _check_precision(precision)
     T = cfg.block_size if T is None else T
     if cfg.moe_every:
@@ -168,14 +171,19 @@ def gpt_ops(cfg: GPTConfig, batch: int, T: int | None = None, precision: str = "
     if batch < 1 or not 1 <= T <= cfg.block_size:
         raise ValueError(f"gpt_ops: batch={batch} must be >= 1 and T={T} between 1 and "
                          f"block_size={cfg.block_size}.")
-    B, C, L, V, H, bias = batch, cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.n_head, cfg.bias
-    R, F, D = B * T, cfg.mlp_ratio * C, C // H
-    sizes, s_opt = parameter_sizes(cfg), 8 if precision == "float64" else 4
+    if tp < 1 or cfg.n_head % tp or (cfg.mlp_ratio * cfg.n_embd) % tp:
+        raise ValueError(f"gpt_ops: tp={tp} must be >= 1 and divide n_head={cfg.n_head} and "
+                         f"the MLP width {cfg.mlp_ratio * cfg.n_embd}.")
+    B, C, L, H, bias = batch, cfg.n_embd, cfg.n_layer, cfg.n_head // tp, cfg.bias
+    V, R, F, D = -(-cfg.vocab_size // tp), B * T, cfg.mlp_ratio * cfg.n_embd // tp, C // cfg.n_head
+    sizes = [n // tp for n in parameter_sizes(cfg)] if tp > 1 else parameter_sizes(cfg)
+    s_opt = 8 if precision == "float64" else 4
+    Dq = H * D                                  # my heads' width: C / tp
     fwd = [("embedding", 1, oc.embedding(B, T, C, s)),
            ("layernorm", 2 * L + 1, oc.layernorm(R, C, s, bias)),
-           ("qkv matmul", L, oc.gemm(R, C, 3 * C, s, bias)),
+           ("qkv matmul", L, oc.gemm(R, C, 3 * Dq, s, bias)),
            ("attention", L, oc.attention(B, H, T, D, s)),
-           ("attn proj matmul", L, oc.gemm(R, C, C, s, bias)),
+           ("attn proj matmul", L, oc.gemm(R, Dq, C, s, bias)),
            ("residual add", 2 * L, oc.residual(R * C, s)),
            ("fc matmul", L, oc.gemm(R, C, F, s)),
            ("bias + gelu" if bias else "gelu", L, oc.bias_gelu(R, F, s, bias)),
@@ -188,9 +196,9 @@ def gpt_ops(cfg: GPTConfig, batch: int, T: int | None = None, precision: str = "
            ("fc2 matmul", L, oc.gemm_backward(R, F, C, s, bias)),
            ("bias + gelu" if bias else "gelu", L, oc.bias_gelu_backward(R, F, s, bias)),
            ("fc matmul", L, oc.gemm_backward(R, C, F, s)),
-           ("attn proj matmul", L, oc.gemm_backward(R, C, C, s, bias)),
+           ("attn proj matmul", L, oc.gemm_backward(R, Dq, C, s, bias)),
            ("attention", L, oc.attention_backward(B, H, T, D, s)),
-           ("qkv matmul", L, oc.gemm_backward(R, C, 3 * C, s, bias)),
+           ("qkv matmul", L, oc.gemm_backward(R, C, 3 * Dq, s, bias)),
            ("residual grad add", 2 * L, oc.residual(R * C, s)),
            ("embedding", 1, oc.embedding_backward(B, T, C, V, s))]
     opt = [("grad norm", 1, oc.grad_norm(sizes, s_opt)),

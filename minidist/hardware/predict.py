@@ -1,0 +1,254 @@
+"""Predicting a training step at scale: step time, tokens/s, MFU and memory of a layout.
+
+minidist runs every parallelism for real on one machine; this module uses the same pieces
+to say what a layout would do on a cluster of thousands of GPUs, and shows its work:
+
+    the layout      parallel/compose.Plan and its validation (the mesh, the schedule),
+                    Plan.group_ranks on the hardware's nodes (hardware/profiles.py)
+    compute         hardware/roofline.gpt_ops: one tp rank's ops per micro-batch, each a
+                    list of kernels with their FLOPs and bytes (hardware/op_costs.py)
+    communication   collectives/tiers.py: each collective of the layout priced where its
+                    group lies (NVLink inside a node, the network across), cheapest algorithm
+    the pipeline    parallel/pipeline/schedule_sim.simulate on the real schedule object,
+                    with each stage's forward and backward costs (the closed form of
+                    schedule_sim.bubble_closed_form when P M is too large to simulate)
+    memory          memory/budget.estimate: bytes per GPU by category
+
+One step of a dense GPT (L layers, width C, T positions, vocabulary V), global batch B,
+micro-batches of b rows, M = B / (dp b) of them, on P = pp stages of L / P layers:
+    kernel time     a GEMM: its FLOPs / (peak eta(I)), I its arithmetic intensity (FLOPs
+                    per byte moved, op_costs), eta(I) = eta_max I / (I + I_0): thin GEMMs
+                    (a small dimension, as tp slices make them) run further below the
+                    peak; any other kernel: its bytes / (rho HBM) or its FLOPs / the
+                    vector peak, the larger
+    F, B per stage  the forward (backward) kernels of its layers for one micro-batch, plus
+                    the tp all-reduces (2 per layer each way, b T C bytes in the format;
+                    with sequence parallelism a reduce-scatter and an all-gather instead)
+                    and, with full recomputation, the forward again inside B; the first
+                    stage adds the embedding, the last the LM head and the loss
+    pipeline        the makespan of the schedule with those costs and a p2p message of
+                    b T C / tp bytes (Megatron's scatter/gather) between stages
+    data parallel   the gradients (2 bytes an element) all-reduced over dp (ZeRO-1/2: a
+                    reduce-scatter and an all-gather; ZeRO-3 also all-gathers the
+                    parameters for each micro-batch's forward and backward); exposed after
+                    the pipeline unless `overlap_dp` (then hidden behind the last backward)
+    optimizer       AdamW over my parameters: 34 bytes an element through HBM (fp32 master,
+                    m, v read and written, the gradient read, the bf16 copy written)
+    step            pipeline + exposed data-parallel time + optimizer
+Reported with one convention (observe/throughput.py's): MFU = model FLOPs per step (6N +
+12LHQT per token, N every parameter) / (step time x GPUs x peak); HFU adds the recomputed
+forward. Megatron's paper reports FLOP/s by its Eq. 3, 96 B s l h^2 (1 + s/(6h) + V/(16
+l h)), which counts the recomputation: `megatron_flops`.
+
+Global parameters (`Efficiency`): eta_max, I_0 and rho, the same for every row; the paper
+replay fits them on a third of the published rows and reports the error on the rest.
+Left out: attention's causal half (counted whole, as the kernels run), kernel launch
+latency, congestion between groups sharing a link, stragglers, data loading.
+References: Narayanan et al. 2021, arXiv:2104.04473 (PTD-P, Table 1, Eq. 3); Korthikanti
+    et al. 2022, arXiv:2205.05198 (sequence parallelism, selective recomputation, MFU vs HFU);
+    Chowdhery et al. 2022, arXiv:2204.02311, App. B (MFU).
+Read next: hardware/predict_cli.py (the command), collectives/tiers.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from minidist.collectives.tiers import choose
+from minidist.hardware.profiles import Hardware
+from minidist.hardware.roofline import gpt_ops
+from minidist.memory import budget
+from minidist.memory.budget_models import parameter_count
+from minidist.nn import GPTConfig
+from minidist.parallel.compose import Plan
+from minidist.parallel.pipeline.schedule_sim import bubble_closed_form, simulate
+
+SIMULATE_LIMIT = 20_000          # P x M actions at most go through simulate()
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}
+PER_LAYER = ("layernorm", "qkv matmul", "attention", "attn proj matmul", "residual add",
+             "fc matmul", "bias + gelu", "gelu", "fc2 matmul", "residual grad add")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The model's global parameters (module docstring)."""
+
+    eta_max: float = 0.75        # the best fraction of the tensor-core peak a GEMM reaches
+    intensity_knee: float = 10 ** 2.5   # I_0 (FLOP/B): a GEMM this intense reaches half
+    rho: float = 0.9             # the fraction of HBM bandwidth a memory-bound kernel reaches
+
+    def __post_init__(self) -> None:
+        if not (0 < self.eta_max <= 1 and self.intensity_knee >= 0 and 0 < self.rho <= 1):
+            raise ValueError(f"Efficiency: eta_max={self.eta_max} and rho={self.rho} must be "
+                             f"in (0, 1], intensity_knee={self.intensity_knee} >= 0.")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One layout's step, in seconds, FLOP/s and bytes (per GPU unless said)."""
+
+    step_s: float
+    tokens_per_s: float
+    model_flops: float           # per step, 6N + 12LHQT per token
+    hardware_flops: float        # per step, with the recomputed forward
+    gpus: int
+    peak: float
+    breakdown: dict              # seconds: compute, recompute, tp, pp, dp, bubble, optimizer
+    memory: dict                 # bytes per GPU by category (memory/budget.py), "total"
+    fits: bool
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_s * self.gpus * self.peak)
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / (self.step_s * self.gpus * self.peak)
+
+    @property
+    def flops_per_gpu(self) -> float:
+        """Model FLOP/s per GPU."""
+        return self.model_flops / self.step_s / self.gpus
+
+
+def megatron_flops(cfg: GPTConfig, batch: int, seq: int) -> float:
+    """Narayanan et al. 2021, Eq. 3: the FLOPs of one step with activation recomputation,
+    96 B s l h^2 (1 + s / (6 h) + V / (16 l h))."""
+    l, h, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
+    return 96 * batch * seq * l * h * h * (1 + seq / (6 * h) + V / (16 * l * h))
+
+
+def _kernel_seconds(k, hw: Hardware, fmt: str, eff: Efficiency) -> float:
+    """A kernel's time: GEMMs at eta(F) of the peak, the rest at rho of HBM bandwidth or
+    the vector units' rate, the larger."""
+    mm = 0.0
+    if k.matmul:
+        intensity = k.matmul / max(k.bytes, 1)                 # FLOPs per byte
+        eta = eff.eta_max * intensity / (intensity + eff.intensity_knee)
+        mm = k.matmul / (eta * hw.peak(fmt))
+    vector = k.other / hw.peak("fp32") if k.other else 0.0
+    return max(mm, vector, k.bytes / (eff.rho * hw.hbm_bytes_per_s))
+
+
+def _ops_seconds(ops, hw, fmt, eff) -> dict[tuple[str, str], float]:
+    """{(phase, op name): seconds of all its runs} of gpt_ops' list."""
+    out: dict[tuple[str, str], float] = {}
+    for op in ops:
+        t = op.times * sum(_kernel_seconds(k, hw, fmt, eff) for k in op.fused)
+        out[op.phase, op.name] = out.get((op.phase, op.name), 0.0) + t
+    return out
+
+
+def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
+            fmt: str = "bf16", eff: Efficiency = Efficiency(), overlap_dp: bool = False,
+            check: bool = True, memory: bool = True) -> Prediction:
+    """The step of GPT(cfg) under `plan` with `global_batch` sequences of cfg.block_size
+    tokens on `hw` (module docstring). plan.micro_batches sets M; cfg.recompute "full"
+    recomputes the forward. memory=False skips the memory estimate ({} and fits=True)."""
+    T, L, P = cfg.block_size, cfg.n_layer, plan.pp
+    if plan.cp > 1 or plan.ep > 1 or cfg.moe_every:
+        raise ValueError("predict: context and expert parallelism (and MoE models) are not "
+                         "modelled yet; use dp, tp (+sp), pp and ZeRO.")
+    if check:
+        plan.validate(cfg, global_batch, T)
+    M, s = plan.micro_batches, BYTES[fmt]
+    b = global_batch // (plan.dp * M)                          # rows per micro-batch
+    topo, groups = hw.topology(), plan.group_ranks(0)
+    sec = _ops_seconds(gpt_ops(cfg, b, T, "bf16" if s == 2 else "float32", tp=plan.tp),
+                       hw, fmt, eff)
+    layer_f = sum(t for (ph, n), t in sec.items() if ph == "forward" and n in PER_LAYER)
+    layer_b = sum(t for (ph, n), t in sec.items() if ph == "backward" and n in PER_LAYER)
+    ln = sec["forward", "layernorm"] / (2 * L + 1)              # one LayerNorm, forward
+    ln_b = sec["backward", "layernorm"] / (2 * L + 1)
+    layer_f, layer_b = (layer_f - ln) / L, (layer_b - ln_b) / L  # ln_f belongs to the head
+    embed_f, embed_b = sec["forward", "embedding"], sec["backward", "embedding"]
+    head_f = sec["forward", "lm head matmul"] + sec["forward", "cross-entropy"] + ln
+    head_b = sec["backward", "lm head matmul"] + sec["backward", "cross-entropy"] + ln_b
+    # tensor parallelism: 2 collectives per layer each way, b T C bytes each
+    tp_one = 0.0
+    if plan.tp > 1:
+        n = b * T * cfg.n_embd * s
+        if plan.sequence_parallel:
+            tp_one = choose("reduce_scatter", groups["tp"], n, topo)[1] + \
+                choose("all_gather", groups["tp"], n / plan.tp, topo)[1]
+        else:
+            tp_one = choose("all_reduce", groups["tp"], n, topo)[1]
+    recompute = cfg.recompute == "full"
+    per_stage = L / P
+    F = [per_stage * (layer_f + 2 * tp_one) for _ in range(P)]
+    B = [per_stage * (layer_b + 2 * tp_one + (layer_f + 2 * tp_one if recompute else 0.0))
+         for _ in range(P)]
+    F[0] += embed_f
+    B[0] += embed_b
+    F[-1] += head_f
+    B[-1] += head_b
+    p2p = 0.0
+    if P > 1:
+        span = topo.span(groups["pp"][:2])
+        link = topo.inter if span[0] > 1 else topo.intra
+        p2p = link.alpha + b * T * cfg.n_embd * s / plan.tp * link.beta
+    pipeline = _pipeline_seconds(plan, F, B, p2p)
+    # data parallelism over dp (x cp): the gradients of my parameters
+    mine = parameter_count(cfg) / (plan.tp * P)                  # elements on my rank
+    dp = _dp_seconds(plan, groups["grad"], mine, s, topo, M)
+    last_b = max(B)
+    exposed_dp = max(0.0, dp - last_b) if overlap_dp else dp
+    optimizer = 34 * mine / (plan.dp if plan.zero else 1) / (eff.rho * hw.hbm_bytes_per_s)
+    step = pipeline + exposed_dp + optimizer
+    compute = M * max(f + bb for f, bb in zip(F, B))
+    tp_total = M * per_stage * (4 + (2 if recompute else 0)) * tp_one
+    tokens = global_batch * T
+    N = parameter_count(cfg)
+    model = (6 * N + 12 * L * cfg.n_head * (cfg.n_embd // cfg.n_head) * T) * tokens
+    hardware = model + (2 * N + 4 * L * cfg.n_embd * T) * tokens * recompute
+    mem = _memory(cfg, plan, global_batch, T, fmt) if memory else {}
+    return Prediction(
+        step_s=step, tokens_per_s=tokens / step, model_flops=model, hardware_flops=hardware,
+        gpus=plan.world_size, peak=hw.peak(fmt),
+        breakdown={"pipeline": pipeline,
+                   "compute": compute - tp_total - M * per_stage * layer_f * recompute,
+                   "recompute": M * per_stage * layer_f * recompute,
+                   "tp exposed": tp_total, "pp p2p": 2 * M * p2p * (P > 1),
+                   "bubble": max(0.0, pipeline - compute),
+                   "dp exposed": exposed_dp, "optimizer": optimizer},
+        memory=mem, fits=not mem or mem["total"] <= hw.hbm_bytes)
+
+
+def _pipeline_seconds(plan: Plan, F: list, B: list, p2p: float) -> float:
+    """The schedule's makespan with these per-stage costs (simulated, or the closed form
+    for uniform stages when P M is large)."""
+    P, M = plan.pp, plan.micro_batches
+    if P == 1:
+        return M * (F[0] + B[0])
+    if P * M <= SIMULATE_LIMIT:
+        return simulate(plan.pipeline_schedule(), {"F": F, "B": B, "W": [0.0] * P},
+                        comm=p2p).makespan
+    slowest = max(f + b for f, b in zip(F, B)) + 2 * p2p
+    name = plan.schedule if isinstance(plan.schedule, str) else "1f1b"
+    bubble = bubble_closed_form(name, P, M, plan.chunks)
+    return M * slowest / (1 - bubble)
+
+
+def _dp_seconds(plan: Plan, ranks, elements: float, s: int, topo, M: int) -> float:
+    """Seconds of the gradient sync over the dp (x cp) group: all-reduce (ZeRO 0),
+    reduce-scatter + all-gather of the parameters (ZeRO 1, 2), and under ZeRO-3 an
+    all-gather of the parameters for every micro-batch's forward and backward."""
+    if len(ranks) == 1:
+        return 0.0
+    n = elements * s
+    if plan.zero == 0:
+        return choose("all_reduce", ranks, n, topo)[1]
+    rs = choose("reduce_scatter", ranks, n, topo)[1]
+    ag = choose("all_gather", ranks, n / len(ranks), topo)[1]
+    return rs + ag * (1 + (2 * M if plan.zero == 3 else 0))
+
+
+def _memory(cfg: GPTConfig, plan: Plan, batch: int, T: int, fmt: str) -> dict:
+    """memory/budget.py's estimate for the layout (bf16 mixed precision's bytes)."""
+    mp = budget.MemoryPlan(dp=plan.dp, tp=plan.tp, pp=plan.pp, zero=plan.zero,
+                           recompute=cfg.recompute, micro_batches=plan.micro_batches,
+                           sp=plan.sequence_parallel,
+                           precision="bf16" if BYTES[fmt] == 2 else "fp32",
+                           schedule="gpipe" if plan.schedule == "gpipe" else "1f1b")
+    est = budget.estimate(replace(cfg, dropout=0.0), mp, batch, T)
+    return {**est.categories(), "total": est.total}

@@ -1,0 +1,176 @@
+"""`python -m minidist predict`: a layout's step at scale, predicted, with its breakdown.
+
+    python -m minidist predict --model gpt3-175b --hardware a100-80g --gpus 1024 --tp 8
+        --pp 16 --global-batch 1536 [--seq 2048] [--micro-batch 1] [--zero 0] [--sp]
+        [--recompute full] [--precision bf16] [--schedule 1f1b] [--overlap-dp] [--png F]
+    python -m minidist predict --replay        the model against Megatron's published runs
+
+What it prints: the model and the layout (dp = gpus / (tp pp)), where each group lies on
+the nodes, the step time, tokens/s, model FLOP/s per GPU, MFU and HFU (one convention:
+hardware/predict.py), the step's breakdown (compute, recomputation, tp collectives, pipeline
+p2p and bubble, data-parallel sync, optimizer), memory per GPU by category against the
+GPU's, and the global efficiency parameters with where they were fitted. `--png` draws the
+breakdown (matplotlib). Models: the GPT-3 presets of memory/budget_models.py
+(gpt3-125m ... gpt3-175b), Megatron's Table 1 shapes (megatron-1.7b ... megatron-1t), or
+--layers/--hidden/--heads/--vocab. Hardware: hardware/profiles/ (a100-40g, a100-80g,
+h100-sxm, h200), or cpu (this machine).
+Read next: hardware/predict.py, hardware/replay.py.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import replace
+
+from minidist.cli import CliParser, at_least
+from minidist.hardware import profiles, replay
+from minidist.hardware.predict import Efficiency, predict
+from minidist.memory.budget_models import GPT3_SHAPES, preset
+from minidist.nn import GPTConfig
+from minidist.parallel.compose import Plan
+
+MEGATRON = {f"megatron-{'1t' if r.params_b > 1000 else f'{r.params_b:g}b'}": r
+            for r in replay.TABLE_1}
+GIB = 2 ** 30
+
+
+def parse_args(argv):
+    ap = CliParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt3-175b",
+                    help=f"a preset: {', '.join(GPT3_SHAPES)}, {', '.join(MEGATRON)}; or "
+                         "'custom' with --layers --hidden --heads")
+    ap.add_argument("--layers", type=at_least(1), default=None)
+    ap.add_argument("--hidden", type=at_least(1), default=None)
+    ap.add_argument("--heads", type=at_least(1), default=None)
+    ap.add_argument("--vocab", type=at_least(1), default=None)
+    ap.add_argument("--hardware", default="a100-80g",
+                    help=f"{', '.join(profiles.names())}, or cpu (this machine, measured)")
+    ap.add_argument("--gpus", type=at_least(1), default=1024)
+    ap.add_argument("--tp", type=at_least(1), default=1)
+    ap.add_argument("--pp", type=at_least(1), default=1)
+    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    ap.add_argument("--global-batch", type=at_least(1), default=1536)
+    ap.add_argument("--micro-batch", type=at_least(1), default=1)
+    ap.add_argument("--seq", type=at_least(1), default=None,
+                    help="sequence length (default: the model's)")
+    ap.add_argument("--recompute", default="full", choices=["none", "selective", "full"])
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "tf32"])
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
+    ap.add_argument("--overlap-dp", action="store_true",
+                    help="hide the gradient sync behind the last backward (DDP buckets)")
+    ap.add_argument("--png", default="", help="also draw the breakdown into this PNG")
+    ap.add_argument("--replay", action="store_true",
+                    help="the model against Megatron's Table 1 and 2 (fits on 3 rows)")
+    return ap.parse_args(argv), ap
+
+
+def model_of(a) -> GPTConfig:
+    if a.model in MEGATRON:
+        cfg = MEGATRON[a.model].config()
+    elif a.model in GPT3_SHAPES:
+        cfg = preset(a.model)
+    elif a.model == "custom":
+        if None in (a.layers, a.hidden, a.heads):
+            raise ValueError("--model custom needs --layers, --hidden and --heads")
+        cfg = GPTConfig(vocab_size=a.vocab or 51200, block_size=a.seq or 2048,
+                        n_layer=a.layers, n_head=a.heads, n_embd=a.hidden, dtype="float32")
+    else:
+        raise ValueError(f"--model {a.model!r} is unknown; use one of "
+                         f"{', '.join([*GPT3_SHAPES, *MEGATRON])} or custom")
+    return replace(cfg, block_size=a.seq or cfg.block_size, recompute=a.recompute,
+                   vocab_size=a.vocab or cfg.vocab_size)
+
+
+def say(text: str) -> None:
+    """One statement, wrapped within 100 columns (continuations indented)."""
+    print("\n".join(textwrap.wrap(text.lstrip(), 100, break_on_hyphens=False,
+                                   initial_indent="  " if text[0] == " " else "",
+                                   subsequent_indent="    ")))
+
+
+def show(a) -> int:
+    cfg = model_of(a)
+    hw = profiles.this_machine() if a.hardware == "cpu" else profiles.load(a.hardware)
+    if a.gpus % (a.tp * a.pp):
+        raise ValueError(f"--gpus {a.gpus} is not a multiple of --tp {a.tp} x --pp {a.pp}")
+    dp = a.gpus // (a.tp * a.pp)
+    if a.global_batch % (dp * a.micro_batch):
+        raise ValueError(f"--global-batch {a.global_batch} does not split into dp={dp} ranks "
+                         f"of micro-batches of --micro-batch {a.micro_batch}")
+    plan = Plan(tp=a.tp, pp=a.pp, dp=dp, zero=a.zero, sequence_parallel=a.sp,
+                micro_batches=a.global_batch // (dp * a.micro_batch), schedule=a.schedule,
+                check_placements=False)
+    p = predict(cfg, plan, a.global_batch, hw, fmt=a.precision, overlap_dp=a.overlap_dp)
+    nodes = -(-a.gpus // hw.gpus_per_node)
+    say(f"predict · {a.model}: {cfg.n_layer} layers, h={cfg.n_embd}, {cfg.n_head} heads, "
+        f"V={cfg.vocab_size}, s={cfg.block_size} · {a.gpus} x {hw.name} ({nodes} nodes of "
+        f"{hw.gpus_per_node})")
+    say(f" layout tp={a.tp}{' +sp' if a.sp else ''} pp={a.pp} dp={dp} zero={a.zero}, "
+        f"micro-batch {a.micro_batch}, M={plan.micro_batches}, {a.schedule}, recompute "
+        f"{a.recompute}, {a.precision}")
+    spans, ranks = profiles.layout_span(plan, hw), plan.group_ranks(0)
+    say(" groups: " + ", ".join(
+        f"{axis} {'inside a node' if n == 1 else f'across {n} nodes'} ({local} per node)"
+        for axis, (n, local) in spans.items() if axis in ("tp", "pp", "dp")
+        and len(ranks[axis]) > 1))
+    say(f" step {p.step_s:.3f} s · {p.tokens_per_s:,.0f} tokens/s · "
+        f"{p.flops_per_gpu / 1e12:.1f} TFLOP/s per GPU (model) · MFU {100 * p.mfu:.1f}% · "
+        f"HFU {100 * p.hfu:.1f}% of {hw.peak(a.precision) / 1e12:.1f} TFLOP/s")
+    say(" breakdown (seconds a step, the slowest stage): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in p.breakdown.items() if k != "pipeline"))
+    mem = p.memory
+    say(" memory per GPU (GiB): " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.items()
+                                             if k != "total")
+        + f"; total {mem['total'] / GIB:.1f} of {hw.hbm_bytes / GIB:.0f} GiB: "
+        + ("fits" if p.fits else "DOES NOT FIT"))
+    e, fit = Efficiency(), ", ".join(str(i + 1) for i in replay.FIT_ROWS)
+    say(f" efficiency: eta_max {e.eta_max}, I_0 {e.intensity_knee:.0f} FLOP/B, rho {e.rho} "
+        f"(fitted on Megatron's Table 1 rows {fit}: python -m minidist predict --replay)")
+    if a.png:
+        save_png(a.png, p)
+    return 0
+
+
+def show_replay() -> int:
+    eff, rows = replay.replay()
+    print(f"fitted on Table 1 rows {', '.join(str(i + 1) for i in replay.FIT_ROWS)}: "
+          f"eta_max {eff.eta_max:.2f}, I_0 {eff.intensity_knee:.0f} FLOP/B, rho {eff.rho}")
+    print(f"  {'row':<30}{'model':>9}{'t':>4}{'p':>4}{'GPUs':>6}{'paper':>8}{'predicted':>11}"
+          f"{'error':>8}")
+    for row, tf, err, fitted in rows:
+        print(f"  {row.source:<30}{row.params_b:>8.1f}B{row.tp:>4}{row.pp:>4}{row.gpus:>6}"
+              f"{row.tflops:>8.0f}{tf:>11.1f}{100 * err:>+7.1f}%" + ("  (fit)" if fitted else ""))
+    groups = {"Table 1, held out": [e for r, _, e, f in rows if r in replay.TABLE_1 and not f],
+              "Table 2, PTD-P": [e for r, _, e, _ in rows if "PTD-P" in r.source],
+              "Table 2, ZeRO-3": [e for r, _, e, _ in rows if "ZeRO-3" in r.source]}
+    for name, errs in groups.items():
+        print(f"  {name}: mean |error| {100 * sum(map(abs, errs)) / len(errs):.1f}%, worst "
+              f"{100 * max(map(abs, errs)):.1f}%")
+    return 0
+
+
+def save_png(path: str, p) -> None:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return print("no PNG: matplotlib is missing (pip install -e '.[plot]')")
+    parts = {k: v for k, v in p.breakdown.items() if k != "pipeline" and v > 0}
+    fig = Figure(figsize=(7, 2.2), layout="constrained")
+    ax = fig.subplots()
+    left = 0.0
+    for name, v in parts.items():
+        ax.barh(0, v, left=left, label=name)
+        left += v
+    ax.set(xlabel="seconds per step", yticks=[])
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.4))
+    fig.savefig(path)
+    print(f"breakdown written to {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a, ap = parse_args(argv)
+    try:
+        return show_replay() if a.replay else show(a)
+    except ValueError as e:
+        ap.error(str(e))

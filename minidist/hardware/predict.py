@@ -24,7 +24,8 @@ micro-batches of b rows, M = B / (dp b) of them, on P = pp stages of L / P layer
     F, B per stage  the forward (backward) kernels of its layers for one micro-batch, plus
                     the tp all-reduces (2 per layer each way, b T C bytes in the format;
                     with sequence parallelism a reduce-scatter and an all-gather instead)
-                    and, with full recomputation, the forward again inside B; the first
+                    and, with full recomputation, the forward again inside B (selective:
+                    the attention core again); the first
                     stage adds the embedding, the last the LM head and the loss
     pipeline        the makespan of the schedule with those costs and a p2p message of
                     b T C / tp bytes (Megatron's scatter/gather) between stages
@@ -37,7 +38,7 @@ micro-batches of b rows, M = B / (dp b) of them, on P = pp stages of L / P layer
     step            pipeline + exposed data-parallel time + optimizer
 Reported with one convention (observe/throughput.py's): MFU = model FLOPs per step (6N +
 12LHQT per token, N every parameter) / (step time x GPUs x peak); HFU adds the recomputed
-forward. Megatron's paper reports FLOP/s by its Eq. 3, 96 B s l h^2 (1 + s/(6h) + V/(16
+forward (selective: the attention core's 4LHQT). Megatron's paper reports FLOP/s by its Eq. 3, 96 B s l h^2 (1 + s/(6h) + V/(16
 l h)), which counts the recomputation: `megatron_flops`.
 
 Global parameters (`Efficiency`): eta_max, I_0 and rho, the same for every row; the paper
@@ -173,11 +174,14 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
                 choose("all_gather", groups["tp"], n / plan.tp, topo)[1]
         else:
             tp_one = choose("all_reduce", groups["tp"], n, topo)[1]
-    recompute = cfg.recompute == "full"
+    recompute, selective = cfg.recompute == "full", cfg.recompute == "selective"
     per_stage = L / P
+    # what the backward runs again: the whole forward (with its tp collectives), or under
+    # selective recomputation the attention core (Korthikanti et al. 2022)
+    again = layer_f + 2 * tp_one if recompute else \
+        sec["forward", "attention"] / L if selective else 0.0
     F = [per_stage * (layer_f + 2 * tp_one) for _ in range(P)]
-    B = [per_stage * (layer_b + 2 * tp_one + (layer_f + 2 * tp_one if recompute else 0.0))
-         for _ in range(P)]
+    B = [per_stage * (layer_b + 2 * tp_one + again) for _ in range(P)]
     F[0] += embed_f
     B[0] += embed_b
     F[-1] += head_f
@@ -197,17 +201,19 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
     step = pipeline + exposed_dp + optimizer
     compute = M * max(f + bb for f, bb in zip(F, B))
     tp_total = M * per_stage * (4 + (2 if recompute else 0)) * tp_one
+    redone = M * per_stage * (layer_f if recompute else again)
     tokens = global_batch * T
     N = parameter_count(cfg)
     model = (6 * N + 12 * L * cfg.n_head * (cfg.n_embd // cfg.n_head) * T) * tokens
-    hardware = model + (2 * N + 4 * L * cfg.n_embd * T) * tokens * recompute
+    attention = 4 * L * cfg.n_embd * T * tokens              # QK^T and AV, forward
+    hardware = model + (2 * N * tokens + attention) * recompute + attention * selective
     mem = _memory(cfg, plan, global_batch, T, fmt) if memory else {}
     return Prediction(
         step_s=step, tokens_per_s=tokens / step, model_flops=model, hardware_flops=hardware,
         gpus=plan.world_size, peak=hw.peak(fmt),
         breakdown={"pipeline": pipeline,
-                   "compute": compute - tp_total - M * per_stage * layer_f * recompute,
-                   "recompute": M * per_stage * layer_f * recompute,
+                   "compute": compute - tp_total - redone,
+                   "recompute": redone,
                    "tp exposed": tp_total, "pp p2p": 2 * M * p2p * (P > 1),
                    "bubble": max(0.0, pipeline - compute),
                    "dp exposed": exposed_dp, "optimizer": optimizer},
@@ -252,3 +258,35 @@ def _memory(cfg: GPTConfig, plan: Plan, batch: int, T: int, fmt: str) -> dict:
                            schedule="gpipe" if plan.schedule == "gpipe" else "1f1b")
     est = budget.estimate(replace(cfg, dropout=0.0), mp, batch, T)
     return {**est.categories(), "total": est.total}
+
+
+def search(cfg: GPTConfig, gpus: int, global_batch: int, hw: Hardware, *,
+           fmt: str = "bf16", eff: Efficiency = Efficiency(), micro_batches=(1, 2, 4),
+           recompute=("none", "selective", "full"), zero=(0, 1)) -> list[tuple]:
+    """Every layout of `gpus` GPUs that Plan.validate accepts and memory/budget.py fits on
+    `hw`: tp a power of two dividing the heads, at most a node; pp dividing the layers; dp
+    the rest (dividing the batch); each micro-batch size, recomputation and ZeRO stage given.
+    Returns [(Prediction, Plan, micro-batch, recompute)] fastest first."""
+    out = []
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.gpus_per_node and cfg.n_head % t == 0
+           and (cfg.mlp_ratio * cfg.n_embd) % t == 0]
+    for tp in tps:
+        for pp in (p for p in range(1, cfg.n_layer + 1) if cfg.n_layer % p == 0):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            for mb, rc, z in ((m, r, z) for m in micro_batches for r in recompute
+                              for z in zero):
+                if global_batch % (dp * mb):
+                    continue
+                plan = Plan(tp=tp, pp=pp, dp=dp, zero=z, micro_batches=global_batch // (dp * mb),
+                            check_placements=False)
+                try:
+                    plan.validate(replace(cfg, recompute=rc), global_batch, cfg.block_size)
+                    p = predict(replace(cfg, recompute=rc), plan, global_batch, hw, fmt=fmt,
+                                eff=eff, check=False)
+                except ValueError:
+                    continue
+                if p.fits:
+                    out.append((p, plan, mb, rc))
+    return sorted(out, key=lambda row: row[0].step_s)

@@ -3,6 +3,8 @@
     python -m minidist predict --model gpt3-175b --hardware a100-80g --gpus 1024 --tp 8
         --pp 16 --global-batch 1536 [--seq 2048] [--micro-batch 1] [--zero 0] [--sp]
         [--recompute full] [--precision bf16] [--schedule 1f1b] [--overlap-dp] [--png F]
+    python -m minidist predict --search --model gpt3-175b --gpus 1024 --global-batch 1536
+                                               the 10 fastest layouts that fit
     python -m minidist predict --replay        the model against Megatron's published runs
 
 What it prints: the model and the layout (dp = gpus / (tp pp)), where each group lies on
@@ -24,7 +26,7 @@ from dataclasses import replace
 
 from minidist.cli import CliParser, at_least
 from minidist.hardware import profiles, replay
-from minidist.hardware.predict import Efficiency, predict
+from minidist.hardware.predict import Efficiency, predict, search
 from minidist.memory.budget_models import GPT3_SHAPES, preset
 from minidist.nn import GPTConfig
 from minidist.parallel.compose import Plan
@@ -60,6 +62,9 @@ def parse_args(argv):
     ap.add_argument("--overlap-dp", action="store_true",
                     help="hide the gradient sync behind the last backward (DDP buckets)")
     ap.add_argument("--png", default="", help="also draw the breakdown into this PNG")
+    ap.add_argument("--search", action="store_true",
+                    help="rank every layout of --gpus that fits (tp, pp, dp, micro-batch, "
+                         "recomputation, ZeRO 0/1) by predicted step time; the top 10")
     ap.add_argument("--replay", action="store_true",
                     help="the model against Megatron's Table 1 and 2 (fits on 3 rows)")
     return ap.parse_args(argv), ap
@@ -132,6 +137,24 @@ def show(a) -> int:
     return 0
 
 
+def show_search(a) -> int:
+    """--search: the 10 fastest layouts that fit, with their MFU and memory."""
+    cfg = model_of(a)
+    hw = profiles.this_machine() if a.hardware == "cpu" else profiles.load(a.hardware)
+    rows = search(cfg, a.gpus, a.global_batch, hw, fmt=a.precision)
+    say(f"predict --search · {a.model} on {a.gpus} x {hw.name}, global batch "
+        f"{a.global_batch}: {len(rows)} layouts fit; the fastest 10")
+    print(f"  {'tp':>3}{'pp':>4}{'dp':>6}{'zero':>5}{'micro':>6}  {'recompute':<10}"
+          f"{'step s':>9}{'tokens/s':>11}{'MFU':>7}{'memory GiB':>12}")
+    for p, plan, mb, rc in rows[:10]:
+        print(f"  {plan.tp:>3}{plan.pp:>4}{plan.dp:>6}{plan.zero:>5}{mb:>6}  {rc:<10}"
+              f"{p.step_s:>9.3f}{p.tokens_per_s:>11,.0f}{100 * p.mfu:>6.1f}%"
+              f"{p.memory['total'] / GIB:>12.1f}")
+    if not rows:
+        print("  (none fits: more GPUs, a smaller model or batch)")
+    return 0
+
+
 def show_replay() -> int:
     eff, rows = replay.replay()
     print(f"fitted on Table 1 rows {', '.join(str(i + 1) for i in replay.FIT_ROWS)}: "
@@ -171,6 +194,8 @@ def save_png(path: str, p) -> None:
 def main(argv: list[str] | None = None) -> int:
     a, ap = parse_args(argv)
     try:
-        return show_replay() if a.replay else show(a)
+        if a.replay:
+            return show_replay()
+        return show_search(a) if a.search else show(a)
     except ValueError as e:
         ap.error(str(e))

@@ -115,3 +115,21 @@ def test_bad_options_are_one_error_line(argv, words, capsys):
         cli(["predict", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and words in err and "Traceback" not in err
+
+
+def test_search_ranks_every_layout_that_fits(capsys):
+    from minidist.memory.budget_models import preset
+    rows = pr.search(preset("gpt3-125m"), 16, 64, profiles.load("h100-sxm"),
+                     micro_batches=(1, 2), recompute=("none", "full"), zero=(0,))
+    steps = [p.step_s for p, *_ in rows]
+    assert steps == sorted(steps) and all(p.fits for p, *_ in rows)
+    layouts = {(plan.tp, plan.pp, plan.dp, mb, rc) for _, plan, mb, rc in rows}
+    assert (1, 1, 16, 1, "none") in layouts and (4, 2, 2, 2, "full") in layouts
+    # a plain dp layout beats one that slices a 125M model over 4 tp ranks (12 heads: no 8)
+    by = {(plan.tp, plan.pp, mb, rc): p.step_s for p, plan, mb, rc in rows}
+    assert by[1, 1, 2, "none"] < by[4, 1, 2, "none"]
+    assert cli(["predict", "--search", "--model", "gpt3-125m", "--gpus", "16",
+                "--global-batch", "64", "--hardware", "h100-sxm"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("predict --search · gpt3-125m on 16 x h100-sxm") and \
+        len(out) == 12, out

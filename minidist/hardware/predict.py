@@ -236,9 +236,11 @@ def _pipeline_seconds(plan: Plan, F: list, B: list, p2p: float) -> float:
 
 
 def _dp_seconds(plan: Plan, ranks, elements: float, s: int, topo, M: int) -> float:
-    """Seconds of the gradient sync over the dp (x cp) group: all-reduce (ZeRO 0),
-    reduce-scatter + all-gather of the parameters (ZeRO 1, 2), and under ZeRO-3 an
-    all-gather of the parameters for every micro-batch's forward and backward."""
+    """Seconds of the gradient sync over the dp (x cp) group: all-reduce (ZeRO 0), a
+    reduce-scatter of the gradients and an all-gather of the updated parameters (ZeRO 1,
+    2), and under ZeRO-3 per micro-batch an all-gather of the parameters for its forward
+    and one for its backward and a reduce-scatter of its gradients (the parameters stay
+    sharded after the step)."""
     if len(ranks) == 1:
         return 0.0
     n = elements * s
@@ -246,7 +248,7 @@ def _dp_seconds(plan: Plan, ranks, elements: float, s: int, topo, M: int) -> flo
         return choose("all_reduce", ranks, n, topo)[1]
     rs = choose("reduce_scatter", ranks, n, topo)[1]
     ag = choose("all_gather", ranks, n / len(ranks), topo)[1]
-    return rs + ag * (1 + (2 * M if plan.zero == 3 else 0))
+    return rs + ag if plan.zero < 3 else M * (rs + 2 * ag)
 
 
 def _memory(cfg: GPTConfig, plan: Plan, batch: int, T: int, fmt: str) -> dict:

@@ -4,7 +4,7 @@ number option is checked when it is parsed (minidist.cli.between, within the dem
 so `--steps -3` or `--steps 10**9` never reaches the code that would trip over it.
 
 The demos' parsers are read in this process (each demo file imported, its parse_args
-called; nothing is trained), so all 30 take about a second; two commands run as a user
+called; nothing is trained), so all 31 take about a second; two commands run as a user
 types them."""
 
 import argparse

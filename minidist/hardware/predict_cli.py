@@ -7,7 +7,8 @@
                                                the 10 fastest layouts that fit
     python -m minidist predict --replay        the model against Megatron's published runs
 
-What it prints: the model and the layout (dp = gpus / (tp pp)), where each group lies on
+The defaults are Megatron's GPT-3 175B layout on 1,024 A100s (tp 8, pp 16, dp 8, global
+batch 1,536). What it prints: the model and the layout (dp = gpus / (tp pp)), where each group lies on
 the nodes, the step time, tokens/s, model FLOP/s per GPU, MFU and HFU (one convention:
 hardware/predict.py), the step's breakdown (compute, recomputation, tp collectives, pipeline
 p2p and bubble, data-parallel sync, optimizer), memory per GPU by category against the
@@ -48,8 +49,8 @@ def parse_args(argv):
     ap.add_argument("--hardware", default="a100-80g",
                     help=f"{', '.join(profiles.names())}, or cpu (this machine, measured)")
     ap.add_argument("--gpus", type=at_least(1), default=1024)
-    ap.add_argument("--tp", type=at_least(1), default=1)
-    ap.add_argument("--pp", type=at_least(1), default=1)
+    ap.add_argument("--tp", type=at_least(1), default=8)
+    ap.add_argument("--pp", type=at_least(1), default=16)
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     ap.add_argument("--global-batch", type=at_least(1), default=1536)

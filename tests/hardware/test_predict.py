@@ -108,7 +108,7 @@ def test_the_command_prints_the_breakdown_quickly(capsys):
     (["--gpus", "100", "--tp", "8"], "not a multiple of --tp 8"),
     (["--model", "gpt5"], "--model 'gpt5' is unknown"),
     (["--model", "custom"], "needs --layers, --hidden and --heads"),
-    (["--global-batch", "100", "--gpus", "64"], "does not split"),
+    (["--global-batch", "100", "--gpus", "64", "--tp", "8", "--pp", "1"], "does not split"),
 ])
 def test_bad_options_are_one_error_line(argv, words, capsys):
     with pytest.raises(SystemExit) as e:

@@ -3,6 +3,7 @@ after it."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -21,6 +22,7 @@ os.environ.setdefault("MINIDIST_CHECK_PLACEMENTS", "1")
 # go to a temporary folder instead (their subprocesses inherit it), removed at the end.
 _RUNS = tempfile.mkdtemp(prefix="minidist-test-runs-")
 os.environ["MINIDIST_RUN_DIR"] = _RUNS
+atexit.register(shutil.rmtree, _RUNS, ignore_errors=True)   # also when no test ran
 
 import pytest  # noqa: E402
 

@@ -180,14 +180,15 @@ def save_png(path: str, p) -> None:
     except ImportError:
         return print("no PNG: matplotlib is missing (pip install -e '.[plot]')")
     parts = {k: v for k, v in p.breakdown.items() if k != "pipeline" and v > 0}
-    fig = Figure(figsize=(7, 2.2), layout="constrained")
+    fig = Figure(figsize=(7, 2.8), layout="constrained")
     ax = fig.subplots()
     left = 0.0
     for name, v in parts.items():
         ax.barh(0, v, left=left, label=name)
         left += v
-    ax.set(xlabel="seconds per step", yticks=[])
-    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.4))
+    ax.set(xlabel="seconds per step", yticks=[],
+           title=f"predicted step {p.step_s:.2f} s, MFU {100 * p.mfu:.1f}%")
+    fig.legend(ncol=4, fontsize=8, loc="outside lower center")
     fig.savefig(path)
     print(f"breakdown written to {path}")
 

@@ -133,3 +133,12 @@ def test_search_ranks_every_layout_that_fits(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("predict --search · gpt3-125m on 16 x h100-sxm") and \
         len(out) == 12, out
+
+
+@pytest.mark.slow
+def test_the_breakdown_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "step.png"
+    assert cli(["predict", "--png", str(path)]) == 0
+    assert f"breakdown written to {path}" in capsys.readouterr().out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -97,7 +97,8 @@ class RoutingRule:
                                  "no balancing bias and no group limit.")
             if capacity_factor == 0:
                 raise ValueError("router='expert-choice' needs a capacity (each expert takes "
-                                 "that many tokens); use capacity_factor > 0.")
+                                 "that many tokens); use capacity_factor=1.0 or another value "
+                                 "above 0.")
 
     @property
     def limited(self) -> bool:

@@ -327,6 +327,12 @@ class Plan:
         if self.expert_tp > 1 and not cfg.moe_every:
             raise ValueError(f"Plan: expert_tp={self.expert_tp} splits the experts of MoE "
                              "layers, but the model has none (moe_every=0); use moe_every=1.")
+        width, etp = cfg.expert_hidden or cfg.mlp_ratio * cfg.n_embd, self.expert_tp
+        if etp > 1 and width % etp:
+            raise ValueError(f"Plan: expert_tp={etp} splits each expert's hidden width {width} "
+                             f"into equal column pieces, and it does not divide; use "
+                             f"expert_hidden={-(-width // etp) * etp} or an expert tp that "
+                             f"divides {width}.")
         if self.ep > 1 and not cfg.moe_every:
             raise ValueError(f"Plan: ep={self.ep} splits the experts of MoE layers, but the "
                              f"model has none (moe_every=0); use moe_every=1 (every block a "

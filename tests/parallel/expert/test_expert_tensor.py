@@ -187,3 +187,9 @@ def test_a_state_saved_under_expert_tp_loads_under_a_plain_layout():
     back = spawn(4, _rank, cfg, Plan(dp=4, expert_tp=4), batch, state)[0]
     for name in plain.params:
         assert_close(back.params[name], plain.params[name], atol=1e-12, what=name)
+
+
+def test_an_expert_width_the_plan_cannot_split_is_refused_before_any_rank_starts():
+    cfg = _cfg(expert_hidden=8)
+    with pytest.raises(ValueError, match="expert_tp=3 splits each expert's hidden width 8"):
+        Plan(dp=3, expert_tp=3).validate(cfg, 6, 12)

@@ -88,7 +88,7 @@ class RoutingRule:
                              f"route_groups={D}.")
         if M and M * (E // D) < K:
             raise ValueError(f"route_limit={M} groups of {E // D} experts hold fewer than "
-                             f"top_k={K}; raise route_limit to {-(-K // (E // D))}.")
+                             f"top_k={K}; use route_limit={-(-K // (E // D))}.")
         if not self.bias_rate >= 0:
             raise ValueError(f"bias_rate={self.bias_rate} must be >= 0 (0: no balancing bias).")
         if self.kind == "expert-choice":

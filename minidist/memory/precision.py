@@ -125,9 +125,14 @@ def cast_parameters(model: Any, policy: Policy) -> None:
     format and stored in policy.storage_dtype. Call it BEFORE an engine is built on the
     model (the engine's buffers take the parameters' dtype). The master copies are then
     made from these values (master_weights.py), as Apex and DeepSpeed do after
-    model.half()."""
+    model.half(). A MoE layer's experts run by their plain loop (grouped = False): its
+    matmuls are MatMul nodes, whose GEMMs Autocast rounds, where the grouped node's
+    (nn/grouped_experts.py) would not be."""
     for p in model.parameters():
         p.data = round_to(p.data, policy.dtype).astype(policy.storage_dtype, copy=False)
+    for _, m in model.named_modules():
+        if hasattr(m, "grouped"):
+            m.grouped = False
 
 
 class Cast(Function):

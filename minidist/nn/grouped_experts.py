@@ -19,8 +19,8 @@ Python; what the node saves is the autograd walk and bookkeeping of the 5 E smal
 Shapes: x (A, C); counts (E,) summing to A; expert e: W1 (C, F), b1 (F,), W2 (F, C), b2
 (C,) (or no biases); y (A, C). An expert with no rows gets zero gradients, as its plain
 MLP on 0 rows does. FLOPs: the sum of the segments' Linear and GELU counts
-(observe/op_flops.py). Under mixed precision (autocast) the plain path runs instead: its
-matmuls round their outputs in the policy's format.
+(observe/op_flops.py). Under mixed precision the plain path runs instead (memory/precision.py
+sets the layers' `grouped` off): its MatMul nodes round their outputs in the policy's format.
 Reference: Gale et al. 2022, "MegaBlocks: Efficient Sparse Training with Mixture-of-
     Experts", arXiv:2211.15841 (dropless MoE as block-sparse / grouped matmuls).
 Read next: nn/moe.py (MoE.run_experts_grouped uses it).
@@ -34,7 +34,6 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import Context, Function, fused
-from minidist.autograd import tensor as core
 
 
 class GroupedMLP(Function):
@@ -99,8 +98,3 @@ def grouped_mlp(x, experts: list, counts: np.ndarray):
                     getattr(m.proj, "bias", None)]
     return GroupedMLP.apply(x, *weights, counts=tuple(int(c) for c in counts))
 
-
-def applies() -> bool:
-    """Can the grouped path run now? Not under autocast (mixed precision), whose matmuls
-    round their outputs (the plain path's MatMul nodes do that)."""
-    return core.autocast is None

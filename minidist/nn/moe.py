@@ -72,7 +72,6 @@ from minidist import backend
 from minidist.autograd import Tensor
 from minidist.autograd import functional as F
 from minidist.memory.recompute import is_recomputing
-from minidist.nn.grouped_experts import applies as grouped_applies
 from minidist.nn.grouped_experts import grouped_mlp
 from minidist.nn.layers import MLP, STD, Linear
 from minidist.nn.module import Module, ModuleList
@@ -213,7 +212,7 @@ class MoE(Module):
         """Each expert on its kept tokens, outputs stacked (+ a zero row for the dropped);
         returns (stacked (A + 1, C), row_of (N, K): the row of each assignment). The plain
         loop below, or its fast path run_experts_grouped (the same bits)."""
-        if self.grouped and grouped_applies():
+        if self.grouped:
             return self.run_experts_grouped(tokens, r)
         N, C = tokens.shape
         K = r.choice.shape[1]            # K, or E under expert choice

@@ -54,7 +54,6 @@ from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
 from minidist.nn.module import ModuleSubset
-from minidist.nn.grouped_experts import applies as grouped_applies
 from minidist.nn.grouped_experts import grouped_mlp
 from minidist.nn.moe import MoE
 from minidist.nn.routing import Routing
@@ -134,7 +133,7 @@ class ExpertParallelMoE(MoE):
         the results back in the received layout: source-major, then expert, then slot."""
         W, per = recv_counts.shape
         blocks = received_blocks(recv_counts)
-        if self.grouped and grouped_applies():
+        if self.grouped:
             return self._compute_grouped(received, recv_counts, blocks)
         pieces: dict[tuple[int, int], Tensor] = {}
         first = self.group.rank * per

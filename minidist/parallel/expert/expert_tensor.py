@@ -92,6 +92,11 @@ def _sum_mine(y: np.ndarray, group, sizes: list[int]) -> np.ndarray:
     W, mine = group.size, sizes[group.rank]
     parts = C.all_to_all(np.ascontiguousarray(y), split_sizes=sizes, group=group,
                          recv_sizes=[mine] * W).reshape(W, mine, *y.shape[1:])
+    return _in_rank_order(parts)
+
+
+def _in_rank_order(parts: np.ndarray) -> np.ndarray:
+    """parts[0] + parts[1] + ... in that order: the same bits on every member."""
     total = parts[0].copy()
     for part in parts[1:]:
         total += part
@@ -111,10 +116,7 @@ class SumOverGroup(Function):
     @staticmethod
     def backward(ctx, dy):
         parts = C.all_gather(np.ascontiguousarray(backend.to_numpy(dy)), group=ctx.group)
-        total = parts[0].copy()
-        for part in parts[1:]:
-            total += part
-        return (backend.xp.asarray(total),)
+        return (backend.xp.asarray(_in_rank_order(parts)),)
 
 
 def shard_expert(mlp, etp) -> None:
@@ -144,7 +146,7 @@ class ExpertTensorParallelMoE(ExpertParallelMoE):
                              f"{F_} does not split over expert_tp={etp.size}; use an "
                              f"expert_hidden that is a multiple of {etp.size}.")
         super().__init__(moe, group)
-        self.etp, self.grouped = etp, False
+        self.etp = etp
         first = group.rank * self.per_rank
         for e in range(first, first + self.per_rank):
             shard_expert(self.experts[e], etp)

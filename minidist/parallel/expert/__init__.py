@@ -21,9 +21,18 @@ per micro-batch and layer, 2 (S + R) C numbers (S kept tokens sent to other rank
 received from them) plus the counts, equal the bytes measured
 (ExpertParallelMoE.take_traffic).
 
-    expert_parallel.py   AllToAll, ExpertParallelMoE (dispatch, the local experts, combine)
-                         and apply_experts(model, ep group)
-compose.parallelize calls apply_experts after tp and cp; compose.gradient_sync sums the
-experts' gradients over their own group.
-Read next: nn/moe.py, then expert_parallel.py.
+    expert_parallel.py   AllToAll, ExpertParallelMoE (dispatch, the local experts: the plain
+                         loop, or one grouped node, nn/grouped_experts.py; combine) and
+                         apply_experts(model, ep group)
+    balancing.py         aux-loss-free balancing under any layout: the routing bias moved
+                         from the global batch's load (summed over dp x cp, and DualPipe's
+                         mirror pair), the table of every layer's bias shared over pp
+    expert_tensor.py     expert tensor parallelism (MoE parallel folding): dp = edp x ep x
+                         etp, each expert's MLP split over etp, the received rows gathered
+                         and the partial outputs reduce-scattered over etp
+compose.parallelize calls apply_experts (or apply_expert_tensor) after tp and cp;
+compose.gradient_sync sums the experts' gradients over their own group; train.py runs the
+bias update after each step.
+Read next: nn/routing.py and nn/moe.py, then expert_parallel.py, balancing.py,
+expert_tensor.py.
 """

@@ -73,14 +73,17 @@ def show_replay() -> list[float]:
     eff, rows = replay.replay()
     fit = ", ".join(str(i + 1) for i in replay.FIT_ROWS)
     print(f"\npart 2: Megatron's runs (A100 80 GB); eta_max {eff.eta_max:.2f}, I_0 "
-          f"{eff.intensity_knee:.0f} FLOP/B, rho {eff.rho}\nfitted on Table 1 rows {fit}")
-    print(f"  {'run':<34}{'GPUs':>6}{'paper TF/s':>12}{'predicted':>11}{'error':>8}")
+          f"{eff.intensity_knee:.0f} FLOP/B, rho {eff.rho}\nfitted on Table 1 rows {fit}; "
+          "Tables 1, 2: Narayanan et al. 2021, Table 5: Korthikanti et al. 2022")
+    print(f"  {'run':<38}{'GPUs':>6}{'paper':>10}{'predicted':>12}{'error':>8}")
     held = []
-    for row, tf, err, fitted in rows:
+    for row, t, err, fitted in rows:
         if "ZeRO-3" in row.source:
             continue
-        print(f"  {row.source + f' ({row.params_b:g}B)':<34}{row.gpus:>6}{row.tflops:>12.0f}"
-              f"{tf:>11.1f}{100 * err:>+7.1f}%" + ("  fit" if fitted else ""))
+        print(f"  {row.source + f' ({row.params_b:g}B)' * (row not in replay.TABLE_5):<38}"
+              f"{row.gpus:>6}{row.in_unit(row.published_seconds()):>6.4g} {row.unit:<4}"
+              f"{row.in_unit(t):>7.4g} {row.unit:<4}{100 * err:>+7.1f}%"
+              + ("  fit" if fitted else ""))
         if not fitted:
             held.append(abs(err))
     return held

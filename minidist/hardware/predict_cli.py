@@ -160,17 +160,21 @@ def show_replay() -> int:
     eff, rows = replay.replay()
     print(f"fitted on Table 1 rows {', '.join(str(i + 1) for i in replay.FIT_ROWS)}: "
           f"eta_max {eff.eta_max:.2f}, I_0 {eff.intensity_knee:.0f} FLOP/B, rho {eff.rho}")
-    print(f"  {'row':<30}{'model':>9}{'t':>4}{'p':>4}{'GPUs':>6}{'paper':>8}{'predicted':>11}"
+    print(f"  {'row':<29}{'model':>7}{'t':>3}{'p':>4}{'GPUs':>6}{'paper':>9}{'predicted':>11}"
           f"{'error':>8}")
-    for row, tf, err, fitted in rows:
-        print(f"  {row.source:<30}{row.params_b:>8.1f}B{row.tp:>4}{row.pp:>4}{row.gpus:>6}"
-              f"{row.tflops:>8.0f}{tf:>11.1f}{100 * err:>+7.1f}%" + ("  (fit)" if fitted else ""))
-    groups = {"Table 1, held out": [e for r, _, e, f in rows if r in replay.TABLE_1 and not f],
-              "Table 2, PTD-P": [e for r, _, e, _ in rows if "PTD-P" in r.source],
-              "Table 2, ZeRO-3": [e for r, _, e, _ in rows if "ZeRO-3" in r.source]}
-    for name, errs in groups.items():
-        print(f"  {name}: mean |error| {100 * sum(map(abs, errs)) / len(errs):.1f}%, worst "
-              f"{100 * max(map(abs, errs)):.1f}%")
+    for row, t, err, fitted in rows:
+        note = "  (fit)" if fitted else ""
+        if row.mfu:                            # Table 5: the MFU, Eq. 7 over the time
+            mfu = replay.korthikanti_flops(row.config(), row.batch, 2048) / (
+                t * row.gpus * profiles.load("a100-80g").peak("bf16"))
+            note = f"  MFU {100 * row.mfu:.1f}->{100 * mfu:.1f}%"
+        print(f"  {row.source:<29}{row.params_b:>6g}B{row.tp:>3}{row.pp:>4}{row.gpus:>6}"
+              f"{row.in_unit(row.published_seconds()):>7.4g}{row.unit:>2}"
+              f"{row.in_unit(t):>9.4g}{row.unit:>2}{100 * err:>+7.1f}%" + note)
+    print("  MFU: Korthikanti et al.'s Eq. 7 over the time (their HFU is MFU x Eq. 8 / Eq. 7: "
+          "the same error)")
+    for name, (mean, worst) in replay.summary(rows).items():
+        print(f"  {name}: mean |error| {100 * mean:.1f}%, worst {100 * worst:.1f}%")
     return 0
 
 

@@ -73,7 +73,7 @@ def show_replay() -> list[float]:
     eff, rows = replay.replay()
     fit = ", ".join(str(i + 1) for i in replay.FIT_ROWS)
     print(f"\npart 2: Megatron's runs (A100 80 GB); eta_max {eff.eta_max:.2f}, I_0 "
-          f"{eff.intensity_knee:.0f} FLOP/B, rho {eff.rho}\nfitted on Table 1 rows {fit}; "
+          f"{eff.knee:.2f} ridge points, rho {eff.rho}\nfitted on Table 1 rows {fit}; "
           "Tables 1, 2: Narayanan et al. 2021, Table 5: Korthikanti et al. 2022")
     print(f"  {'run':<38}{'GPUs':>6}{'paper':>10}{'predicted':>12}{'error':>8}")
     held = []

@@ -56,32 +56,37 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from minidist.collectives.tiers import choose
+from minidist.hardware import op_costs as oc
 from minidist.hardware.profiles import Hardware
 from minidist.hardware.roofline import gpt_ops
 from minidist.memory import budget
 from minidist.memory.budget_models import parameter_count
 from minidist.nn import GPTConfig
 from minidist.parallel.compose import Plan
+from minidist.parallel.context import memory as context_memory
 from minidist.parallel.pipeline.schedule_sim import bubble_closed_form, simulate
 
 SIMULATE_LIMIT = 20_000          # P x M actions at most go through simulate()
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}
 PER_LAYER = ("layernorm", "qkv matmul", "attention", "attn proj matmul", "residual add",
-             "fc matmul", "bias + gelu", "gelu", "fc2 matmul", "residual grad add")
+             "fc matmul", "bias + gelu", "gelu", "fc2 matmul", "residual grad add", "router",
+             "experts")
+DENSE_MLP = ("fc matmul", "bias + gelu", "gelu", "fc2 matmul")
 
 
 @dataclass(frozen=True)
 class Efficiency:
     """The model's global parameters (module docstring)."""
 
-    eta_max: float = 0.75        # the best fraction of the tensor-core peak a GEMM reaches
-    intensity_knee: float = 10 ** 2.5   # I_0 (FLOP/B): a GEMM this intense reaches half
+    eta_max: float = 1.0         # the best fraction of the tensor-core peak a GEMM reaches
+    knee: float = 10 ** 0.75     # I_0 in ridge points (peak / HBM bandwidth): a GEMM this
+                                 # intense reaches half of eta_max
     rho: float = 0.9             # the fraction of HBM bandwidth a memory-bound kernel reaches
 
     def __post_init__(self) -> None:
-        if not (0 < self.eta_max <= 1 and self.intensity_knee >= 0 and 0 < self.rho <= 1):
+        if not (0 < self.eta_max <= 1 and self.knee >= 0 and 0 < self.rho <= 1):
             raise ValueError(f"Efficiency: eta_max={self.eta_max} and rho={self.rho} must be "
-                             f"in (0, 1], intensity_knee={self.intensity_knee} >= 0.")
+                             f"in (0, 1], knee={self.knee} >= 0.")
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,8 @@ def _kernel_seconds(k, hw: Hardware, fmt: str, eff: Efficiency) -> float:
     mm = 0.0
     if k.matmul:
         intensity = k.matmul / max(k.bytes, 1)                 # FLOPs per byte
-        eta = eff.eta_max * intensity / (intensity + eff.intensity_knee)
+        knee = eff.knee * hw.peak(fmt) / hw.hbm_bytes_per_s      # I_0 in FLOP/B
+        eta = eff.eta_max * intensity / (intensity + knee)
         mm = k.matmul / (eta * hw.peak(fmt))
     vector = k.other / hw.peak("fp32") if k.other else 0.0
     return max(mm, vector, k.bytes / (eff.rho * hw.hbm_bytes_per_s))
@@ -146,17 +152,26 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
     """The step of GPT(cfg) under `plan` with `global_batch` sequences of cfg.block_size
     tokens on `hw` (module docstring). plan.micro_batches sets M; cfg.recompute "full"
     recomputes the forward. memory=False skips the memory estimate ({} and fits=True)."""
-    T, L, P = cfg.block_size, cfg.n_layer, plan.pp
-    if plan.cp > 1 or plan.ep > 1 or cfg.moe_every:
-        raise ValueError("predict: context and expert parallelism (and MoE models) are not "
-                         "modelled yet; use dp, tp (+sp), pp and ZeRO.")
+    T, L, P, cp = cfg.block_size, cfg.n_layer, plan.pp, plan.cp
+    if cfg.moe_every and (plan.tp > 1 or plan.expert_tp > 1):
+        raise ValueError("predict: MoE models are modelled with dp, cp, pp and ep; tensor "
+                         "parallelism of a MoE model (and --expert-tp) is not modelled yet.")
     if check:
         plan.validate(cfg, global_batch, T)
     M, s = plan.micro_batches, BYTES[fmt]
     b = global_batch // (plan.dp * M)                          # rows per micro-batch
     topo, groups = hw.topology(), plan.group_ranks(0)
-    sec = _ops_seconds(gpt_ops(cfg, b, T, "bf16" if s == 2 else "float32", tp=plan.tp),
-                       hw, fmt, eff)
+    precision = "bf16" if s == 2 else "float32"
+    # my T / cp positions through every per-token op; attention: my share of the scores
+    dense = replace(cfg, moe_every=0)         # its MoE layers' experts: _swap_in_experts
+    sec = _ops_seconds(gpt_ops(dense, b, T // cp, precision, tp=plan.tp), hw, fmt, eff)
+    if cp > 1:
+        whole = _ops_seconds(gpt_ops(dense, b, T, precision, tp=plan.tp), hw, fmt, eff)
+        share = max(context_memory.attention_scores(T, cp, plan.cp_algo, plan.cp_layout)) / T**2
+        for phase in ("forward", "backward"):
+            sec[phase, "attention"] = whole[phase, "attention"] * share
+    if cfg.moe_every:
+        _swap_in_experts(sec, cfg, b * T // cp, hw, fmt, eff, plan, topo, groups)
     layer_f = sum(t for (ph, n), t in sec.items() if ph == "forward" and n in PER_LAYER)
     layer_b = sum(t for (ph, n), t in sec.items() if ph == "backward" and n in PER_LAYER)
     ln = sec["forward", "layernorm"] / (2 * L + 1)              # one LayerNorm, forward
@@ -165,23 +180,28 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
     embed_f, embed_b = sec["forward", "embedding"], sec["backward", "embedding"]
     head_f = sec["forward", "lm head matmul"] + sec["forward", "cross-entropy"] + ln
     head_b = sec["backward", "lm head matmul"] + sec["backward", "cross-entropy"] + ln_b
-    # tensor parallelism: 2 collectives per layer each way, b T C bytes each
+    # exposed communication per layer, each way: tp's 2 collectives of b T C / cp bytes,
+    # cp's ring passes beyond the attention block they hide behind (or Ulysses' all-to-alls),
+    # ep's dispatch and combine (a layer's share of them: MoE layers / L)
     tp_one = 0.0
     if plan.tp > 1:
-        n = b * T * cfg.n_embd * s
+        n = b * T // cp * cfg.n_embd * s
         if plan.sequence_parallel:
             tp_one = choose("reduce_scatter", groups["tp"], n, topo)[1] + \
                 choose("all_gather", groups["tp"], n / plan.tp, topo)[1]
         else:
             tp_one = choose("all_reduce", groups["tp"], n, topo)[1]
+    cp_f, cp_b = _cp_seconds(cfg, plan, b, s, sec, groups, topo)
+    ep_f = ep_b = _ep_seconds(cfg, plan, b * T // cp, s, groups, topo)
+    comm_f, comm_b = 2 * tp_one + cp_f + ep_f, 2 * tp_one + cp_b + ep_b
     recompute, selective = cfg.recompute == "full", cfg.recompute == "selective"
     per_stage = L / P
-    # what the backward runs again: the whole forward (with its tp collectives), or under
+    # what the backward runs again: the whole forward (with its collectives), or under
     # selective recomputation the attention core (Korthikanti et al. 2022)
-    again = layer_f + 2 * tp_one if recompute else \
+    again = layer_f + comm_f if recompute else \
         sec["forward", "attention"] / L if selective else 0.0
-    F = [per_stage * (layer_f + 2 * tp_one) for _ in range(P)]
-    B = [per_stage * (layer_b + 2 * tp_one + again) for _ in range(P)]
+    F = [per_stage * (layer_f + comm_f) for _ in range(P)]
+    B = [per_stage * (layer_b + comm_b + again) for _ in range(P)]
     F[0] += embed_f
     B[0] += embed_b
     F[-1] += head_f
@@ -190,31 +210,39 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
     if P > 1:
         span = topo.span(groups["pp"][:2])
         link = topo.inter if span[0] > 1 else topo.intra
-        p2p = link.alpha + b * T * cfg.n_embd * s / plan.tp * link.beta
+        p2p = link.alpha + b * T // cp * cfg.n_embd * s / plan.tp * link.beta
     pipeline = _pipeline_seconds(plan, F, B, p2p)
-    # data parallelism over dp (x cp): the gradients of my parameters
-    mine = parameter_count(cfg) / (plan.tp * P)                  # elements on my rank
-    dp = _dp_seconds(plan, groups["grad"], mine, s, topo, M)
+    # data parallelism over dp (x cp): the gradients of my dense parameters; my experts'
+    # over their replicas (edp x cp)
+    dense, experts = _elements(cfg)
+    mine = (dense / plan.tp + experts / plan.ep) / P                  # elements on my rank
+    dp = _dp_seconds(plan, groups["grad"], dense / (plan.tp * P), s, topo, M)
+    if experts:
+        dp += _dp_seconds(plan, groups["edp"] if plan.ep > 1 else groups["grad"],
+                          experts / (plan.ep * P), s, topo, M)
     last_b = max(B)
     exposed_dp = max(0.0, dp - last_b) if overlap_dp else dp
     optimizer = 34 * mine / (plan.dp if plan.zero else 1) / (eff.rho * hw.hbm_bytes_per_s)
     step = pipeline + exposed_dp + optimizer
     compute = M * max(f + bb for f, bb in zip(F, B))
     tp_total = M * per_stage * (4 + (2 if recompute else 0)) * tp_one
+    cp_total = M * per_stage * (cp_f * (1 + recompute) + cp_b)
+    ep_total = M * per_stage * (ep_f * (1 + recompute) + ep_b)
     redone = M * per_stage * (layer_f if recompute else again)
     tokens = global_batch * T
-    N = parameter_count(cfg)
+    N = _active_elements(cfg)                 # a token's parameters: its top-k experts
     model = (6 * N + 12 * L * cfg.n_head * (cfg.n_embd // cfg.n_head) * T) * tokens
     attention = 4 * L * cfg.n_embd * T * tokens              # QK^T and AV, forward
     hardware = model + (2 * N * tokens + attention) * recompute + attention * selective
-    mem = _memory(cfg, plan, global_batch, T, fmt) if memory else {}
+    mem = _memory(cfg, plan, global_batch, T, fmt) if memory and not cfg.moe_every else {}
     return Prediction(
         step_s=step, tokens_per_s=tokens / step, model_flops=model, hardware_flops=hardware,
         gpus=plan.world_size, peak=hw.peak(fmt),
         breakdown={"pipeline": pipeline,
-                   "compute": compute - tp_total - redone,
+                   "compute": compute - tp_total - cp_total - ep_total - redone,
                    "recompute": redone,
-                   "tp exposed": tp_total, "pp p2p": 2 * M * p2p * (P > 1),
+                   "tp exposed": tp_total, "cp exposed": cp_total, "ep exposed": ep_total,
+                   "pp p2p": 2 * M * p2p * (P > 1),
                    "bubble": max(0.0, pipeline - compute),
                    "dp exposed": exposed_dp, "optimizer": optimizer},
         memory=mem, fits=not mem or mem["total"] <= hw.hbm_bytes)
@@ -233,6 +261,104 @@ def _pipeline_seconds(plan: Plan, F: list, B: list, p2p: float) -> float:
     name = plan.schedule if isinstance(plan.schedule, str) else "1f1b"
     bubble = bubble_closed_form(name, P, M, plan.chunks)
     return M * slowest / (1 - bubble)
+
+
+def _cp_seconds(cfg: GPTConfig, plan: Plan, b: int, s: int, sec: dict, groups: dict,
+                topo) -> tuple[float, float]:
+    """Per layer and micro-batch, the exposed seconds of context parallelism, forward and
+    backward (parallel/context/memory.cp_calls: the messages). Ring: each pass of a K/V
+    block (or of the dK/dV accumulators) to the next cp rank runs while the previous block
+    is attended to, so a pass costs only what exceeds one block's attention (a layer's
+    attention / cp); Ulysses: its all-to-alls, nothing to hide them behind."""
+    cp, L, T = plan.cp, cfg.n_layer, cfg.block_size
+    if cp == 1:
+        return 0.0, 0.0
+    calls = context_memory.cp_calls(cfg, b, T, cp, plan.cp_algo, plan.tp)
+    if plan.cp_algo == "ring":
+        link = topo.inter if topo.span(groups["cp"][:2])[0] > 1 else topo.intra
+        out = []
+        for phase, names in (("forward", ("forward",)), ("backward", ("backward",))):
+            block = sec[phase, "attention"] / L / cp
+            out.append(sum(c.times / L * max(0.0, link.alpha + c.n * s * link.beta - block)
+                           for c in calls if c.what.startswith(names)))
+        return out[0], out[1]
+    f = sum(c.times / L * choose("all_to_all", groups["cp"], c.n * cp / (cp - 1) * s, topo)[1]
+            for c in calls if c.what.startswith("forward"))
+    bw = sum(c.times / L * choose("all_to_all", groups["cp"], c.n * cp / (cp - 1) * s, topo)[1]
+             for c in calls if c.what.startswith("backward"))
+    return f, bw
+
+
+def _kept(cfg: GPTConfig, tokens: int) -> int:
+    """The (token, expert) pairs one rank's experts run for `tokens` tokens when the routing
+    is balanced: top_k per token, all of them up to the capacity factor (0: dropless)."""
+    cf = cfg.capacity_factor
+    return int(cfg.top_k * tokens * (min(1.0, cf) if cf else 1.0))
+
+
+def _swap_in_experts(sec: dict, cfg: GPTConfig, tokens: int, hw, fmt: str, eff,
+                     plan: Plan, topo, groups) -> None:
+    """A MoE model's ops: in its MoE layers (every moe_every-th) the dense MLP's ops give way
+    to the router (a C x E GEMM), the routed experts on the kept pairs (balanced routing:
+    each rank's experts run as many rows as its tokens choose, `_kept`), the shared experts
+    and the gather and weighted scatter of the rows. `sec` is updated in place."""
+    L, C, s = cfg.n_layer, cfg.n_embd, BYTES[fmt]
+    moe = L // cfg.moe_every
+    Fe = cfg.expert_hidden or cfg.mlp_ratio * C
+    kept, bias = _kept(cfg, tokens), cfg.bias
+    forward = [oc.gemm(tokens, C, cfg.n_experts, s), oc.gemm(kept, C, Fe, s, bias),
+               oc.bias_gelu(kept, Fe, s, bias), oc.gemm(kept, Fe, C, s, bias),
+               oc.residual(kept * C, s), oc.residual(kept * C, s)]
+    backward = [oc.gemm_backward(tokens, C, cfg.n_experts, s),
+                oc.gemm_backward(kept, C, Fe, s, bias), oc.bias_gelu_backward(kept, Fe, s, bias),
+                oc.gemm_backward(kept, Fe, C, s, bias), oc.residual(kept * C, s),
+                oc.residual(kept * C, s)]
+    if cfg.shared_experts:
+        Fs = cfg.shared_experts * Fe
+        forward += [oc.gemm(tokens, C, Fs, s, bias), oc.bias_gelu(tokens, Fs, s, bias),
+                    oc.gemm(tokens, Fs, C, s, bias)]
+        backward += [oc.gemm_backward(tokens, C, Fs, s, bias),
+                     oc.bias_gelu_backward(tokens, Fs, s, bias),
+                     oc.gemm_backward(tokens, Fs, C, s, bias)]
+    for phase, ops in (("forward", forward), ("backward", backward)):
+        for name in DENSE_MLP:
+            if (phase, name) in sec:
+                sec[phase, name] *= (L - moe) / L
+        sec[phase, "experts"] = moe * sum(_kernel_seconds(k, hw, fmt, eff)
+                                          for fused, _ in ops for k in fused)
+
+
+def _ep_seconds(cfg: GPTConfig, plan: Plan, tokens: int, s: int, groups: dict, topo) -> float:
+    """Per layer (its share of the MoE layers) and micro-batch, one direction's expert-
+    parallel all-to-alls: the counts, then the kept rows out (dispatch) and back (combine);
+    the backward sends the same rows the other way (parallel/expert/expert_parallel.py)."""
+    if not cfg.moe_every or plan.ep == 1:
+        return 0.0
+    rows = _kept(cfg, tokens) * cfg.n_embd * s
+    one = 2 * choose("all_to_all", groups["ep"], rows, topo)[1] + \
+        choose("all_to_all", groups["ep"], 8 * cfg.n_experts, topo)[1]
+    return one * (cfg.n_layer // cfg.moe_every) / cfg.n_layer
+
+
+def _elements(cfg: GPTConfig) -> tuple[int, int]:
+    """(dense, routed-expert) parameter elements of GPT(cfg): a MoE layer's dense MLP
+    replaced by its router, shared experts and n_experts experts of width expert_hidden."""
+    dense = parameter_count(replace(cfg, moe_every=0))
+    if not cfg.moe_every:
+        return dense, 0
+    C, F = cfg.n_embd, cfg.mlp_ratio * cfg.n_embd
+    Fe = cfg.expert_hidden or F
+    mlp = lambda f: 2 * C * f + (f + C) * cfg.bias                     # noqa: E731
+    moe = cfg.n_layer // cfg.moe_every
+    dense += moe * (C * cfg.n_experts + (mlp(cfg.shared_experts * Fe) if cfg.shared_experts
+                                         else 0) - mlp(F))
+    return dense, moe * cfg.n_experts * mlp(Fe)
+
+
+def _active_elements(cfg: GPTConfig) -> int:
+    """The parameters one token runs through: the dense ones and top_k experts a MoE layer."""
+    dense, experts = _elements(cfg)
+    return dense + experts * cfg.top_k // cfg.n_experts if experts else dense
 
 
 def _dp_seconds(plan: Plan, ranks, elements: float, s: int, topo, M: int) -> float:

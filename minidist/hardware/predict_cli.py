@@ -131,7 +131,8 @@ def show(a) -> int:
         + f"; total {mem['total'] / GIB:.1f} of {hw.hbm_bytes / GIB:.0f} GiB: "
         + ("fits" if p.fits else "DOES NOT FIT"))
     e, fit = Efficiency(), ", ".join(str(i + 1) for i in replay.FIT_ROWS)
-    say(f" efficiency: eta_max {e.eta_max}, I_0 {e.intensity_knee:.0f} FLOP/B, rho {e.rho} "
+    say(f" efficiency: eta_max {e.eta_max}, I_0 {e.knee:.2f} ridge points "
+        f"({e.knee * hw.peak(a.precision) / hw.hbm_bytes_per_s:.0f} FLOP/B here), rho {e.rho} "
         f"(fitted on Megatron's Table 1 rows {fit}: python -m minidist predict --replay)")
     if a.png:
         save_png(a.png, p)
@@ -159,7 +160,7 @@ def show_search(a) -> int:
 def show_replay() -> int:
     eff, rows = replay.replay()
     print(f"fitted on Table 1 rows {', '.join(str(i + 1) for i in replay.FIT_ROWS)}: "
-          f"eta_max {eff.eta_max:.2f}, I_0 {eff.intensity_knee:.0f} FLOP/B, rho {eff.rho}")
+          f"eta_max {eff.eta_max:.2f}, I_0 {eff.knee:.2f} ridge points, rho {eff.rho}")
     print(f"  {'row':<29}{'model':>7}{'t':>3}{'p':>4}{'GPUs':>6}{'paper':>9}{'predicted':>11}"
           f"{'error':>8}")
     for row, t, err, fitted in rows:

@@ -57,7 +57,7 @@ def test_the_default_efficiency_is_what_the_fit_finds():
     eff, mae = replay.fit([replay.TABLE_1[i] for i in replay.FIT_ROWS])
     want = pr.Efficiency()
     assert (eff.eta_max, eff.rho) == (want.eta_max, want.rho) and mae < 0.10
-    assert eff.intensity_knee == pytest.approx(want.intensity_knee, rel=1e-12)
+    assert eff.knee == pytest.approx(want.knee, rel=1e-12)
 
 
 def test_eq_3_by_hand():
@@ -108,8 +108,10 @@ def test_more_gpus_for_the_same_batch_shorten_the_step_but_cut_the_flops_per_gpu
 
 
 def test_what_is_not_modelled_is_refused():
-    with pytest.raises(ValueError, match="context and expert parallelism"):
-        pr.predict(_gpt(), Plan(cp=2, check_placements=False), 8, A100)
+    moe = GPTConfig(vocab_size=512, block_size=256, n_layer=2, n_head=4, n_embd=256,
+                    moe_every=1, n_experts=4, top_k=2)
+    with pytest.raises(ValueError, match="tensor parallelism of a MoE model"):
+        pr.predict(moe, Plan(tp=2, check_placements=False), 8, A100)
     with pytest.raises(ValueError, match="eta_max"):
         pr.Efficiency(eta_max=1.5)
 
@@ -164,3 +166,48 @@ def test_the_breakdown_png(tmp_path, capsys):
     assert cli(["predict", "--png", str(path)]) == 0
     assert f"breakdown written to {path}" in capsys.readouterr().out
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_context_parallelism_splits_the_tokens_and_the_scores():
+    """cp = 2 halves every per-token op; attention keeps the busiest rank's scores (zig-zag,
+    cp = 2: its own block whole and the other's rows past it, 3/8 of the square, counted as
+    the code computes them); the ring's
+    passes hide behind the attention blocks of a long sequence, Ulysses' all-to-alls do not."""
+    from minidist.parallel.context import memory as cm
+    gpt = GPTConfig(vocab_size=51200, block_size=8192, n_layer=4, n_head=32, n_embd=4096,
+                    dtype="float32", recompute="none")
+    one = pr.predict(gpt, Plan(micro_batches=4, check_placements=False), 4, A100,
+                     memory=False)
+    ring = pr.predict(gpt, Plan(cp=2, micro_batches=4, check_placements=False), 4, A100,
+                      memory=False)
+    uly = pr.predict(gpt, Plan(cp=2, cp_algo="ulysses", micro_batches=4,
+                               check_placements=False), 4, A100, memory=False)
+    assert cm.attention_scores(8192, 2) == [3 * 8192 ** 2 // 8] * 2
+    assert ring.breakdown["cp exposed"] == 0 < uly.breakdown["cp exposed"]
+    assert one.breakdown["cp exposed"] == 0
+    # against one rank: half the tokens (in thinner, less efficient GEMMs) and 3/8 of the
+    # scores
+    assert 0.4 < ring.breakdown["compute"] / one.breakdown["compute"] < 0.6
+
+
+def test_expert_parallelism_adds_the_all_to_alls_and_splits_the_experts():
+    """A MoE GPT: the experts run the balanced top-k rows on every layout; ep = 2 adds its
+    dispatch and combine (2 all-to-alls of the kept rows each way, and the counts) and syncs
+    its experts' gradients over their replicas only."""
+    from minidist.collectives.tiers import choose
+    moe = GPTConfig(vocab_size=51200, block_size=2048, n_layer=4, n_head=16, n_embd=2048,
+                    dtype="float32", recompute="none", moe_every=1, n_experts=8, top_k=2,
+                    capacity_factor=0)
+    dp = pr.predict(moe, Plan(dp=4, micro_batches=1, check_placements=False), 4, A100)
+    ep = pr.predict(moe, Plan(dp=4, ep=4, micro_batches=1, check_placements=False), 4, A100)
+    assert dp.breakdown["ep exposed"] == 0 and dp.memory == {}      # MoE memory: not modelled
+    ranks, topo = Plan(dp=4, ep=4).group_ranks(0)["ep"], A100.topology()
+    a2a = 2 * choose("all_to_all", ranks, 2 * 2048 * 2048 * 2, topo)[1] + \
+        choose("all_to_all", ranks, 8 * 8, topo)[1]
+    assert ep.breakdown["ep exposed"] == pytest.approx(2 * 4 * a2a, rel=1e-12)
+    assert ep.breakdown["compute"] == pytest.approx(dp.breakdown["compute"], rel=1e-12)
+    assert ep.breakdown["dp exposed"] < dp.breakdown["dp exposed"]
+    dense, experts = pr._elements(moe)
+    assert experts == 4 * 8 * (2 * 2048 * 8192 + 8192 + 2048)
+    assert dp.model_flops == pytest.approx(
+        (6 * (dense + experts // 4) + 12 * 4 * 2048 * 2048) * 4 * 2048, rel=1e-12)

@@ -102,6 +102,7 @@ class Prediction:
     breakdown: dict              # seconds: compute, recompute, tp, pp, dp, bubble, optimizer
     memory: dict                 # bytes per GPU by category (memory/budget.py), "total"
     fits: bool
+    unmodelled: str = ""         # why `memory` is {} although asked for (no formula)
 
     @property
     def mfu(self) -> float:
@@ -151,7 +152,8 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
             check: bool = True, memory: bool = True) -> Prediction:
     """The step of GPT(cfg) under `plan` with `global_batch` sequences of cfg.block_size
     tokens on `hw` (module docstring). plan.micro_batches sets M; cfg.recompute "full"
-    recomputes the forward. memory=False skips the memory estimate ({} and fits=True)."""
+    recomputes the forward. memory=False skips the memory estimate ({} and fits=True), as
+    does a layout memory/budget.py has no formula for (MoE, cp with tp: `unmodelled` says)."""
     T, L, P, cp = cfg.block_size, cfg.n_layer, plan.pp, plan.cp
     if cfg.moe_every and (plan.tp > 1 or plan.expert_tp > 1):
         raise ValueError("predict: MoE models are modelled with dp, cp, pp and ep; tensor "
@@ -234,7 +236,12 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
     model = (6 * N + 12 * L * cfg.n_head * (cfg.n_embd // cfg.n_head) * T) * tokens
     attention = 4 * L * cfg.n_embd * T * tokens              # QK^T and AV, forward
     hardware = model + (2 * N * tokens + attention) * recompute + attention * selective
-    mem = _memory(cfg, plan, global_batch, T, fmt) if memory and not cfg.moe_every else {}
+    mem, unmodelled = {}, ""
+    if memory:
+        try:
+            mem = _memory(cfg, plan, global_batch, T, fmt)
+        except ValueError as e:                 # a layout the estimator has no formula for
+            unmodelled = str(e)
     return Prediction(
         step_s=step, tokens_per_s=tokens / step, model_flops=model, hardware_flops=hardware,
         gpus=plan.world_size, peak=hw.peak(fmt),
@@ -245,7 +252,7 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
                    "pp p2p": 2 * M * p2p * (P > 1),
                    "bubble": max(0.0, pipeline - compute),
                    "dp exposed": exposed_dp, "optimizer": optimizer},
-        memory=mem, fits=not mem or mem["total"] <= hw.hbm_bytes)
+        memory=mem, fits=not mem or mem["total"] <= hw.hbm_bytes, unmodelled=unmodelled)
 
 
 def _pipeline_seconds(plan: Plan, F: list, B: list, p2p: float) -> float:
@@ -379,7 +386,8 @@ def _dp_seconds(plan: Plan, ranks, elements: float, s: int, topo, M: int) -> flo
 
 def _memory(cfg: GPTConfig, plan: Plan, batch: int, T: int, fmt: str) -> dict:
     """memory/budget.py's estimate for the layout (bf16 mixed precision's bytes)."""
-    mp = budget.MemoryPlan(dp=plan.dp, tp=plan.tp, pp=plan.pp, zero=plan.zero,
+    mp = budget.MemoryPlan(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp,
+                           cp_algo=plan.cp_algo, zero=plan.zero,
                            recompute=cfg.recompute, micro_batches=plan.micro_batches,
                            sp=plan.sequence_parallel,
                            precision="bf16" if BYTES[fmt] == 2 else "fp32",

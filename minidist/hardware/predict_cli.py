@@ -51,6 +51,16 @@ def parse_args(argv):
     ap.add_argument("--gpus", type=at_least(1), default=1024)
     ap.add_argument("--tp", type=at_least(1), default=8)
     ap.add_argument("--pp", type=at_least(1), default=16)
+    ap.add_argument("--cp", type=at_least(1), default=1, help="context-parallel ranks")
+    ap.add_argument("--cp-algo", default="ring", choices=["ring", "ulysses"])
+    ap.add_argument("--dp", type=at_least(1), default=None,
+                    help="data-parallel ranks (default: gpus / (tp pp cp))")
+    ap.add_argument("--ep", type=at_least(1), default=1,
+                    help="expert-parallel ranks among the dp ranks (a MoE model: --moe-every)")
+    ap.add_argument("--moe-every", type=at_least(0), default=0,
+                    help="every k-th block a mixture of experts (0: dense)")
+    ap.add_argument("--experts", type=at_least(1), default=8, help="experts of a MoE block")
+    ap.add_argument("--top-k", type=at_least(1), default=2, help="experts per token")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     ap.add_argument("--global-batch", type=at_least(1), default=1536)
@@ -60,6 +70,8 @@ def parse_args(argv):
     ap.add_argument("--recompute", default="full", choices=["none", "selective", "full"])
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "tf32"])
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
+    ap.add_argument("--virtual-stages", type=at_least(1), default=None,
+                    help="model chunks per pipeline rank (interleaved; default 2)")
     ap.add_argument("--overlap-dp", action="store_true",
                     help="hide the gradient sync behind the last backward (DDP buckets)")
     ap.add_argument("--png", default="", help="also draw the breakdown into this PNG")
@@ -85,7 +97,8 @@ def model_of(a) -> GPTConfig:
         raise ValueError(f"--model {a.model!r} is unknown; use one of "
                          f"{', '.join([*GPT3_SHAPES, *MEGATRON])} or custom")
     return replace(cfg, block_size=a.seq or cfg.block_size, recompute=a.recompute,
-                   vocab_size=a.vocab or cfg.vocab_size)
+                   vocab_size=a.vocab or cfg.vocab_size, moe_every=a.moe_every,
+                   n_experts=a.experts, top_k=a.top_k, capacity_factor=0.0)
 
 
 def say(text: str) -> None:
@@ -95,30 +108,47 @@ def say(text: str) -> None:
                                    subsequent_indent="    ")))
 
 
-def show(a) -> int:
-    cfg = model_of(a)
-    hw = profiles.this_machine() if a.hardware == "cpu" else profiles.load(a.hardware)
-    if a.gpus % (a.tp * a.pp):
-        raise ValueError(f"--gpus {a.gpus} is not a multiple of --tp {a.tp} x --pp {a.pp}")
-    dp = a.gpus // (a.tp * a.pp)
+def layout(a) -> tuple[Plan, int]:
+    """The Plan of the layout flags, and dp (--dp, else what the GPUs leave)."""
+    model_parallel = a.tp * a.pp * a.cp
+    if a.gpus % model_parallel:
+        raise ValueError(f"--gpus {a.gpus} is not a multiple of --tp {a.tp} x --pp {a.pp} x "
+                         f"--cp {a.cp}")
+    dp = a.dp or a.gpus // model_parallel
+    if dp * model_parallel != a.gpus:
+        raise ValueError(f"--dp {dp} x --tp {a.tp} x --pp {a.pp} x --cp {a.cp} is "
+                         f"{dp * model_parallel} GPUs, not --gpus {a.gpus}; leave --dp out")
+    if a.ep > 1 and not a.moe_every:
+        raise ValueError(f"--ep {a.ep} splits experts: give the model some (--moe-every 1)")
     if a.global_batch % (dp * a.micro_batch):
         raise ValueError(f"--global-batch {a.global_batch} does not split into dp={dp} ranks "
                          f"of micro-batches of --micro-batch {a.micro_batch}")
-    plan = Plan(tp=a.tp, pp=a.pp, dp=dp, zero=a.zero, sequence_parallel=a.sp,
-                micro_batches=a.global_batch // (dp * a.micro_batch), schedule=a.schedule,
-                check_placements=False)
+    plan = Plan(tp=a.tp, pp=a.pp, dp=dp, cp=a.cp, cp_algo=a.cp_algo, ep=a.ep, zero=a.zero,
+                sequence_parallel=a.sp, micro_batches=a.global_batch // (dp * a.micro_batch),
+                schedule=a.schedule, virtual_stages=a.virtual_stages, check_placements=False)
+    return plan, dp
+
+
+def show(a) -> int:
+    cfg = model_of(a)
+    hw = profiles.this_machine() if a.hardware == "cpu" else profiles.load(a.hardware)
+    plan, dp = layout(a)
+    if a.cp > 1 and cfg.moe_every:       # routing groups inside a cp chunk (no effect on time)
+        cfg = replace(cfg, moe_group_size=cfg.block_size // (2 * a.cp))
     p = predict(cfg, plan, a.global_batch, hw, fmt=a.precision, overlap_dp=a.overlap_dp)
     nodes = -(-a.gpus // hw.gpus_per_node)
     say(f"predict · {a.model}: {cfg.n_layer} layers, h={cfg.n_embd}, {cfg.n_head} heads, "
         f"V={cfg.vocab_size}, s={cfg.block_size} · {a.gpus} x {hw.name} ({nodes} nodes of "
         f"{hw.gpus_per_node})")
-    say(f" layout tp={a.tp}{' +sp' if a.sp else ''} pp={a.pp} dp={dp} zero={a.zero}, "
+    say(f" layout tp={a.tp}{' +sp' if a.sp else ''} pp={a.pp} dp={dp}"
+        + (f" cp={a.cp} ({a.cp_algo})" * (a.cp > 1)) + (f" ep={a.ep}" * (a.ep > 1))
+        + f" zero={a.zero}, "
         f"micro-batch {a.micro_batch}, M={plan.micro_batches}, {a.schedule}, recompute "
         f"{a.recompute}, {a.precision}")
     spans, ranks = profiles.layout_span(plan, hw), plan.group_ranks(0)
     say(" groups: " + ", ".join(
         f"{axis} {'inside a node' if n == 1 else f'across {n} nodes'} ({local} per node)"
-        for axis, (n, local) in spans.items() if axis in ("tp", "pp", "dp")
+        for axis, (n, local) in spans.items() if axis in ("tp", "cp", "pp", "dp", "ep")
         and len(ranks[axis]) > 1))
     say(f" step {p.step_s:.3f} s · {p.tokens_per_s:,.0f} tokens/s · "
         f"{p.flops_per_gpu / 1e12:.1f} TFLOP/s per GPU (model) · MFU {100 * p.mfu:.1f}% · "
@@ -126,10 +156,13 @@ def show(a) -> int:
     say(" breakdown (seconds a step, the slowest stage): " + ", ".join(
         f"{k} {v:.3f}" for k, v in p.breakdown.items() if k != "pipeline"))
     mem = p.memory
-    say(" memory per GPU (GiB): " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.items()
-                                             if k != "total")
-        + f"; total {mem['total'] / GIB:.1f} of {hw.hbm_bytes / GIB:.0f} GiB: "
-        + ("fits" if p.fits else "DOES NOT FIT"))
+    if mem:
+        say(" memory per GPU (GiB): " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.items()
+                                                 if k != "total")
+            + f"; total {mem['total'] / GIB:.1f} of {hw.hbm_bytes / GIB:.0f} GiB: "
+            + ("fits" if p.fits else "DOES NOT FIT"))
+    else:
+        say(f" memory per GPU: not estimated ({p.unmodelled})")
     e, fit = Efficiency(), ", ".join(str(i + 1) for i in replay.FIT_ROWS)
     say(f" efficiency: eta_max {e.eta_max}, I_0 {e.knee:.2f} ridge points "
         f"({e.knee * hw.peak(a.precision) / hw.hbm_bytes_per_s:.0f} FLOP/B here), rho {e.rho} "

@@ -133,6 +133,9 @@ def test_the_command_prints_the_breakdown(capsys):
     (["--model", "gpt5"], "--model 'gpt5' is unknown"),
     (["--model", "custom"], "needs --layers, --hidden and --heads"),
     (["--global-batch", "100", "--gpus", "64", "--tp", "8", "--pp", "1"], "does not split"),
+    (["--ep", "2"], "--ep 2 splits experts: give the model some (--moe-every 1)"),
+    (["--dp", "3"], "is 384 GPUs, not --gpus 1024; leave --dp out"),
+    (["--cp", "3"], "not a multiple of --tp 8 x --pp 16 x --cp 3"),
 ])
 def test_bad_options_are_one_error_line(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -201,6 +204,7 @@ def test_expert_parallelism_adds_the_all_to_alls_and_splits_the_experts():
     dp = pr.predict(moe, Plan(dp=4, micro_batches=1, check_placements=False), 4, A100)
     ep = pr.predict(moe, Plan(dp=4, ep=4, micro_batches=1, check_placements=False), 4, A100)
     assert dp.breakdown["ep exposed"] == 0 and dp.memory == {}      # MoE memory: not modelled
+    assert "MoE" in dp.unmodelled and dp.fits
     ranks, topo = Plan(dp=4, ep=4).group_ranks(0)["ep"], A100.topology()
     a2a = 2 * choose("all_to_all", ranks, 2 * 2048 * 2048 * 2, topo)[1] + \
         choose("all_to_all", ranks, 8 * 8, topo)[1]
@@ -211,3 +215,13 @@ def test_expert_parallelism_adds_the_all_to_alls_and_splits_the_experts():
     assert experts == 4 * 8 * (2 * 2048 * 8192 + 8192 + 2048)
     assert dp.model_flops == pytest.approx(
         (6 * (dense + experts // 4) + 12 * 4 * 2048 * 2048) * 4 * 2048, rel=1e-12)
+
+
+def test_the_command_takes_context_and_expert_parallelism(capsys):
+    assert cli(["predict", "--model", "gpt3-2.7b", "--gpus", "64", "--tp", "1", "--pp", "1",
+                "--cp", "2", "--cp-algo", "ulysses", "--ep", "4", "--moe-every", "2",
+                "--global-batch", "64", "--recompute", "none"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("dp=32 cp=2 (ulysses) ep=4", "cp exposed", "ep exposed",
+                  "memory per GPU: not estimated"):
+        assert words in text, (words, text)

@@ -26,11 +26,12 @@ One rank's view of step s (dp rank d of dp, cp rank c, tp rank t, M micro-batche
 Shapes: x, y (B/(dp M), T/cp) per micro-batch, the same on every tp rank.
 Result (RankResult): losses (global), grad_norms, lrs, full params and optimizer state
 (gathered over dp under ZeRO and over tp), bytes sent/received per step (group.stats deltas
-around the step: "sent", "recv" over all axes; bytes_by_axis: sent per axis, "dp" being
-the gradient sync over dp x cp, "pp" the pipeline's activations and gradients, "embed" the
-tied wte's all-reduce, "ep" the MoE tokens' all-to-alls, "edp" the experts' gradient
-sync, "etp" the expert-tensor-parallel gathers and reduce-scatters), pipeline (pp > 1: this stage's timeline per step, as (schedules.Action, start,
-end) in perf_counter seconds, and its peak held activations), memory
+around the step: "sent", "recv" over all axes; bytes_by_axis: sent per axis, and
+recv_by_axis received, "dp" being the gradient sync over dp x cp, "pp" the pipeline's
+activations and gradients, "embed" the tied wte's all-reduce, "ep" the MoE tokens'
+all-to-alls, "edp" the experts' gradient sync, "etp" the expert-tensor-parallel gathers and
+reduce-scatters), pipeline (pp > 1: this stage's timeline per step, as (schedules.Action,
+start, end) in perf_counter seconds, and its peak held activations), memory
 (engine.memory()), routing_biases (per step, every MoE layer's balancing bias after
 the update, the same on every rank) and timing per step in seconds: "comm_wait" (the wall time this rank
 spent inside calls on its groups during the step: comm_by_axis summed), "compute" (forward +
@@ -123,6 +124,7 @@ class RankResult:
     moe: tuple[dict[str, dict], ...] = ()           # per step: {layer: routing stats}
     routing_biases: tuple[dict[str, np.ndarray], ...] = ()   # per step, after the update
     comm_by_axis: tuple[dict[str, float], ...] = ()  # {"dp": s, "tp": s}: seconds in calls
+    recv_by_axis: tuple[dict[str, int], ...] = ()   # {"dp": received B, "tp": received B}
 
 
 @dataclass(frozen=True)
@@ -197,12 +199,13 @@ class OnStepEnd(Hook):
 
 
 def _traffic(groups: dict[str, object]) -> dict[str, int]:
-    """{"sent", "recv"} over all groups, and "sent.<axis>" per group, so far."""
+    """{"sent", "recv"} over all groups, and "sent.<axis>", "recv.<axis>" per group, so far."""
     out = {"sent": 0, "recv": 0}
     for axis, g in groups.items():
         out["sent"] += g.stats["bytes_sent"]
         out["recv"] += g.stats["bytes_recv"]
         out[f"sent.{axis}"] = g.stats["bytes_sent"]
+        out[f"recv.{axis}"] = g.stats["bytes_recv"]
     return out
 
 
@@ -437,6 +440,7 @@ class Meter:
             _ledger(ctx, self.engine, device_memory)
         self.local, self.norms, self.lrs, self.traffic, self.by_axis = [], [], [], [], []
         self.comm_by_axis: list[dict[str, float]] = []
+        self.recv_by_axis: list[dict[str, int]] = []
         self.moe: list[dict] = []
         self.routing_biases: list[dict] = []
         self.timing: dict[str, list[float]] = {"compute": [], "comm_wait": [], "step": [],
@@ -474,6 +478,8 @@ class Meter:
         self.traffic.append({k: after[k] - self.before[k] for k in ("sent", "recv")})
         self.by_axis.append({a: after[f"sent.{a}"] - self.before[f"sent.{a}"]
                              for a in self.groups})
+        self.recv_by_axis.append({a: after[f"recv.{a}"] - self.before[f"recv.{a}"]
+                                  for a in self.groups})
         comm = {a: s2[a] - self.s0[a] for a in s2}          # seconds in calls, per axis
         self.comm_by_axis.append(comm)
         t = self.timing
@@ -508,6 +514,7 @@ class Meter:
                             bytes_per_step=tuple(self.traffic),
                             bytes_by_axis=tuple(self.by_axis),
                             comm_by_axis=tuple(self.comm_by_axis),
+                            recv_by_axis=tuple(self.recv_by_axis),
                             memory=_memory(engine, self.ledger),
                             timing={k: tuple(v) for k, v in self.timing.items()},
                             pipeline=None if stage is None else {

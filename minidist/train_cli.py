@@ -11,7 +11,9 @@ running _rank_main: train_on_rank with its checkpoints, faults, straggler handli
 run-directory observer, rank 0 printing the progress line of observe/progress.py. At the
 end: held-out samples,
 `params sha256: <hex>`, the run directory, and with --check the verdict against the
-single process (bitwise under --deterministic).
+single process (bitwise under --deterministic). --dry-run hands the options to
+train_dry_run.py instead: one rank of a job of any --world, run in this process, its memory
+and traffic counted.
 Read next: train.py (train_on_rank), reliability/recovery.py, observe/progress.py.
 """
 
@@ -24,7 +26,7 @@ import time
 
 import numpy as np
 
-from minidist import backend, baseline, collectives as C, train_options
+from minidist import backend, baseline, collectives as C, train_dry_run, train_options
 from minidist.cli import CliParser, at_least, cli_error, directory
 from minidist.data import DataConfig, SyntheticData, answer_accuracy
 from minidist.deterministic.digest import params_digest
@@ -51,8 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     before any rank starts); 1 if a rank fails (the RankFailure, with that rank's
     traceback, on stderr) or --check finds a mismatch. --steps 0 trains nothing and shows
     no samples. A closed stdout (`| head`) raises BrokenPipeError and Ctrl-C
-    KeyboardInterrupt, however the ranks saw it: __main__.py ends both quietly."""
-    a = _arguments().parse_args(argv)
+    KeyboardInterrupt, however the ranks saw it: __main__.py ends both quietly.
+    --dry-run runs one rank of the job in this process instead (train_dry_run.py)."""
+    ap = _arguments()
+    a = ap.parse_args(argv)
+    if a.dry_run:                                # --steps defaults to DRY_STEPS there
+        ap.set_defaults(steps=train_dry_run.DRY_STEPS)
+        return train_dry_run.main(ap.parse_args(argv))
+    if (a.world, a.rank, a.transport) != (None, None, None):
+        return cli_error("--world, --rank and --transport describe a --dry-run; add "
+                         "--dry-run, or drop them")
     if train_options.mpi_rank() not in (None, 0) and not a.verbose:
         _stdout_to_devnull()                     # under mpiexec rank 0 prints the job's lines
     try:                                         # every rule, before any rank starts
@@ -108,7 +118,8 @@ def train_arguments(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--length", type=at_least(1), default=6,
                     help="prompt length (copy/reverse/sort; add has 2 numbers)")
     ap.add_argument("--steps", type=at_least(0), default=300,
-                    help="optimizer steps (0 trains nothing and shows no samples)")
+                    help="optimizer steps (0 trains nothing and shows no samples; "
+                         f"--dry-run's default is {train_dry_run.DRY_STEPS})")
     ap.add_argument("--batch", type=at_least(1), default=32, help="global batch (sequences)")
     ap.add_argument("--grad-accum", type=at_least(1), default=None,
                     help="micro-batches per step (None: 1; under --pp a divisor of the rows "
@@ -301,6 +312,20 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--check-placements", action="store_true",
                     help="assert the placement of every activation crossing a parallel "
                          "boundary (also MINIDIST_CHECK_PLACEMENTS=1)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="run one rank of the job in this process, on a transport that moves "
+                         "no data (runtime/dry_run.py), and print its memory peak (the "
+                         "ledger's) and its bytes and calls per axis: exact for that rank, "
+                         "at any --world (train_dry_run.py)")
+    ap.add_argument("--world", type=at_least(1), default=None, metavar="N",
+                    help="--dry-run: the job's ranks. Without --dp, dp = N / (tp x cp x pp); "
+                         "with it, dp x tp x cp x pp must be N (None: that product)")
+    ap.add_argument("--rank", type=at_least(0), default=None, metavar="R",
+                    help="--dry-run: the rank that runs (None: 0)")
+    ap.add_argument("--transport", default=None, choices=["shm", "mpi"],
+                    help="--dry-run: the algorithms of the shared-memory runtime (shm: direct "
+                         "reductions, DDP's buckets; None: shm) or of runtime/mpi.py (mpi: "
+                         "across machines, no shared memory)")
     return ap
 
 

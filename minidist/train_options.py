@@ -24,7 +24,9 @@ found out.
     2. the rules, in one pass: each option's own (cross-flag), the Plan's
        (parallel/compose.Plan.validate: splits of the batch, heads, positions, experts,
        layers and the schedule), the deterministic mode's (deterministic/step.check) and
-       the resilience options' (reliability/recovery.options).
+       the resilience options' (reliability/recovery.options); then, unless the options
+       ask for a dry run (train_dry_run.py: one rank in this process), whether this
+       machine can start the ranks.
     3. messages name flags: the Plan and the model config speak in their fields
        (`micro_batches=6`) for Python callers; `in_flags` names the flag that sets each
        (`--grad-accum 6`). A fix this module suggests is checked first (`_accepted`: the
@@ -297,7 +299,7 @@ def _validated(a: argparse.Namespace) -> Job:
                           global_batch=a.batch, token_tiles=a.token_tiles,
                           seq_len=data_cfg.block_size)
     resilience = recovery.options(a, plan.world_size, plan.pp)
-    if plan.world_size > 1:
+    if plan.world_size > 1 and not getattr(a, "dry_run", False):   # a dry run starts none
         check_world_size(plan.world_size)       # this machine's ranks, and the MINIDIST_*
         RuntimeConfig(plan.world_size)          # variables the launcher will read
     return Job(cfg, data_cfg, plan, resilience)

@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                "minidist.memory.budget", "minidist.memory.budget_models",
                "minidist.memory.budget_measure", "minidist.memory.budget_fit")),
     ("command line", ("minidist.__main__", "minidist.train_cli", "minidist.train_options",
+                      "minidist.train_dry_run",
                       "minidist.memory.budget_cli",
                       "minidist.reliability.interval_cli", "minidist.cluster.cli",
                       "minidist.hardware.roofline_cli", "minidist.hardware.predict_cli")),

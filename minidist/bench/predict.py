@@ -13,8 +13,11 @@ nothing is fitted here. Error: measured / predicted - 1 (positive: the model is 
               dp=2 x ep=2. At most os.cpu_count() ranks: one core per rank, as one GPU per
               rank (a 2-core machine runs W = 2)
     model     GPT of 4 layers, C=256, 4 heads, T=128, float32, global batch 8 (the bench
-              model of bench/train_layouts.py); the MoE GPT: every block 4 experts, top-2
-              (balanced routing assumed by the model; the run routes as it learns)
+              model of bench/train_layouts.py); the MoE GPT: every block 4 experts, top-2,
+              capacity factor 1.25. Its router is untrained: its loads are not balanced
+              (max / mean over the 2 ep ranks 1.0-1.7 in the first steps), so the model is
+              told the capacity bound: the busiest rank's experts run 1.25 x the balanced
+              rows (predict's `imbalance`), and every MoE layer waits for it
 
 Read next: hardware/predict.py, bench/train_runs.py.
 """
@@ -88,7 +91,7 @@ def run(a) -> list[tuple[str, float, float, dict]]:
         runs = [measure(name, cfg, data, plan, a.steps, a.warmup, batch).step
                 for _ in range(a.repeats)]
         p = predict(replace(cfg, dropout=0.0), replace(plan, check_placements=False), batch,
-                    hw, fmt="fp32", memory=False)
+                    hw, fmt="fp32", memory=False, imbalance=cfg.capacity_factor or 1.0)
         rows.append((name, statistics.median(runs), p.step_s, p.breakdown))
         print(f"  ... {name}: {a.repeats} runs in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)

@@ -149,11 +149,16 @@ def _ops_seconds(ops, hw, fmt, eff) -> dict[tuple[str, str], float]:
 
 def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
             fmt: str = "bf16", eff: Efficiency = Efficiency(), overlap_dp: bool = False,
-            check: bool = True, memory: bool = True) -> Prediction:
+            check: bool = True, memory: bool = True, imbalance: float = 1.0) -> Prediction:
     """The step of GPT(cfg) under `plan` with `global_batch` sequences of cfg.block_size
     tokens on `hw` (module docstring). plan.micro_batches sets M; cfg.recompute "full"
     recomputes the forward. memory=False skips the memory estimate ({} and fits=True), as
-    does a layout memory/budget.py has no formula for (MoE, cp with tp: `unmodelled` says)."""
+    does a layout memory/budget.py has no formula for (MoE, cp with tp: `unmodelled` says).
+    imbalance: under expert parallelism, the rows the busiest rank's experts run over the
+    balanced share (1: balanced, as a trained router with load balancing keeps it; the
+    capacity factor bounds it for an untrained one); every MoE layer waits for that rank."""
+    if not imbalance >= 1:
+        raise ValueError(f"predict: imbalance={imbalance} must be >= 1 (1: balanced routing).")
     T, L, P, cp = cfg.block_size, cfg.n_layer, plan.pp, plan.cp
     if cfg.moe_every and (plan.tp > 1 or plan.expert_tp > 1):
         raise ValueError("predict: MoE models are modelled with dp, cp, pp and ep; tensor "
@@ -173,7 +178,8 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
         for phase in ("forward", "backward"):
             sec[phase, "attention"] = whole[phase, "attention"] * share
     if cfg.moe_every:
-        _swap_in_experts(sec, cfg, b * T // cp, hw, fmt, eff, plan, topo, groups)
+        _swap_in_experts(sec, cfg, b * T // cp, hw, fmt, eff,
+                         imbalance if plan.ep > 1 else 1.0)
     layer_f = sum(t for (ph, n), t in sec.items() if ph == "forward" and n in PER_LAYER)
     layer_b = sum(t for (ph, n), t in sec.items() if ph == "backward" and n in PER_LAYER)
     ln = sec["forward", "layernorm"] / (2 * L + 1)              # one LayerNorm, forward
@@ -194,7 +200,7 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
         else:
             tp_one = choose("all_reduce", groups["tp"], n, topo)[1]
     cp_f, cp_b = _cp_seconds(cfg, plan, b, s, sec, groups, topo)
-    ep_f = ep_b = _ep_seconds(cfg, plan, b * T // cp, s, groups, topo)
+    ep_f = ep_b = _ep_seconds(cfg, plan, b * T // cp, s, groups, topo, imbalance)
     comm_f, comm_b = 2 * tp_one + cp_f + ep_f, 2 * tp_one + cp_b + ep_b
     recompute, selective = cfg.recompute == "full", cfg.recompute == "selective"
     per_stage = L / P
@@ -304,15 +310,16 @@ def _kept(cfg: GPTConfig, tokens: int) -> int:
 
 
 def _swap_in_experts(sec: dict, cfg: GPTConfig, tokens: int, hw, fmt: str, eff,
-                     plan: Plan, topo, groups) -> None:
+                     imbalance: float) -> None:
     """A MoE model's ops: in its MoE layers (every moe_every-th) the dense MLP's ops give way
-    to the router (a C x E GEMM), the routed experts on the kept pairs (balanced routing:
-    each rank's experts run as many rows as its tokens choose, `_kept`), the shared experts
-    and the gather and weighted scatter of the rows. `sec` is updated in place."""
+    to the router (a C x E GEMM), the routed experts on the kept pairs (each rank's experts
+    run as many rows as its tokens choose, `_kept`, times the imbalance of the busiest
+    rank), the shared experts and the gather and weighted scatter of the rows. `sec` is
+    updated in place."""
     L, C, s = cfg.n_layer, cfg.n_embd, BYTES[fmt]
     moe = L // cfg.moe_every
     Fe = cfg.expert_hidden or cfg.mlp_ratio * C
-    kept, bias = _kept(cfg, tokens), cfg.bias
+    kept, bias = int(_kept(cfg, tokens) * imbalance), cfg.bias
     forward = [oc.gemm(tokens, C, cfg.n_experts, s), oc.gemm(kept, C, Fe, s, bias),
                oc.bias_gelu(kept, Fe, s, bias), oc.gemm(kept, Fe, C, s, bias),
                oc.residual(kept * C, s), oc.residual(kept * C, s)]
@@ -335,13 +342,15 @@ def _swap_in_experts(sec: dict, cfg: GPTConfig, tokens: int, hw, fmt: str, eff,
                                           for fused, _ in ops for k in fused)
 
 
-def _ep_seconds(cfg: GPTConfig, plan: Plan, tokens: int, s: int, groups: dict, topo) -> float:
+def _ep_seconds(cfg: GPTConfig, plan: Plan, tokens: int, s: int, groups: dict, topo,
+                imbalance: float) -> float:
     """Per layer (its share of the MoE layers) and micro-batch, one direction's expert-
     parallel all-to-alls: the counts, then the kept rows out (dispatch) and back (combine);
-    the backward sends the same rows the other way (parallel/expert/expert_parallel.py)."""
+    the backward sends the same rows the other way (parallel/expert/expert_parallel.py).
+    The busiest rank's rows (x imbalance) set the pace."""
     if not cfg.moe_every or plan.ep == 1:
         return 0.0
-    rows = _kept(cfg, tokens) * cfg.n_embd * s
+    rows = _kept(cfg, tokens) * imbalance * cfg.n_embd * s
     one = 2 * choose("all_to_all", groups["ep"], rows, topo)[1] + \
         choose("all_to_all", groups["ep"], 8 * cfg.n_experts, topo)[1]
     return one * (cfg.n_layer // cfg.moe_every) / cfg.n_layer

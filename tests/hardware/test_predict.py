@@ -211,6 +211,16 @@ def test_expert_parallelism_adds_the_all_to_alls_and_splits_the_experts():
     assert ep.breakdown["ep exposed"] == pytest.approx(2 * 4 * a2a, rel=1e-12)
     assert ep.breakdown["compute"] == pytest.approx(dp.breakdown["compute"], rel=1e-12)
     assert ep.breakdown["dp exposed"] < dp.breakdown["dp exposed"]
+    # the busiest ep rank's experts set the pace: more rows, more bytes; dp alone is not
+    # affected (every rank runs every expert on its own tokens)
+    busy = pr.predict(moe, Plan(dp=4, ep=4, micro_batches=1, check_placements=False), 4, A100,
+                      imbalance=1.25)
+    assert busy.breakdown["compute"] > ep.breakdown["compute"]
+    assert busy.breakdown["ep exposed"] > ep.breakdown["ep exposed"]
+    assert pr.predict(moe, Plan(dp=4, micro_batches=1, check_placements=False), 4, A100,
+                      imbalance=1.25).step_s == dp.step_s
+    with pytest.raises(ValueError, match="imbalance=0.5 must be >= 1"):
+        pr.predict(moe, Plan(dp=4, ep=4, check_placements=False), 4, A100, imbalance=0.5)
     dense, experts = pr._elements(moe)
     assert experts == 4 * 8 * (2 * 2048 * 8192 + 8192 + 2048)
     assert dp.model_flops == pytest.approx(

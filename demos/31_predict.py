@@ -6,14 +6,18 @@ on 8, 64, 512 and 4,096 A100s (80 GB, 8 a node): at each size the fastest layout
 tokens/s, MFU and where the step goes (compute, recomputation, tensor-parallel
 collectives, pipeline bubble, data-parallel sync). Then the paper replay: the model's three
 global parameters fitted on three of Megatron's ten weak-scaling runs (Narayanan et al.
-2021, Table 1) and its error on the other seven and on Table 2's PTD-P runs.
+2021, Table 1) and its error on the other seven, on Table 2's PTD-P runs and on Korthikanti
+et al.'s Table 5 (22B to 1T, full against selective recomputation with sequence
+parallelism: the runs whose MFU and HFU the paper prints).
 
 Run:       python demos/31_predict.py [--model gpt3-13b --hardware a100-80g --batch 2048]
            (or python -m minidist demo predict; python -m minidist predict for one layout)
 Read with: minidist/hardware/predict.py, minidist/collectives/tiers.py,
            minidist/hardware/profiles.py, minidist/hardware/replay.py
 Paper:     Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-           Clusters Using Megatron-LM", arXiv:2104.04473, Tables 1 and 2
+           Clusters Using Megatron-LM", arXiv:2104.04473, Tables 1 and 2; Korthikanti et
+           al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+           arXiv:2205.05198, Tables 3 and 5
 """
 
 import argparse

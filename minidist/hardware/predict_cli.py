@@ -154,7 +154,8 @@ def show(a) -> int:
         f"{p.flops_per_gpu / 1e12:.1f} TFLOP/s per GPU (model) · MFU {100 * p.mfu:.1f}% · "
         f"HFU {100 * p.hfu:.1f}% of {hw.peak(a.precision) / 1e12:.1f} TFLOP/s")
     say(" breakdown (seconds a step, the slowest stage): " + ", ".join(
-        f"{k} {v:.3f}" for k, v in p.breakdown.items() if k != "pipeline"))
+        f"{k} {v:.3f}" for k, v in p.breakdown.items()
+        if k != "pipeline" and (v or k not in ("cp exposed", "ep exposed"))))
     mem = p.memory
     if mem:
         say(" memory per GPU (GiB): " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.items()

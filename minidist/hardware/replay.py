@@ -140,7 +140,7 @@ TABLE_5 = [Row(f"Table 5, {'1T' if p == 1000 else f'{p}B'} {what}", p, heads, hi
            for what, t in (("full recompute", full), ("present work", present))]
 ROWS = TABLE_1 + TABLE_2 + TABLE_5
 FIT_ROWS = (0, 3, 6)             # Table 1 rows 1, 4 and 7: 1.7B, 18.4B and 145.6B
-GRID = {"eta_max": np.linspace(0.5, 1.0, 11), "knee": np.logspace(-1, 2, 25),
+GRID = {"eta_max": np.linspace(0.5, 1.0, 11), "knee": np.logspace(-1, 2, 13),
         "rho": (0.5, 0.7, 0.9)}
 
 

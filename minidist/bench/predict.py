@@ -6,7 +6,8 @@ times, and prints the median of the repeats beside what hardware/predict.py says
 model, layout and batch on this machine's profile (hardware/profiles.this_machine: one
 rank's measured matmul peak, the measured read bandwidth, the calibrated shared-memory link),
 with the same three efficiency parameters that were fitted on Megatron's published runs:
-nothing is fitted here. Error: measured / predicted - 1 (positive: the model is fast).
+nothing is fitted here. Error: measured / predicted - 1 (positive: the model is fast). (runs): the fastest and the
+slowest run, the machine's noise.
 
     layouts   the single process; dp=2 (ZeRO 0, 1, 3); tp=2 (with and without SP); pp=2
               (1F1B, GPipe); cp=2 (ring, Ulysses); and a MoE GPT on one process and on
@@ -73,8 +74,10 @@ def models():
     return data, dense, replace(dense, moe_every=1, n_experts=4, top_k=2)
 
 
-def run(a) -> list[tuple[str, float, float, dict]]:
-    """[(layout, measured step s, predicted step s, predicted breakdown)] of LAYOUTS."""
+def run(a) -> list[tuple[str, list[float], float, dict]]:
+    """[(layout, measured step s of each run, predicted step s, predicted breakdown)] of
+    LAYOUTS; the repeats interleaved (every layout once, then again), so that a slow spell of
+    the machine hits all layouts alike rather than one layout's every run."""
     data, dense, moe = models()
     hw, batch, cores = profiles.this_machine(), 8, os.cpu_count() or 1
     wanted = {w.strip() for w in a.only.split(",") if w.strip()}
@@ -82,19 +85,21 @@ def run(a) -> list[tuple[str, float, float, dict]]:
     if unknown:
         raise ValueError(f"--only: unknown layouts {sorted(unknown)}; known: "
                          f"{', '.join(name for name, *_ in LAYOUTS)}")
-    rows = []
-    for name, fields, is_moe in LAYOUTS:
-        plan, cfg = Plan(**fields), moe if is_moe else dense
-        if (wanted and name not in wanted) or plan.world_size > cores:
-            continue
+    chosen = [(name, Plan(**fields), moe if is_moe else dense)
+              for name, fields, is_moe in LAYOUTS
+              if (not wanted or name in wanted) and Plan(**fields).world_size <= cores]
+    steps: dict[str, list[float]] = {name: [] for name, *_ in chosen}
+    for i in range(a.repeats):
         t0 = time.perf_counter()
-        runs = [measure(name, cfg, data, plan, a.steps, a.warmup, batch).step
-                for _ in range(a.repeats)]
+        for name, plan, cfg in chosen:
+            steps[name].append(measure(name, cfg, data, plan, a.steps, a.warmup, batch).step)
+        print(f"  ... round {i + 1} of {a.repeats}: {len(chosen)} layouts in "
+              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    rows = []
+    for name, plan, cfg in chosen:
         p = predict(replace(cfg, dropout=0.0), replace(plan, check_placements=False), batch,
                     hw, fmt="fp32", memory=False, imbalance=cfg.capacity_factor or 1.0)
-        rows.append((name, statistics.median(runs), p.step_s, p.breakdown))
-        print(f"  ... {name}: {a.repeats} runs in {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr, flush=True)
+        rows.append((name, steps[name], p.step_s, p.breakdown))
     return rows
 
 
@@ -112,14 +117,16 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"  {'layout':<18}{'measured ms':>12}{'predicted ms':>13}{'error':>8}   "
+    print(f"  {'layout':<16}{'measured ms':>12}{'(runs)':>12}{'predicted':>10}{'error':>8}   "
           "predicted: largest parts (ms)")
-    for name, got, want, parts in rows:
+    for name, runs, want, parts in rows:
+        got = statistics.median(runs)
         top = sorted(((v, k) for k, v in parts.items() if k != "pipeline" and v > 0),
-                     reverse=True)[:3]
-        print(f"  {name:<18}{1e3 * got:>12.1f}{1e3 * want:>13.1f}{100 * (got / want - 1):>+7.1f}%"
-              f"   " + ", ".join(f"{k} {1e3 * v:.1f}" for v, k in top))
-    errors = [abs(got / want - 1) for _, got, want, _ in rows]
+                     reverse=True)[:2]
+        print(f"  {name:<16}{1e3 * got:>12.1f}{f'{1e3 * min(runs):.0f}-{1e3 * max(runs):.0f}':>12}"
+              f"{1e3 * want:>10.1f}{100 * (got / want - 1):>+7.1f}%   "
+              + ", ".join(f"{k} {1e3 * v:.1f}" for v, k in top))
+    errors = [abs(statistics.median(runs) / want - 1) for _, runs, want, _ in rows]
     if errors:
         inside = sum(e <= 0.25 for e in errors)
         print(f"{inside} of {len(rows)} layouts within +-25% (mean |error| "

@@ -24,7 +24,8 @@ def test_the_table_has_a_measured_and_a_predicted_step_per_layout(capsys):
     assert cli(["bench", "predict", "--repeats", "1", "--steps", "1", "--warmup", "0",
                 "--only", "1 process,tp=2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    rows = [re.match(r"  (.+?) +([\d.]+) +([\d.]+) +([+-][\d.]+)%   ", line) for line in out]
+    rows = [re.match(r"  (.+?) +([\d.]+) +\d+-\d+ +([\d.]+) +([+-][\d.]+)%   ", line)
+            for line in out]
     rows = [m.groups() for m in rows if m]
     assert [r[0] for r in rows] == ["1 process", "tp=2"], out
     for _, measured, predicted, error in rows:

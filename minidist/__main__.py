@@ -2,7 +2,8 @@
 
     python -m minidist run -n 4 script.py [args]     run script.py on 4 ranks
     python -m minidist train [--dp 2 --tp 2 --sp]    train the tiny GPT (the main job;
-                             [--zero 1] [--check]    --check: against one process)
+                             [--zero 1] [--check]    --check: against one process;
+                             [--dry-run --world N]   --dry-run: one rank of N, counted)
     python -m minidist demo [name]                   list the demos, or run one
     python -m minidist bench collectives|autograd|train|pipeline|checkpoint|throughput|
                              recompute|observe|offload|determinism|predict

@@ -55,17 +55,21 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from minidist.collectives import all_to_all as a2a
-from minidist.collectives import cost, direct, halving_doubling, prepared, ring, tree
+from minidist.collectives import calibration, cost, direct, halving_doubling, hierarchical
+from minidist.collectives import prepared, ring, tiers, tree
 from minidist.collectives.reduce_ops import check_op
 from minidist.runtime.group import Work
 from minidist.runtime.world import world
 
 _ALGOS: dict[str, dict[str, Callable]] = {
     "all_reduce": {"ring": ring.all_reduce, "tree": tree.all_reduce,
-                   "halving": halving_doubling.all_reduce, "direct": direct.all_reduce},
+                   "halving": halving_doubling.all_reduce, "direct": direct.all_reduce,
+                   "hierarchical": hierarchical.all_reduce},
     "reduce_scatter": {"ring": ring.reduce_scatter, "halving": halving_doubling.reduce_scatter,
-                       "direct": direct.reduce_scatter},
-    "all_gather": {"ring": ring.all_gather, "halving": halving_doubling.all_gather},
+                       "direct": direct.reduce_scatter,
+                       "hierarchical": hierarchical.reduce_scatter},
+    "all_gather": {"ring": ring.all_gather, "halving": halving_doubling.all_gather,
+                   "hierarchical": hierarchical.all_gather},
     "broadcast": {"tree": tree.broadcast, "ring": ring.broadcast},
     "reduce": {"tree": tree.reduce, "ring": ring.reduce},
     "gather": {"tree": tree.gather},
@@ -109,12 +113,37 @@ def _root(root: Any, group, what: str) -> int:
 
 def _algo(op: str, algo: Any, nbytes: int, group) -> str:
     if algo == "auto":
+        nodes = getattr(group, "nodes", None)
+        if nodes is not None and nodes.count(group.ranks) > 1 and op in tiers.ALGOS:
+            return _across_nodes(op, nbytes, group)
         return cost.choose(op, nbytes, group.size,
                            shared_memory=getattr(group, "supports_shared", False))
     if not isinstance(algo, str) or algo not in _ALGOS[op]:
         raise ValueError(f"{op}: unknown algo {algo!r}. Use 'auto' or one of "
                          f"{', '.join(map(repr, _ALGOS[op]))}.")
     return algo
+
+
+def _across_nodes(op: str, nbytes: int, group) -> str:
+    """"auto" for a group spanning emulated nodes (runtime/nodes.py): the algorithm
+    collectives/tiers.py prices cheapest with this machine's calibrated link inside a node
+    and the nodes' link across (the hierarchical one only when every node holds as many of
+    the group's ranks)."""
+    nodes, c = group.nodes, calibration.constants(group.size)
+    topo = tiers.Topology(nodes.ranks_per_node, tiers.Link(c.alpha, max(c.beta, 1e-15), c.gamma),
+                          tiers.Link(nodes.alpha, max(nodes.beta, 1e-15), c.gamma))
+    best = [(tiers.seconds(op, a, group.ranks, nbytes, topo), a) for a in tiers.ALGOS[op]
+            if a != "hierarchical" or _even(group)]
+    return min(best)[1]
+
+
+def _even(group) -> bool:
+    """True if every node the group touches holds as many of its ranks."""
+    try:
+        hierarchical.grid(group)
+        return True
+    except ValueError:
+        return False
 
 
 def _sizes(sizes: Any, W: int, what: str, total: int | None = None) -> list[int]:

@@ -58,8 +58,10 @@ def segments(nbytes: int, count: int) -> int:
     return max(1, min(count, math.ceil(nbytes / SEGMENT_BYTES)))
 
 
-def _reduce_scatter_steps(chunks: list[np.ndarray], group, op: str) -> None:
+def reduce_scatter_steps(chunks: list[np.ndarray], group, op: str) -> None:
     """W-1 ring steps that leave chunks[rank] holding the reduction over all ranks.
+    `chunks`: W contiguous arrays (views), any sizes; `group`: anything with rank, size and
+    sendrecv (a ProcessGroup, or hierarchical.Members: a subset of one).
 
     Invariant: after step s, chunks[(rank-s-2) % W] on this rank holds the
     contributions of the s+2 ranks rank-s-1, ..., rank (combined left to
@@ -76,8 +78,9 @@ def _reduce_scatter_steps(chunks: list[np.ndarray], group, op: str) -> None:
                        combine=ufunc(op))
 
 
-def _all_gather_steps(chunks: list[np.ndarray], group) -> None:
-    """W-1 ring steps that copy every rank's finished chunks[r] into chunks[r] everywhere.
+def all_gather_steps(chunks: list[np.ndarray], group) -> None:
+    """W-1 ring steps that copy every rank's finished chunks[r] into chunks[r] everywhere
+    (`chunks` and `group` as reduce_scatter_steps').
 
     Invariant: after step s this rank holds the finished chunks of ranks
     rank-s-1, ..., rank; they are copied, never re-combined.
@@ -111,10 +114,10 @@ def all_reduce(x: np.ndarray, group, op: str = "sum") -> np.ndarray:
     W = group.size
     flat = x.reshape(-1).copy()
     chunks = np.array_split(flat, W)           # views into flat, sizes differ by <= 1
-    _reduce_scatter_steps(chunks, group, op)
+    reduce_scatter_steps(chunks, group, op)
     mine = chunks[group.rank]
     mine[...] = finish(op, mine, W)
-    _all_gather_steps(chunks, group)
+    all_gather_steps(chunks, group)
     return flat.reshape(x.shape)
 
 
@@ -123,7 +126,7 @@ def reduce_scatter(x: np.ndarray, group, op: str = "sum") -> np.ndarray:
 
     Algorithm (this rank's view): W-1 ring steps; each passes a partial sum to
     the right and adds the one arriving from the left into this rank's copy of
-    that chunk (see _reduce_scatter_steps for the invariant).
+    that chunk (see reduce_scatter_steps for the invariant).
 
     Shapes: x any shape with N elements, identical on every rank; returns a new
         1-D array of N // W or N // W + 1 elements. Notation: [N] {U} -> [N_group].
@@ -133,7 +136,7 @@ def reduce_scatter(x: np.ndarray, group, op: str = "sum") -> np.ndarray:
     """
     W = group.size
     chunks = np.array_split(x.reshape(-1).copy(), W)
-    _reduce_scatter_steps(chunks, group, op)
+    reduce_scatter_steps(chunks, group, op)
     return finish(op, chunks[group.rank], W).copy()
 
 
@@ -153,7 +156,7 @@ def all_gather(x: np.ndarray, group) -> np.ndarray:
     out = np.empty((W, *x.shape), x.dtype)
     rows = list(out.reshape(W, x.size))        # W contiguous row views
     rows[group.rank][...] = x.reshape(-1)
-    _all_gather_steps(rows, group)
+    all_gather_steps(rows, group)
     return out
 
 

@@ -15,7 +15,9 @@ transport, runtime/mpi.py, offers the same, without `shared`):
     shared(tag, nbytes)        COLLECTIVE: a region of nbytes per member that
                                every member reads directly (zero-copy); the
                                same call again returns the same region, whose
-                               `state` dict an algorithm may keep things in
+                               `state` dict an algorithm may keep things in;
+                               only where `supports_shared` (not for a group
+                               whose ranks span emulated nodes, runtime/nodes.py)
     barrier()                  every member has arrived, in this same call
     stats                      bytes sent and received, for cost accounting, and
                                "seconds": the wall time the main thread spent in
@@ -68,6 +70,7 @@ from minidist.runtime.errors import CollectiveMismatch, CollectiveTimeout, RankF
 from minidist.runtime.errors import rank_prefix
 from minidist.runtime.flight import cells
 from minidist.runtime.job import JobBoard, RankHealth
+from minidist.runtime.nodes import Nodes
 from minidist.runtime.p2p import Mailboxes
 from minidist.runtime.records import CallRecords, Template
 from minidist.runtime.shm import ALIGN, Arena, Ordering
@@ -144,8 +147,11 @@ class ProcessGroup:
                  world_size: int, board: JobBoard, arena: Arena, ordering: Ordering,
                  group_names: dict[int, str], timeout: float, spin: bool,
                  nslots: int, slot_bytes: int, health: RankHealth | None = None,
-                 bells: Doorbells | None = None):
+                 bells: Doorbells | None = None, nodes: Nodes | None = None):
         self.gid, self.name, self.ranks = gid, name, tuple(ranks)
+        self.nodes = nodes                # emulated nodes (runtime/nodes.py), or None
+        # nodes share no memory: a group across them has no shared() regions
+        self.supports_shared = nodes is None or nodes.count(self.ranks) == 1
         self.rank, self.size = self.ranks.index(global_rank), len(self.ranks)
         self.global_rank, self.world_size = global_rank, world_size
         self.board, self.arena, self.ordering = board, arena, ordering
@@ -266,6 +272,11 @@ class ProcessGroup:
 
     def shared(self, tag: str, nbytes: int) -> SharedBuffer:
         """COLLECTIVE: a region of `nbytes` per member (see module docstring)."""
+        if not self.supports_shared:
+            raise NotImplementedError(
+                f"{self.prefix} group '{self.name}' spans {self.nodes.count(self.ranks)} "
+                "emulated nodes, which share no memory. Use algo='ring', 'tree', 'halving' "
+                "or 'hierarchical' instead of 'direct'.")
         old = self._buffers.get(tag)
         if old is not None and nbytes <= old.nbytes:
             return old

@@ -65,6 +65,7 @@ from minidist.runtime.errors import CollectiveMismatch, RankFailure
 from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import DEAD, DONE, EXITING, FAILED, RUNNING, JobBoard
 from minidist.runtime.mpi import init_mpi, under_mpiexec
+from minidist.runtime.nodes import Nodes
 from minidist.runtime.process_setup import setup_rank_process
 from minidist.runtime.rank_output import RankOutput
 from minidist.runtime.report import Reports
@@ -112,13 +113,15 @@ def check_world_size(world_size: int) -> None:
 
 def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
           collective_timeout: float | None = None, join_timeout: float | None = None,
-          groups: int | None = None, **kwargs: Any) -> list[Any]:
+          groups: int | None = None, nodes: Nodes | None = None, **kwargs: Any) -> list[Any]:
     """Run fn(ctx, *args, **kwargs) on `world_size` forked ranks; return results in rank order.
 
     collective_timeout: seconds any single wait may take (default MINIDIST_TIMEOUT or 60).
     join_timeout: seconds the whole run may take (default: no limit).
     groups: the process groups fn will make, when the caller knows (parallel/compose.py's
     group_count): the job's group table holds max(groups, 64) unless MINIDIST_GROUPS says.
+    nodes: the ranks grouped into emulated nodes with a slower link between them
+    (runtime/nodes.py; default: MINIDIST_RANKS_PER_NODE's, else one node).
     Raises RankFailure if any rank fails (see the module docstring).
     """
     check_world_size(world_size)
@@ -127,6 +130,8 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any,
     knobs = {} if collective_timeout is None else {"timeout": collective_timeout}
     if groups is not None and "MINIDIST_GROUPS" not in os.environ:
         knobs["max_groups"] = max(groups, RuntimeConfig(world_size).max_groups)
+    if nodes is not None:
+        knobs["nodes"] = nodes
     cfg = RuntimeConfig(world_size, **knobs)
     ctx = mp.get_context("fork")            # ranks inherit the arena mapping
     lock = None if strong_ordering() else ctx.Lock()

@@ -30,6 +30,11 @@ CollectiveMismatch that names both calls, never silent garbage.
 A message that fits in the slots free now never waits for the receiver (`fits`): an
 asynchronous send of one is done at once by the caller (the eager send, collectives/api.py).
 
+Nodes (runtime/nodes.py): when the job's ranks are grouped into nodes, a message to a rank
+on another node is held before its last chunk until alpha + n beta after it began (the
+emulated inter-node tier), and counted in `bytes_sent_inter` / `messages_sent_inter` too.
+Such a send never counts as eager: it waits by design.
+
 Cost per message of N bytes: one copy in (sender) and one copy out (receiver),
 about N/slot_bytes counter handshakes. Zero-copy reads of a peer's buffer are
 in runtime/group.py (`shared`).
@@ -39,6 +44,7 @@ Read next: runtime/group.py
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -65,6 +71,7 @@ class Channel:
         self.slots = list(data.reshape(nslots, slot_bytes))
         self.done = 0                      # chunks this rank sent (or received) so far
         self.peer = -1                     # the global rank at the other end, seen from here
+        self.inter = False                 # the other end is on another node (emulated tier)
         self.lock = ordering.lock          # None on x86: plain loads/stores are ordered
 
     def chunks(self, nbytes: int) -> int:
@@ -111,6 +118,7 @@ class Mailboxes:
                  slot_bytes: int, ordering: Ordering):
         self.link = link
         self.bells = link.bells            # a sleeping peer is rung (runtime/doorbell.py)
+        self.nodes = getattr(link, "nodes", None)   # runtime/nodes.py, or None: one node
         self.out: dict[int, Channel] = {}
         self.inc: dict[int, Channel] = {}
         for src in range(size):            # identical allocation order on every rank
@@ -119,9 +127,12 @@ class Mailboxes:
                     ch = Channel(arena, nslots, slot_bytes, ordering)
                     if src == rank:
                         self.out[dst], ch.peer = ch, link.ranks[dst]
+                        ch.inter = self.nodes is not None and \
+                            self.nodes.node(link.ranks[dst]) != self.nodes.node(link.ranks[rank])
                     if dst == rank:
                         self.inc[src], ch.peer = ch, link.ranks[src]
         self.stats = {"bytes_sent": 0, "bytes_recv": 0, "messages_sent": 0,
+                      "bytes_sent_inter": 0, "messages_sent_inter": 0,
                       "seconds": 0.0}        # in synchronous calls (group.py's CallScope)
 
     @staticmethod
@@ -183,17 +194,20 @@ class Mailboxes:
         """True if a message of nbytes to dst fits in the free slots of its channel now,
         so that send() would copy it in without waiting for the receiver."""
         ch = self.out[dst]
-        return ch.chunks(nbytes) <= ch.nslots - (ch.done - ch.tail())
+        return not ch.inter and ch.chunks(nbytes) <= ch.nslots - (ch.done - ch.tail())
 
     # --- whole messages ---
     def send(self, x: np.ndarray, dst: int) -> None:
         ch, data = self.out[dst], byte_view(x)
         total, dtc, step = len(data), call.dtype_code(x.dtype), ch.slot_bytes
+        hold = self._arrival(ch, total)
         for off in range(0, max(total, 1), step):
             if not self._can_push(ch):
                 self._wait(lambda: self._can_push(ch), dst, "send to")
+            if hold is not None and off + step >= total:      # the last chunk: not before
+                time.sleep(max(0.0, hold - time.perf_counter()))   # alpha + n beta
             self._push(ch, data[off:off + step], off, total, dtc)
-        self._count(total)
+        self._count(total, ch)
 
     def recv(self, src: int, out: np.ndarray, combine: Callable | None = None) -> np.ndarray:
         ch, flat = self.inc[src], byte_view(out)
@@ -211,22 +225,26 @@ class Mailboxes:
         total, dtc, step = len(data), call.dtype_code(x.dtype), och.slot_bytes
         offs = list(range(0, max(total, 1), step))
         n_in = ich.chunks(out.nbytes)
+        hold = self._arrival(och, total)
         s = r = 0
         while s < len(offs) or r < n_in:
             moved = False
-            if s < len(offs) and self._can_push(och):
+            held = hold is not None and s == len(offs) - 1 and time.perf_counter() < hold
+            if s < len(offs) and not held and self._can_push(och):
                 self._push(och, data[offs[s]:offs[s] + step], offs[s], total, dtc)
                 s, moved = s + 1, True
             if r < n_in and self._can_pop(ich):
                 self._pop(ich, src, out, flat, combine)
                 r, moved = r + 1, True
-            if not moved:
+            if not moved and held and self._can_push(och):   # only the held chunk is left
+                time.sleep(max(0.0, hold - time.perf_counter()))   # to do: its arrival time
+            elif not moved:
                 def ready():
                     return ((s < len(offs) and self._can_push(och))
                             or (r < n_in and self._can_pop(ich)))
                 peer = src if r < n_in else dst
                 self._wait(ready, peer, "exchange with")
-        self._count(total)
+        self._count(total, och)
         self.stats["bytes_recv"] += out.nbytes
         return out
 
@@ -235,9 +253,17 @@ class Mailboxes:
         return [(src, ch.hdrs[ch.done % ch.nslots], int(ch.hdrs[ch.done % ch.nslots][CHUNK_OFF]))
                 for src, ch in self.inc.items() if ch.head() > ch.done]
 
-    def _count(self, nbytes: int) -> None:
+    def _arrival(self, ch: Channel, nbytes: int) -> float | None:
+        """perf_counter time before which a message to another node may not complete
+        (alpha + n beta from now), or None inside a node."""
+        return time.perf_counter() + self.nodes.delay(nbytes) if ch.inter else None
+
+    def _count(self, nbytes: int, ch: Channel) -> None:
         self.stats["bytes_sent"] += nbytes
         self.stats["messages_sent"] += 1
+        if ch.inter:
+            self.stats["bytes_sent_inter"] += nbytes
+            self.stats["messages_sent_inter"] += 1
 
     def _wait(self, ready: Callable[[], bool], peer: int, what: str) -> None:
         link = self.link

@@ -57,6 +57,7 @@ from minidist.runtime.doorbell import Doorbells
 from minidist.runtime.errors import CollectiveMismatch, rank_prefix
 from minidist.runtime.group import ProcessGroup
 from minidist.runtime.job import JobBoard, RankHealth
+from minidist.runtime.nodes import Nodes
 from minidist.runtime.shm import MAP_NORESERVE, Arena, Ordering
 
 
@@ -113,6 +114,7 @@ class RuntimeConfig:
     max_groups: int = field(default_factory=lambda: _env_int("MINIDIST_GROUPS", 64))
     nslots: int = field(default_factory=lambda: _env_int("MINIDIST_SLOTS", 4))
     slot_bytes: int | None = field(default_factory=lambda: _env_int("MINIDIST_SLOT_BYTES", None))
+    nodes: Nodes | None = field(default_factory=Nodes.from_env)   # emulated nodes, or None
 
     def __post_init__(self):
         W = self.world_size
@@ -123,6 +125,8 @@ class RuntimeConfig:
         if self.max_groups < 2:
             raise ValueError(f"MINIDIST_GROUPS={self.max_groups} must be >= 2 (the world "
                              "and each rank alone are groups)")
+        if self.nodes is not None:
+            self.nodes.check(W)
         if self.slot_bytes is None:
             object.__setattr__(self, "slot_bytes", default_slot_bytes(W, self.nslots))
         if self.slot_bytes < 64 or self.slot_bytes % 64:
@@ -204,7 +208,7 @@ class Job:
                                  ordering=self.ordering, group_names=self.group_names,
                                  timeout=self.cfg.timeout, spin=self.cfg.spin,
                                  nslots=self.cfg.nslots, slot_bytes=self.cfg.slot_bytes,
-                                 health=self.health, bells=self.bells)
+                                 health=self.health, bells=self.bells, nodes=self.cfg.nodes)
         self.groups.append(group)
         return group
 

@@ -74,11 +74,18 @@ def test_formulas_against_hand_computed_values(op, algo, W, n, c, want):
 
 
 def test_every_api_algorithm_has_a_formula():
-    assert {op: set(a) for op, a in cost.ALGOS.items()} == \
+    """One tier: cost.py's formulas; the two-level algorithms (across emulated nodes) are
+    priced on two tiers by tiers.py."""
+    from minidist.collectives import tiers
+    two_tier = {op: {"hierarchical"} for op in ("all_reduce", "reduce_scatter", "all_gather")}
+    assert {op: set(a) | two_tier.get(op, set()) for op, a in cost.ALGOS.items()} == \
         {op: set(a) for op, a in api._ALGOS.items()}
     for op, algos in cost.ALGOS.items():
         for algo in algos:
             assert cost.predict(op, algo, 6, 1000, cost.DEFAULT) > 0
+    topo = tiers.Topology(2, tiers.Link(1e-5, 1e-9), tiers.Link(1e-4, 1e-8))
+    for op in two_tier:
+        assert tiers.seconds(op, "hierarchical", range(6), 1000, topo) > 0
     with pytest.raises(ValueError, match="no formula"):
         cost.predict("all_gather", "tree", 4, 10, cost.DEFAULT)
     with pytest.raises(ValueError, match="unknown collective"):

@@ -72,16 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     for note in job.notes:
         print(note)
     cfg, data_cfg, plan = job.cfg, job.data_cfg, job.plan
+    a.nodes = train_options.nodes(a, plan.world_size)       # spawn's (recovery.run)
+    if a.nodes is not None:
+        print(f"nodes: {plan.world_size // a.nodes.ranks_per_node} of {a.nodes.ranks_per_node} "
+              f"ranks; across them {a.inter_latency_us:g} us + n / {a.inter_gbs:g} GB/s "
+              "(emulated), no shared memory")
     if plan.world_size == 1 and a.zero == 0 and not a.check and not job.resilience.active \
             and a.run_dir is None and a.device_memory is None and a.precision == "fp32" \
             and a.offload == "none":
         return _single_process(a, cfg, data_cfg)
+    # the gradient sync's group shares memory unless it spans emulated nodes
+    shared = a.nodes is None or a.nodes.count(plan.group_ranks(0)["grad"]) == 1
     layout = f"{plan.describe()}, ZeRO-{a.zero}" + (
         f", {plan.micro_batches} micro-batches" if plan.pp > 1 else "")
     print(f"task {a.task} · GPT {cfg.n_layer} layers, C={cfg.n_embd}, {cfg.dtype} · batch "
           f"{a.batch} on {layout} = {plan.world_size} ranks · {a.optimizer} lr {a.lr}\n"
-          f"algorithms: {plan.algorithms()}" + ("" if a.plain else " · --plain: the "
-                                                 "textbook ones"), flush=True)
+          f"algorithms: {plan.algorithms(shared)}" + ("" if a.plain else " · --plain: the "
+                                                       "textbook ones"), flush=True)
     if a.steps == 0:
         print(NOTHING_TRAINED)
         return 0
@@ -309,6 +316,14 @@ def _arguments() -> argparse.ArgumentParser:
                     help="per-rank device-memory budget, e.g. 64MB or 2GiB: every rank runs "
                          "under memory/ledger.py's Ledger and fails past it")
     run_dir.add_arguments(ap)
+    ap.add_argument("--ranks-per-node", type=at_least(1), default=None, metavar="N",
+                    help="emulate nodes of N ranks on this machine: messages between nodes "
+                         "take --inter-latency-us + n / --inter-gbs, groups across nodes "
+                         "share no memory (runtime/nodes.py); None: one node")
+    ap.add_argument("--inter-latency-us", type=float, default=100.0,
+                    help="with --ranks-per-node: the inter-node latency per message (us)")
+    ap.add_argument("--inter-gbs", type=float, default=0.25,
+                    help="with --ranks-per-node: the inter-node bandwidth per rank (GB/s)")
     ap.add_argument("--check-placements", action="store_true",
                     help="assert the placement of every activation crossing a parallel "
                          "boundary (also MINIDIST_CHECK_PLACEMENTS=1)")

@@ -54,6 +54,7 @@ from minidist.parallel.pipeline.schedules import PipelineSchedule
 from minidist.reliability import confined, recovery
 from minidist.runtime.launch import check_world_size
 from minidist.runtime.mpi import MPI_ENV
+from minidist.runtime.nodes import Nodes
 from minidist.runtime.world import RuntimeConfig
 
 
@@ -299,10 +300,34 @@ def _validated(a: argparse.Namespace) -> Job:
                           global_batch=a.batch, token_tiles=a.token_tiles,
                           seq_len=data_cfg.block_size)
     resilience = recovery.options(a, plan.world_size, plan.pp)
+    nodes(a, plan.world_size)
     if plan.world_size > 1 and not getattr(a, "dry_run", False):   # a dry run starts none
         check_world_size(plan.world_size)       # this machine's ranks, and the MINIDIST_*
         RuntimeConfig(plan.world_size)          # variables the launcher will read
     return Job(cfg, data_cfg, plan, resilience)
+
+
+def nodes(a: argparse.Namespace, world_size: int) -> Nodes | None:
+    """--ranks-per-node's emulated nodes (runtime/nodes.py), checked, or None."""
+    if getattr(a, "ranks_per_node", None) is None:
+        return None
+    if mpi_rank() is not None:
+        raise OptionError("--ranks-per-node emulates nodes on one machine; under mpiexec the "
+                          "nodes are real. Drop --ranks-per-node")
+    if getattr(a, "dry_run", False):
+        raise OptionError("--ranks-per-node emulates a slower link between ranks, but a "
+                          "--dry-run times no link; drop --ranks-per-node")
+    if getattr(a, "elastic", False):
+        raise OptionError("--elastic changes the number of ranks, which nodes of "
+                          "--ranks-per-node would no longer tile; drop one of the two")
+    if not (a.inter_latency_us >= 0 and a.inter_gbs > 0):
+        raise OptionError(f"--inter-latency-us {a.inter_latency_us} must be >= 0 and "
+                          f"--inter-gbs {a.inter_gbs} > 0")
+    if world_size % a.ranks_per_node:
+        fits = [k for k in range(1, world_size + 1) if world_size % k == 0]
+        raise OptionError(f"--ranks-per-node {a.ranks_per_node} does not divide the layout's "
+                          f"{world_size} ranks into nodes; use one of {fits}")
+    return Nodes(a.ranks_per_node, a.inter_latency_us * 1e-6, 1.0 / (a.inter_gbs * 1e9))
 
 
 def _fits_in_memory(a: argparse.Namespace, cfg: GPTConfig, T: int) -> None:

@@ -39,6 +39,10 @@ REFUSED = [   # (options, what the one line must say): each refused before any r
     (["--dp", "2", "--run-dir", "/etc/passwd"], r"--run-dir /etc/passwd: is a file"),
     (["--length", "100000000"], r"need at least .* GiB .* more than this machine's"),
     (["--n-embd", "400000", "--pp", "1000", "--batch", "1000000000"], r"need at least"),
+    (["--dp", "4", "--ranks-per-node", "3"],
+     r"--ranks-per-node 3 does not divide the layout's 4 ranks into nodes; use one of \[1, 2, 4\]"),
+    (["--dp", "2", "--ranks-per-node", "1", "--inter-gbs", "0"], r"--inter-gbs 0.0 > 0"),
+    (["--dp", "2", "--ranks-per-node", "1", "--dry-run"], r"a --dry-run times no link"),
 ]
 
 

@@ -384,7 +384,7 @@ def run(a, cfg, data_cfg, plan, r: Resilience, rank_main: Callable):
         token = confined.token()             # this attempt's saves' temporary names
         result = spawn(layout.world_size, rank_main, a, cfg, data_cfg, layout, t0,
                        (state, k, r, config, stop, offset, token),
-                       groups=group_count(layout, cfg))[0]
+                       groups=group_count(layout, cfg), nodes=getattr(a, "nodes", None))[0]
         prior = [] if state is None else list(state.losses)[:state.step]
         return replace(result, losses=tuple(prior) + result.losses)
 

@@ -165,3 +165,15 @@ def test_grid_needs_as_many_ranks_on_every_node():
         ranks = (0, 1, 2)
     with pytest.raises(ValueError, match=r"has \[2, 1\] ranks on its nodes"):
         hierarchical.grid(G())
+
+
+@pytest.mark.slow
+def test_training_on_emulated_nodes_equals_the_single_process(capsys):
+    """dp = 4 on 2 nodes of 2: the gradient sync crosses the slow tier (ring or the two-level
+    all-reduce, no shared-memory buckets) and the run still equals one process."""
+    from minidist import train_cli
+    assert train_cli.main(["--dp", "4", "--zero", "1", "--ranks-per-node", "2", "--check",
+                           "--steps", "6", "--run-dir", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "nodes: 2 of 2 ranks; across them 100 us + n / 0.25 GB/s (emulated)" in out
+    assert "\nOK: " in out, out

@@ -422,6 +422,8 @@ class Meter:
             self.groups.update({"ep": lay.ep_group, "edp": lay.expert_group})
         if lay.etp_group is not None:              # the experts' tensor parallelism
             self.groups["etp"] = lay.etp_group
+        if lay.shard_group is not None:            # HSDP: ZeRO inside, replicas across
+            self.groups.update({"shard": lay.shard_group, "replicate": lay.replica_group})
         if lay.pipeline is not None:
             self.groups["pp"] = lay.pipeline.links
             if lay.pipeline.embed_group is not None:

@@ -292,6 +292,10 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"],
                     help="which positions each cp rank holds")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    ap.add_argument("--hsdp", type=at_least(0), default=0, metavar="S",
+                    help="hybrid sharding: ZeRO's state sharded over groups of S dp ranks "
+                         "(inside a node) and replicated over --dp / S (across nodes); "
+                         "0: over every dp rank")
     ap.add_argument("--plain", action="store_true",
                     help="the textbook algorithms instead of the fast paths: DDP with one "
                          "all-reduce per parameter (parallel/data/ddp.py), ring reductions "

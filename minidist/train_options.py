@@ -77,7 +77,7 @@ class Job:
 # The flag that sets each field the Plan, GPTConfig and DataConfig name in their messages.
 FLAGS = {"global_batch": "--batch", "micro_batches": "--grad-accum", "dp": "--dp",
          "tp": "--tp", "cp": "--cp", "pp": "--pp", "ep": "--ep", "zero": "--zero",
-         "expert_tp": "--expert-tp",
+         "expert_tp": "--expert-tp", "hsdp": "--hsdp",
          "cp_layout": "--cp-layout", "cp_algo": "--cp-algo", "n_head": "--n-head",
          "n_embd": "--n-embd", "n_layer": "--n-layer", "moe_every": "--moe-every",
          "n_experts": "--n-experts", "moe_group_size": "--moe-group-size", "top_k": "--top-k",
@@ -282,7 +282,7 @@ def _validated(a: argparse.Namespace) -> Job:
                            aux_loss_coef=aux_loss, shared_experts=a.shared_experts,
                            expert_hidden=a.expert_hidden)
     plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, expert_tp=a.expert_tp,
-                zero=a.zero,
+                zero=a.zero, hsdp=a.hsdp,
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,
                 schedule=a.schedule_value, virtual_stages=a.virtual_stages,

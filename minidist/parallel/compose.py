@@ -91,6 +91,10 @@ class Plan:
     MixedPrecision; grad_reduce "low" stores and sums the gradients in that format.
     Offloading (memory/offload.py): offload "host" or "disk" moves the optimizer state (and
     ZeRO-3's parameter shards) off the device; offload_dir: the disk tier's root directory.
+    Hybrid sharding (HSDP): hsdp S > 0 shards ZeRO's state over groups of S dp ranks (the
+    mesh's "shard" axis, the faster: inside a node) and replicates it over the dp / S
+    groups ("replicate"): a gradient is reduce-scattered in its shard group, then its shard
+    all-reduced over the replicas (parallel/zero/engine.py); 0: ZeRO over all dp ranks.
     The fast paths: algo "auto" reduces in rank order over shared memory ("direct",
     collectives/direct.py) where the group has it, and `buckets` makes DDP keep its
     gradients in shared-memory buckets (parallel/data/buckets.py); `textbook()` turns both
@@ -103,6 +107,7 @@ class Plan:
     cp: int = 1
     ep: int = 1
     expert_tp: int = 1                        # experts' own tensor parallelism (folded)
+    hsdp: int = 0                             # ZeRO sharded over this many dp ranks, 0: all
     zero: int = 0
     micro_batches: int = 1
     sequence_parallel: bool = False
@@ -160,6 +165,22 @@ class Plan:
                              "optimizer state), 2 (+ gradients) or 3 (+ parameters).")
         if self.algo not in ALGOS:
             raise ValueError(f"Plan: algo={self.algo!r} is unknown; use one of {ALGOS}.")
+        if not _positive_int(self.hsdp, 0):
+            raise ValueError(f"Plan: hsdp={self.hsdp!r} must be an int >= 0 (0: shard over "
+                             "every dp rank).")
+        if self.hsdp:
+            if not self.zero:
+                raise ValueError(f"Plan: hsdp={self.hsdp} shards ZeRO's state, but zero=0 "
+                                 "shards nothing; use zero=1, 2 or 3.")
+            if self.dp % self.hsdp:
+                fits = [s for s in range(1, self.dp + 1) if self.dp % s == 0]
+                raise ValueError(f"Plan: hsdp={self.hsdp} must divide dp={self.dp} (shard "
+                                 "groups of hsdp ranks, dp / hsdp replicas); use "
+                                 + " or ".join(f"hsdp={s}" for s in fits[1:]) + ".")
+            if self.cp > 1 or self.ep * self.expert_tp > 1:
+                raise ValueError(f"Plan: hsdp={self.hsdp} with {'cp' if self.cp > 1 else 'ep'}"
+                                 " > 1 is not built (the shard group would have to span the "
+                                 "context or expert ranks too); use hsdp=0.")
         if self.zero and self.algo == "tree":
             raise ValueError("Plan: ZeRO needs a reduce-scatter, which the tree algorithm "
                              "does not have; use algo 'auto', 'direct', 'ring' or 'halving'.")
@@ -210,6 +231,10 @@ class Plan:
         are neighbours (inside a node) and pp's the farthest apart (across nodes)."""
         axes = (("pp",) if self.pp > 1 else ()) + ("dp", "cp", "tp")
         shape = ((self.pp,) if self.pp > 1 else ()) + (self.dp, self.cp, self.tp)
+        if self.hsdp:                                  # dp = (replicate, shard), shard fastest
+            i = axes.index("dp")
+            axes = axes[:i] + ("replicate", "shard") + axes[i + 1:]
+            shape = shape[:i] + (self.dp // self.hsdp, self.hsdp) + shape[i + 1:]
         if self.ep * self.expert_tp > 1:              # dp = (edp, ep, etp), etp the fastest
             i = axes.index("dp")
             axes = axes[:i] + ("edp", "ep", "etp") + axes[i + 1:]
@@ -231,7 +256,8 @@ class Plan:
             index = tuple(slice(None) if a in names else c for a, c in zip(axes, me))
             return tuple(int(r) for r in grid[index].reshape(-1))
         out = {a: along((a,)) for a in axes}
-        dp_axes = tuple(a for a in ("edp", "ep", "etp", "dp") if a in axes)
+        dp_axes = tuple(a for a in ("replicate", "shard", "edp", "ep", "etp", "dp")
+                        if a in axes)
         out["dp"] = along(dp_axes)
         out["grad"] = along(dp_axes + ("cp",))
         out.setdefault("pp", (rank,))
@@ -248,6 +274,8 @@ class Plan:
             ep = f" (ep={self.ep}, expert-tp={self.expert_tp})"
         low = f", {self.precision} (grads {self.grad_reduce})" \
             if self.policy() is not None else ""
+        if self.hsdp:
+            ep = f" (HSDP: shard {self.hsdp} x replicate {self.dp // self.hsdp})"
         return f"{pp}dp={self.dp}{ep}{cp} x tp={self.tp}" \
             f"{' (SP)' if self.sequence_parallel else ''}{low}"
 
@@ -399,6 +427,8 @@ class Layout:
     ep_group: object = None                   # ep > 1: the ranks sharing the experts
     expert_group: object = None               # ep > 1: my experts' replicas (edp x cp)
     etp_group: object = None                  # expert_tp > 1: the ranks splitting my experts
+    shard_group: object = None                # hsdp > 0: the dp ranks sharing my ZeRO shards
+    replica_group: object = None              # hsdp > 0: the replicas of my shards
 
     @property
     def model(self):
@@ -435,7 +465,8 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
                               mirror_group=groups["mirror"])
     return Layout(groups["mesh"], groups["dp"], groups["cp"], groups["tp"], groups["grad"],
                   sharding, engine, context, groups.get("pp"), stage, groups.get("ep"),
-                  groups.get("edp"), groups.get("etp"))
+                  groups.get("edp"), groups.get("etp"), groups.get("shard"),
+                  groups.get("replicate"))
 
 
 def parallelize(cfg: GPTConfig, seed: int, plan: Plan, groups: dict,
@@ -481,14 +512,17 @@ def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
 
         zero 0, groups with shared memory    BucketedDataParallel (parallel/data/buckets.py)
         zero 0, MPI                          DataParallel, one all-reduce per parameter
-        zero 1, 2, 3                         ZeroEngine (parallel/zero/engine.py)
+        zero 1, 2, 3                         ZeroEngine (parallel/zero/engine.py), over
+                                             the shard group under HSDP (its replicas
+                                             all-reduce the shards)
     Experts' gradients sum over their own replicas (edp x cp), the rest over dp x cp.
     Plan.textbook() turns the fast path off; Plan.algorithms() names the choice."""
     grad, edp = groups["grad"], groups.get("edp")
     if plan.zero:
         experts = {"expert_group": edp} if edp is not None else {}
-        return ZeroEngine(sharding.model, grad, plan.zero, algo=plan.algo, sharding=sharding,
-                          **experts, **opt)
+        hybrid = {"replica_group": groups["replicate"]} if plan.hsdp else {}
+        return ZeroEngine(sharding.model, groups["shard"] if plan.hsdp else grad, plan.zero,
+                          algo=plan.algo, sharding=sharding, **experts, **hybrid, **opt)
     group_of = {} if edp is None else {id(p): edp for n, p in zip(
         sharding.names, sharding.params) if is_expert_parameter(n)}
     buckets = plan.buckets and all(getattr(g, "supports_shared", False)
@@ -536,12 +570,15 @@ def _groups(ctx, plan: Plan, cfg: GPTConfig) -> dict:
     axes, shape = plan.mesh_axes()
     experts = plan.ep * plan.expert_tp > 1
     mesh = DeviceMesh(job, axes, shape)
-    dp_axes = ("edp", "ep", "etp") if experts else ("dp",)
-    dp = mesh.flatten(dp_axes, "dp") if experts else mesh.group("dp")
+    dp_axes = ("edp", "ep", "etp") if experts else ("replicate", "shard") if plan.hsdp \
+        else ("dp",)
+    dp = mesh.flatten(dp_axes, "dp") if len(dp_axes) > 1 else mesh.group("dp")
     # the gradient sync gets a group of its own even when dp = 1, so that the cp
     # group's traffic (bytes_by_axis["cp"]) is attention and nothing else
     groups = {"mesh": mesh, "dp": dp, "cp": mesh.group("cp"), "tp": mesh.group("tp"),
               "grad": dp if plan.cp == 1 else mesh.flatten(dp_axes + ("cp",), "dp_cp")}
+    if plan.hsdp:
+        groups["shard"], groups["replicate"] = mesh.group("shard"), mesh.group("replicate")
     if experts:
         groups["ep"] = mesh.group("ep")
         groups["edp"] = mesh.group("edp") if plan.cp == 1 else \

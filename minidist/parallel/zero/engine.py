@@ -51,6 +51,15 @@ Communication per step (ring; elements sent per rank; `zero_memory.comm_elements
     "auto" is "direct" where the group shares memory and "ring" where it does not (the
     MPI transport, runtime/mpi.py: `supports_shared` False); all-gathers use the ring.
 
+Hybrid sharding (HSDP; Zhao et al. 2023, Sec. 3.2.2): `group` is then a shard group of S
+of the dp ranks (inside a node) and `replica_group` the dp / S ranks holding the same
+shard (across nodes). Each reduce-scatter over the shard group is followed by an all-reduce
+of its shard over the replicas, so every replica holds the gradient summed over all dp
+ranks and takes the same step; gathers (parameters, the norm's partial sums) stay inside
+the shard group. Memory per rank: S in place of W above. Bytes per step: the shard group's
+stage 1-2 traffic with W = S, plus 2 (R-1)/R S_shard per rank over the replicas (R = dp / S,
+a ring all-reduce of my shard): only 1/S of the gradient crosses the slow tier.
+
 Numerics: AdamW and SGD are elementwise, so the optimizer objects stepping a shard give
 it the bits the full update would give. Step counters are Python ints and are not
 counted as memory. Under expert parallelism a MoE block's experts are a unit of their own,
@@ -89,11 +98,18 @@ class ZeroEngine(Engine):
                  betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.0,
                  algo: str = "auto", sharding=None,
                  hook_points: list[tuple[Module, str]] | None = None,
-                 expert_group=None) -> None:
+                 expert_group=None, replica_group=None) -> None:
         """hook_points (stage 3): (module, method name) pairs in call order that stage3.py
-        wraps; None: the GPT's (stage3.gpt_hook_points: embed, every block, head)."""
+        wraps; None: the GPT's (stage3.gpt_hook_points: embed, every block, head).
+        replica_group: HSDP's replicas of my shards (module docstring), or None."""
         _check_args(stage, optimizer, algo)
+        if replica_group is not None and expert_group is not None:
+            raise ValueError("ZeroEngine: replica_group (HSDP) with expert_group (expert "
+                             "parallelism) is not built; give one of them.")
         self.model, self.group, self.stage, self.sharding = model, group, stage, sharding
+        self.replicas = replica_group if replica_group is not None and \
+            replica_group.size > 1 else None
+        self.replica_algo = algo if algo in ("ring", "halving") else "auto"   # no shared mem
         self.rank, W = group.rank, group.size
         self.rs_algo, self.ag_algo = algorithms(algo, group)
         # expert parallelism: the experts' units are sharded over their replicas only
@@ -322,8 +338,13 @@ class ZeroEngine(Engine):
         return self.unit_groups[i].rank
 
     def _reduce_scatter(self, flat: np.ndarray, unit: int) -> np.ndarray:
-        return C.reduce_scatter(flat, op="sum", group=self.unit_groups[unit],
-                                algo=self.rs_algo)
+        """My shard of `flat` summed over unit `unit`'s group, and under HSDP over the
+        shard's replicas too."""
+        shard = C.reduce_scatter(flat, op="sum", group=self.unit_groups[unit],
+                                 algo=self.rs_algo)
+        if self.replicas is None:
+            return shard
+        return C.all_reduce(shard, op="sum", group=self.replicas, algo=self.replica_algo)
 
     def _all_gather(self, x: np.ndarray, async_op: bool = False, unit: int | None = None):
         """Over unit `unit`'s group; over the dp group for the norm (unit None)."""

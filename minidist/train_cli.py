@@ -292,6 +292,13 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"],
                     help="which positions each cp rank holds")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    ap.add_argument("--local-steps", type=at_least(0), default=0, metavar="H",
+                    help="DiLoCo: each dp replica trains alone for H steps, then an outer "
+                         "Nesterov step on their mean progress (1/H of DDP's bytes; "
+                         "parallel/data/diloco.py); 0: sum the gradients every step")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="--local-steps' outer lr")
+    ap.add_argument("--outer-momentum", type=float, default=0.9,
+                    help="--local-steps' outer Nesterov momentum")
     ap.add_argument("--hsdp", type=at_least(0), default=0, metavar="S",
                     help="hybrid sharding: ZeRO's state sharded over groups of S dp ranks "
                          "(inside a node) and replicated over --dp / S (across nodes); "

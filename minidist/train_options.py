@@ -77,7 +77,8 @@ class Job:
 # The flag that sets each field the Plan, GPTConfig and DataConfig name in their messages.
 FLAGS = {"global_batch": "--batch", "micro_batches": "--grad-accum", "dp": "--dp",
          "tp": "--tp", "cp": "--cp", "pp": "--pp", "ep": "--ep", "zero": "--zero",
-         "expert_tp": "--expert-tp", "hsdp": "--hsdp",
+         "expert_tp": "--expert-tp", "hsdp": "--hsdp", "local_steps": "--local-steps",
+         "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
          "cp_layout": "--cp-layout", "cp_algo": "--cp-algo", "n_head": "--n-head",
          "n_embd": "--n-embd", "n_layer": "--n-layer", "moe_every": "--moe-every",
          "n_experts": "--n-experts", "moe_group_size": "--moe-group-size", "top_k": "--top-k",
@@ -250,6 +251,15 @@ def _validated(a: argparse.Namespace) -> Job:
     if a.sp and a.tp == 1:
         raise OptionError("--sp splits the sequence over the tensor-parallel ranks: give "
                           "--tp > 1 with it, or drop --sp")
+    if a.check and a.local_steps:
+        raise OptionError(f"--check compares with the single process, which --local-steps "
+                          f"{a.local_steps} (DiLoCo: replicas apart between outer steps) is "
+                          "not meant to equal; drop one of the two")
+    if a.local_steps and (a.precision != "fp32" or a.deterministic or a.checkpoint_dir
+                          or a.offload != "none" or a.spike != "off"):
+        raise OptionError(f"--local-steps {a.local_steps} (DiLoCo) runs in fp32 without "
+                          "--deterministic, checkpoints, offloading or the spike guard; "
+                          "drop those")
     if a.check and a.precision != "fp32":
         raise OptionError(f"--check compares with the float64 baseline; --precision "
                           f"{a.precision} rounds on purpose. Drop one of the two")
@@ -282,7 +292,8 @@ def _validated(a: argparse.Namespace) -> Job:
                            aux_loss_coef=aux_loss, shared_experts=a.shared_experts,
                            expert_hidden=a.expert_hidden)
     plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, expert_tp=a.expert_tp,
-                zero=a.zero, hsdp=a.hsdp,
+                zero=a.zero, hsdp=a.hsdp, local_steps=a.local_steps, outer_lr=a.outer_lr,
+                outer_momentum=a.outer_momentum,
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,
                 schedule=a.schedule_value, virtual_stages=a.virtual_stages,

@@ -43,6 +43,9 @@ REFUSED = [   # (options, what the one line must say): each refused before any r
      r"--ranks-per-node 3 does not divide the layout's 4 ranks into nodes; use one of \[1, 2, 4\]"),
     (["--dp", "2", "--ranks-per-node", "1", "--inter-gbs", "0"], r"--inter-gbs 0.0 > 0"),
     (["--dp", "2", "--ranks-per-node", "1", "--dry-run"], r"a --dry-run times no link"),
+    (["--dp", "2", "--local-steps", "2", "--check"], r"not meant to equal; drop one"),
+    (["--dp", "2", "--local-steps", "2", "--zero", "1"], r"not with --zero 1; use --local-steps 0"),
+    (["--dp", "4", "--zero", "1", "--hsdp", "3"], r"use --hsdp 2 or --hsdp 4"),
 ]
 
 

@@ -60,6 +60,7 @@ from minidist.parallel.context.context_parallel import ContextParallel, apply_co
 from minidist.parallel.context.context_parallel import LAYOUTS as CP_LAYOUTS
 from minidist.parallel.data.buckets import BucketedDataParallel
 from minidist.parallel.data.ddp import ALGOS, DataParallel
+from minidist.parallel.data.diloco import DiLoCo
 from minidist.parallel.expert.expert_parallel import apply_experts, is_expert_parameter
 from minidist.parallel.expert.expert_tensor import apply_expert_tensor
 from minidist.parallel.pipeline.schedule_validate import validate
@@ -91,6 +92,9 @@ class Plan:
     MixedPrecision; grad_reduce "low" stores and sums the gradients in that format.
     Offloading (memory/offload.py): offload "host" or "disk" moves the optimizer state (and
     ZeRO-3's parameter shards) off the device; offload_dir: the disk tier's root directory.
+    Infrequent sync: local_steps H > 0 trains each dp replica alone for H steps, then takes
+    DiLoCo's outer step (outer_lr, outer_momentum) on the replicas' mean progress
+    (parallel/data/diloco.py): 1/H of DDP's bytes; not an exact method.
     Hybrid sharding (HSDP): hsdp S > 0 shards ZeRO's state over groups of S dp ranks (the
     mesh's "shard" axis, the faster: inside a node) and replicates it over the dp / S
     groups ("replicate"): a gradient is reduce-scattered in its shard group, then its shard
@@ -108,6 +112,9 @@ class Plan:
     ep: int = 1
     expert_tp: int = 1                        # experts' own tensor parallelism (folded)
     hsdp: int = 0                             # ZeRO sharded over this many dp ranks, 0: all
+    local_steps: int = 0                      # DiLoCo: sync every this many steps, 0: DDP
+    outer_lr: float = 0.7                     # DiLoCo's outer Nesterov step
+    outer_momentum: float = 0.9
     zero: int = 0
     micro_batches: int = 1
     sequence_parallel: bool = False
@@ -165,6 +172,19 @@ class Plan:
                              "optimizer state), 2 (+ gradients) or 3 (+ parameters).")
         if self.algo not in ALGOS:
             raise ValueError(f"Plan: algo={self.algo!r} is unknown; use one of {ALGOS}.")
+        if not _positive_int(self.local_steps, 0):
+            raise ValueError(f"Plan: local_steps={self.local_steps!r} must be an int >= 0 "
+                             "(0: sum the gradients every step).")
+        if self.local_steps:
+            clash = [f"{k}={v}" for k, v in (("zero", self.zero), ("pp", self.pp),
+                                             ("cp", self.cp), ("ep", self.ep)) if v > 1 or
+                     (k == "zero" and v)]
+            if clash:
+                raise ValueError(f"Plan: local_steps={self.local_steps} (DiLoCo) runs on dp "
+                                 f"(and tp) only, not with {', '.join(clash)}; use local_steps=0.")
+            if not (self.outer_lr > 0 and 0 <= self.outer_momentum < 1):
+                raise ValueError(f"Plan: outer_lr={self.outer_lr} must be > 0 and "
+                                 f"outer_momentum={self.outer_momentum} in [0, 1).")
         if not _positive_int(self.hsdp, 0):
             raise ValueError(f"Plan: hsdp={self.hsdp!r} must be an int >= 0 (0: shard over "
                              "every dp rank).")
@@ -292,7 +312,10 @@ class Plan:
                  "ring": "(collectives/ring.py)", "tree": "(collectives/tree.py)",
                  "halving": "(collectives/halving_doubling.py)",
                  "auto": "chosen by size (collectives/api.py)"}[algo]
-        if self.zero:
+        if self.local_steps:
+            sync = (f"DiLoCo, an outer step every {self.local_steps} steps "
+                    "(parallel/data/diloco.py)")
+        elif self.zero:
             sync = f"ZeRO-{self.zero} (parallel/zero/engine.py)"
         elif self.buckets and shared_memory:
             sync = "DDP with shared-memory buckets (parallel/data/buckets.py)"
@@ -512,12 +535,17 @@ def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
 
         zero 0, groups with shared memory    BucketedDataParallel (parallel/data/buckets.py)
         zero 0, MPI                          DataParallel, one all-reduce per parameter
+        local_steps H > 0                    DiLoCo (parallel/data/diloco.py)
         zero 1, 2, 3                         ZeroEngine (parallel/zero/engine.py), over
                                              the shard group under HSDP (its replicas
                                              all-reduce the shards)
     Experts' gradients sum over their own replicas (edp x cp), the rest over dp x cp.
     Plan.textbook() turns the fast path off; Plan.algorithms() names the choice."""
     grad, edp = groups["grad"], groups.get("edp")
+    if plan.local_steps:
+        return DiLoCo(sharding.model, grad, local_steps=plan.local_steps,
+                      outer_lr=plan.outer_lr, outer_momentum=plan.outer_momentum,
+                      algo=plan.algo, sharding=sharding, **opt)
     if plan.zero:
         experts = {"expert_group": edp} if edp is not None else {}
         hybrid = {"replica_group": groups["replicate"]} if plan.hsdp else {}

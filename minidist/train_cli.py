@@ -299,6 +299,10 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--outer-lr", type=float, default=0.7, help="--local-steps' outer lr")
     ap.add_argument("--outer-momentum", type=float, default=0.9,
                     help="--local-steps' outer Nesterov momentum")
+    ap.add_argument("--onebit-adam", type=at_least(0), default=0, metavar="T",
+                    help="1-bit Adam: T Adam steps on summed gradients, then the momentum "
+                         "sent as signs + a scale with error feedback (parallel/data/"
+                         "onebit_adam.py); 0: off")
     ap.add_argument("--hsdp", type=at_least(0), default=0, metavar="S",
                     help="hybrid sharding: ZeRO's state sharded over groups of S dp ranks "
                          "(inside a node) and replicated over --dp / S (across nodes); "

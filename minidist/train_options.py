@@ -79,6 +79,7 @@ FLAGS = {"global_batch": "--batch", "micro_batches": "--grad-accum", "dp": "--dp
          "tp": "--tp", "cp": "--cp", "pp": "--pp", "ep": "--ep", "zero": "--zero",
          "expert_tp": "--expert-tp", "hsdp": "--hsdp", "local_steps": "--local-steps",
          "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
+         "onebit_warmup": "--onebit-adam",
          "cp_layout": "--cp-layout", "cp_algo": "--cp-algo", "n_head": "--n-head",
          "n_embd": "--n-embd", "n_layer": "--n-layer", "moe_every": "--moe-every",
          "n_experts": "--n-experts", "moe_group_size": "--moe-group-size", "top_k": "--top-k",
@@ -251,15 +252,19 @@ def _validated(a: argparse.Namespace) -> Job:
     if a.sp and a.tp == 1:
         raise OptionError("--sp splits the sequence over the tensor-parallel ranks: give "
                           "--tp > 1 with it, or drop --sp")
-    if a.check and a.local_steps:
-        raise OptionError(f"--check compares with the single process, which --local-steps "
-                          f"{a.local_steps} (DiLoCo: replicas apart between outer steps) is "
-                          "not meant to equal; drop one of the two")
-    if a.local_steps and (a.precision != "fp32" or a.deterministic or a.checkpoint_dir
-                          or a.offload != "none" or a.spike != "off"):
-        raise OptionError(f"--local-steps {a.local_steps} (DiLoCo) runs in fp32 without "
-                          "--deterministic, checkpoints, offloading or the spike guard; "
-                          "drop those")
+    inexact = f"--local-steps {a.local_steps}" if a.local_steps else \
+        f"--onebit-adam {a.onebit_adam}" if a.onebit_adam else ""
+    if a.check and inexact:
+        raise OptionError(f"--check compares with the single process, which {inexact} (not "
+                          "an exact method: it syncs less, or in fewer bits) is not meant to "
+                          "equal; drop one of the two")
+    if inexact and (a.precision != "fp32" or a.deterministic or a.checkpoint_dir
+                    or a.offload != "none" or a.spike != "off"):
+        raise OptionError(f"{inexact} runs in fp32 without --deterministic, checkpoints, "
+                          "offloading or the spike guard; drop those")
+    if a.onebit_adam and a.optimizer != "adamw":
+        raise OptionError(f"--onebit-adam compresses Adam's momentum; --optimizer "
+                          f"{a.optimizer} has none. Use --optimizer adamw")
     if a.check and a.precision != "fp32":
         raise OptionError(f"--check compares with the float64 baseline; --precision "
                           f"{a.precision} rounds on purpose. Drop one of the two")
@@ -293,7 +298,7 @@ def _validated(a: argparse.Namespace) -> Job:
                            expert_hidden=a.expert_hidden)
     plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, expert_tp=a.expert_tp,
                 zero=a.zero, hsdp=a.hsdp, local_steps=a.local_steps, outer_lr=a.outer_lr,
-                outer_momentum=a.outer_momentum,
+                outer_momentum=a.outer_momentum, onebit_warmup=a.onebit_adam,
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,
                 schedule=a.schedule_value, virtual_stages=a.virtual_stages,

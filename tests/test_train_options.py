@@ -46,6 +46,8 @@ REFUSED = [   # (options, what the one line must say): each refused before any r
     (["--dp", "2", "--local-steps", "2", "--check"], r"not meant to equal; drop one"),
     (["--dp", "2", "--local-steps", "2", "--zero", "1"], r"not with --zero 1; use --local-steps 0"),
     (["--dp", "4", "--zero", "1", "--hsdp", "3"], r"use --hsdp 2 or --hsdp 4"),
+    (["--dp", "2", "--onebit-adam", "5", "--optimizer", "sgd"], r"Use --optimizer adamw"),
+    (["--dp", "2", "--onebit-adam", "5", "--check"], r"--onebit-adam 5 \(not an exact"),
 ]
 
 

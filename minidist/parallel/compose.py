@@ -61,6 +61,7 @@ from minidist.parallel.context.context_parallel import LAYOUTS as CP_LAYOUTS
 from minidist.parallel.data.buckets import BucketedDataParallel
 from minidist.parallel.data.ddp import ALGOS, DataParallel
 from minidist.parallel.data.diloco import DiLoCo
+from minidist.parallel.data.onebit_adam import OneBitAdam
 from minidist.parallel.expert.expert_parallel import apply_experts, is_expert_parameter
 from minidist.parallel.expert.expert_tensor import apply_expert_tensor
 from minidist.parallel.pipeline.schedule_validate import validate
@@ -94,7 +95,9 @@ class Plan:
     ZeRO-3's parameter shards) off the device; offload_dir: the disk tier's root directory.
     Infrequent sync: local_steps H > 0 trains each dp replica alone for H steps, then takes
     DiLoCo's outer step (outer_lr, outer_momentum) on the replicas' mean progress
-    (parallel/data/diloco.py): 1/H of DDP's bytes; not an exact method.
+    (parallel/data/diloco.py): 1/H of DDP's bytes; not an exact method. onebit_warmup T > 0:
+    Adam on summed gradients for T steps, then 1-bit compressed momentum with error feedback
+    (parallel/data/onebit_adam.py): about 1/32 of DDP's bytes; not exact either.
     Hybrid sharding (HSDP): hsdp S > 0 shards ZeRO's state over groups of S dp ranks (the
     mesh's "shard" axis, the faster: inside a node) and replicates it over the dp / S
     groups ("replicate"): a gradient is reduce-scattered in its shard group, then its shard
@@ -115,6 +118,7 @@ class Plan:
     local_steps: int = 0                      # DiLoCo: sync every this many steps, 0: DDP
     outer_lr: float = 0.7                     # DiLoCo's outer Nesterov step
     outer_momentum: float = 0.9
+    onebit_warmup: int = 0                    # 1-bit Adam after this many Adam steps, 0: off
     zero: int = 0
     micro_batches: int = 1
     sequence_parallel: bool = False
@@ -175,13 +179,21 @@ class Plan:
         if not _positive_int(self.local_steps, 0):
             raise ValueError(f"Plan: local_steps={self.local_steps!r} must be an int >= 0 "
                              "(0: sum the gradients every step).")
-        if self.local_steps:
+        if not _positive_int(self.onebit_warmup, 0):
+            raise ValueError(f"Plan: onebit_warmup={self.onebit_warmup!r} must be an int >= 0 "
+                             "(0: no compression).")
+        for field, what in (("local_steps", "DiLoCo"), ("onebit_warmup", "1-bit Adam")):
+            if not getattr(self, field):
+                continue
             clash = [f"{k}={v}" for k, v in (("zero", self.zero), ("pp", self.pp),
                                              ("cp", self.cp), ("ep", self.ep)) if v > 1 or
                      (k == "zero" and v)]
+            if field == "onebit_warmup" and self.local_steps:
+                clash.append(f"local_steps={self.local_steps}")
             if clash:
-                raise ValueError(f"Plan: local_steps={self.local_steps} (DiLoCo) runs on dp "
-                                 f"(and tp) only, not with {', '.join(clash)}; use local_steps=0.")
+                raise ValueError(f"Plan: {field}={getattr(self, field)} ({what}) runs on dp "
+                                 f"(and tp) only, not with {', '.join(clash)}; use {field}=0.")
+        if self.local_steps:
             if not (self.outer_lr > 0 and 0 <= self.outer_momentum < 1):
                 raise ValueError(f"Plan: outer_lr={self.outer_lr} must be > 0 and "
                                  f"outer_momentum={self.outer_momentum} in [0, 1).")
@@ -312,7 +324,10 @@ class Plan:
                  "ring": "(collectives/ring.py)", "tree": "(collectives/tree.py)",
                  "halving": "(collectives/halving_doubling.py)",
                  "auto": "chosen by size (collectives/api.py)"}[algo]
-        if self.local_steps:
+        if self.onebit_warmup:
+            sync = (f"1-bit Adam after {self.onebit_warmup} Adam steps "
+                    "(parallel/data/onebit_adam.py)")
+        elif self.local_steps:
             sync = (f"DiLoCo, an outer step every {self.local_steps} steps "
                     "(parallel/data/diloco.py)")
         elif self.zero:
@@ -536,12 +551,16 @@ def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
         zero 0, groups with shared memory    BucketedDataParallel (parallel/data/buckets.py)
         zero 0, MPI                          DataParallel, one all-reduce per parameter
         local_steps H > 0                    DiLoCo (parallel/data/diloco.py)
+        onebit_warmup T > 0                  OneBitAdam (parallel/data/onebit_adam.py)
         zero 1, 2, 3                         ZeroEngine (parallel/zero/engine.py), over
                                              the shard group under HSDP (its replicas
                                              all-reduce the shards)
     Experts' gradients sum over their own replicas (edp x cp), the rest over dp x cp.
     Plan.textbook() turns the fast path off; Plan.algorithms() names the choice."""
     grad, edp = groups["grad"], groups.get("edp")
+    if plan.onebit_warmup:
+        return OneBitAdam(sharding.model, grad, warmup=plan.onebit_warmup, algo=plan.algo,
+                          sharding=sharding, **opt)
     if plan.local_steps:
         return DiLoCo(sharding.model, grad, local_steps=plan.local_steps,
                       outer_lr=plan.outer_lr, outer_momentum=plan.outer_momentum,

@@ -7,6 +7,8 @@ gradients summed before the same update on every rank.
                  buckets and summed in place; the same bits (tests/parallel/data/)
     diloco.py    DiLoCo: H local steps per replica, then an outer Nesterov step on the
                  replicas' mean progress; 1/H of DDP's bytes (not an exact method)
+    onebit_adam.py  OneBitAdam: Adam's momentum sent as signs and a scale with error
+                 feedback after a warm-up; about 1/32 of DDP's bytes (not exact)
 compose.gradient_sync chooses between them (Plan.textbook() forces ddp.py). Either sends
 2 (W-1)/W of the gradient bytes per rank and step with the ring (collectives/cost.py
 predicts each algorithm's time).

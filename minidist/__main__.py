@@ -6,7 +6,8 @@
                              [--dry-run --world N]   --dry-run: one rank of N, counted)
     python -m minidist demo [name]                   list the demos, or run one
     python -m minidist bench collectives|autograd|train|pipeline|checkpoint|throughput|
-                             recompute|observe|offload|determinism|predict|hierarchical
+                             recompute|observe|offload|determinism|predict|hierarchical|
+                             sync
                                                      benchmarks (medians, tables)
     python -m minidist memory --model ... --plan dp=2,zero=1 [--measure] [--fit]
                                                      the memory budget per rank
@@ -43,7 +44,8 @@ from minidist.cli import CliParser, at_least
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
 BENCHES = ("collectives", "autograd", "compare", "train", "pipeline", "checkpoint", "throughput",
-           "recompute", "observe", "offload", "determinism", "predict", "hierarchical")
+           "recompute", "observe", "offload", "determinism", "predict", "hierarchical",
+           "sync")
 INTERRUPTED = 128 + signal.SIGINT           # the shells' code for "ended by SIGINT"
 STDOUT_CLOSED = 128 + signal.SIGPIPE        # ... and for "ended by SIGPIPE"
 

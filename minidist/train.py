@@ -26,8 +26,8 @@ One rank's view of step s (dp rank d of dp, cp rank c, tp rank t, M micro-batche
 Shapes: x, y (B/(dp M), T/cp) per micro-batch, the same on every tp rank.
 Result (RankResult): losses (global), grad_norms, lrs, full params and optimizer state
 (gathered over dp under ZeRO and over tp), bytes sent/received per step (group.stats deltas
-around the step: "sent", "recv" over all axes; bytes_by_axis: sent per axis, and
-recv_by_axis received, "dp" being the gradient sync over dp x cp, "pp" the pipeline's
+around the step: "sent", "recv" over all axes; bytes_by_axis: sent per axis,
+recv_by_axis received, inter_by_axis sent to other emulated nodes, "dp" being the gradient sync over dp x cp, "pp" the pipeline's
 activations and gradients, "embed" the tied wte's all-reduce, "ep" the MoE tokens'
 all-to-alls, "edp" the experts' gradient sync, "etp" the expert-tensor-parallel gathers and
 reduce-scatters), pipeline (pp > 1: this stage's timeline per step, as (schedules.Action,
@@ -125,6 +125,7 @@ class RankResult:
     routing_biases: tuple[dict[str, np.ndarray], ...] = ()   # per step, after the update
     comm_by_axis: tuple[dict[str, float], ...] = ()  # {"dp": s, "tp": s}: seconds in calls
     recv_by_axis: tuple[dict[str, int], ...] = ()   # {"dp": received B, "tp": received B}
+    inter_by_axis: tuple[dict[str, int], ...] = ()  # sent to other (emulated) nodes
 
 
 @dataclass(frozen=True)
@@ -199,13 +200,15 @@ class OnStepEnd(Hook):
 
 
 def _traffic(groups: dict[str, object]) -> dict[str, int]:
-    """{"sent", "recv"} over all groups, and "sent.<axis>", "recv.<axis>" per group, so far."""
+    """{"sent", "recv"} over all groups, and "sent.<axis>", "recv.<axis>" and "inter.<axis>"
+    (sent to ranks on other nodes, runtime/nodes.py) per group, so far."""
     out = {"sent": 0, "recv": 0}
     for axis, g in groups.items():
         out["sent"] += g.stats["bytes_sent"]
         out["recv"] += g.stats["bytes_recv"]
         out[f"sent.{axis}"] = g.stats["bytes_sent"]
         out[f"recv.{axis}"] = g.stats["bytes_recv"]
+        out[f"inter.{axis}"] = g.stats.get("bytes_sent_inter", 0)
     return out
 
 
@@ -443,6 +446,7 @@ class Meter:
         self.local, self.norms, self.lrs, self.traffic, self.by_axis = [], [], [], [], []
         self.comm_by_axis: list[dict[str, float]] = []
         self.recv_by_axis: list[dict[str, int]] = []
+        self.inter_by_axis: list[dict[str, int]] = []
         self.moe: list[dict] = []
         self.routing_biases: list[dict] = []
         self.timing: dict[str, list[float]] = {"compute": [], "comm_wait": [], "step": [],
@@ -482,6 +486,8 @@ class Meter:
                              for a in self.groups})
         self.recv_by_axis.append({a: after[f"recv.{a}"] - self.before[f"recv.{a}"]
                                   for a in self.groups})
+        self.inter_by_axis.append({a: after[f"inter.{a}"] - self.before[f"inter.{a}"]
+                                   for a in self.groups})
         comm = {a: s2[a] - self.s0[a] for a in s2}          # seconds in calls, per axis
         self.comm_by_axis.append(comm)
         t = self.timing
@@ -517,6 +523,7 @@ class Meter:
                             bytes_by_axis=tuple(self.by_axis),
                             comm_by_axis=tuple(self.comm_by_axis),
                             recv_by_axis=tuple(self.recv_by_axis),
+                            inter_by_axis=tuple(self.inter_by_axis),
                             memory=_memory(engine, self.ledger),
                             timing={k: tuple(v) for k, v in self.timing.items()},
                             pipeline=None if stage is None else {
@@ -584,4 +591,7 @@ def _global_loss(local: list[float], grad, pp, algo: str) -> np.ndarray:
     """Sum of the losses over the gradient-sync ranks (dp x cp), then over the pipeline
     stages, whose losses are 0 but on the last (adding zeros is exact)."""
     losses = C.all_reduce(np.array(local, np.float64), group=grad, algo=algo)
-    return losses if pp is None else C.all_reduce(losses, group=pp, algo=algo)
+    if pp is None:
+        return losses                   # (pp may span emulated nodes where grad does not)
+    return C.all_reduce(losses, group=pp,
+                        algo=algo if getattr(pp, "supports_shared", False) else "auto")

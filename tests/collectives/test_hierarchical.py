@@ -167,13 +167,19 @@ def test_grid_needs_as_many_ranks_on_every_node():
         hierarchical.grid(G())
 
 
-@pytest.mark.slow
-def test_training_on_emulated_nodes_equals_the_single_process(capsys):
-    """dp = 4 on 2 nodes of 2: the gradient sync crosses the slow tier (ring or the two-level
-    all-reduce, no shared-memory buckets) and the run still equals one process."""
+@pytest.mark.parametrize("layout", [
+    ["--tp", "2", "--pp", "2", "--dp", "2"],              # the loss's sum over pp crosses
+    pytest.param(["--dp", "4", "--zero", "1"], marks=pytest.mark.slow),
+    pytest.param(["--cp", "2", "--dp", "2"], marks=pytest.mark.slow),
+    pytest.param(["--moe-every", "1", "--ep", "2", "--dp", "4"], marks=pytest.mark.slow),
+    pytest.param(["--tp", "4", "--sp"], marks=pytest.mark.slow),
+], ids=" ".join)
+def test_training_on_emulated_nodes_equals_the_single_process(layout, capsys):
+    """Nodes of 2 ranks: the groups that cross them (dp, pp, cp, ep or tp) take the
+    algorithms without shared memory, and the run still equals one process."""
     from minidist import train_cli
-    assert train_cli.main(["--dp", "4", "--zero", "1", "--ranks-per-node", "2", "--check",
-                           "--steps", "6", "--run-dir", "none"]) == 0
+    assert train_cli.main(layout + ["--ranks-per-node", "2", "--check", "--steps", "4",
+                                    "--run-dir", "none"]) == 0
     out = capsys.readouterr().out
-    assert "nodes: 2 of 2 ranks; across them 100 us + n / 0.25 GB/s (emulated)" in out
+    assert "across them 100 us + n / 0.25 GB/s (emulated)" in out
     assert "\nOK: " in out, out

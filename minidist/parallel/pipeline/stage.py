@@ -201,11 +201,11 @@ class Links:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Bytes sent and received over every link, and seconds in synchronous calls on
-        them (what train.py counts as "pp")."""
+        """Bytes sent and received over every link (and sent to other emulated nodes), and
+        seconds in synchronous calls on them (what train.py counts as "pp")."""
         groups = list(self.out.values()) + list(self.inc.values())
-        return {k: sum(g.stats[k] for g in groups)
-                for k in ("bytes_sent", "bytes_recv", "seconds")}
+        return {k: sum(g.stats.get(k, 0) for g in groups)
+                for k in ("bytes_sent", "bytes_recv", "bytes_sent_inter", "seconds")}
 
 
 def make_links(job, grid: np.ndarray, stages: int, chunks: int, placement: str = "loop"

@@ -17,6 +17,12 @@
     replay.py         that model against Megatron's published runs (Tables 1 and 2): fitted
                       on 3 rows, the error on every other
     predict_cli.py    `python -m minidist predict` (and --replay)
+    architecture.py   the model a prediction prices, by its shapes: minidist's GPT or a
+                      Llama block (RMSNorm, SwiGLU, grouped-query attention, rotary, untied
+                      head); its parameters and Megatron's tp split of them
+    llama.py          the Llama 2 and 3 presets (7B-405B), each number with its source
+    architecture_memory.py  an Architecture's memory per GPU: Korthikanti et al.'s
+                      activation count generalised to grouped-query attention and SwiGLU
     cpu_caches.py     this CPU's memory hierarchy: read GB/s and random-access ns over
                       working sets from 16 KB up, one plateau per cache level (the CPU twin
                       of gpu/kernels/bandwidth.cu and pointer_chase.cu)

@@ -10,6 +10,9 @@ read, bytes written):
              from memory and writes its result back.
 The ratio of the two byte counts is what fusion can save (LayerNorm forward 6x, bias + GELU
 13x, AdamW 32/7 = 4.6x), the ratio of the kernel counts what it saves in launches.
+The ops of a Llama block that minidist's GPT does not have (RMSNorm, rotary positions,
+SwiGLU, grouped-query attention; hardware/architecture.py) have no twin in nn/: their
+unfused passes are those of the plain NumPy expression each docstring writes out.
 
 One op's view (how each function below is written):
     1. walk the twin's code line by line: each NumPy expression is one unfused kernel, its
@@ -97,39 +100,49 @@ def gemm_backward(M: int, K: int, N: int, s: int, bias: bool = False
     return (dx, fused), (dx, dw, db)
 
 
-def layernorm(R: int, C: int, s: int, bias: bool = True) -> tuple[Kernels, Kernels]:
+def layernorm(R: int, C: int, s: int, bias: bool = True,
+              centered: bool = True) -> tuple[Kernels, Kernels]:
     """y = (x - mu) r w + b over rows of C (autograd/fused.LayerNorm.forward's passes).
-    The fused kernel also writes mu and r (R each) for its backward."""
+    centered=False is RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), y = x r w with
+    r = 1 / sqrt(mean(x^2) + eps): the same passes without the two that centre x (nn/
+    builds no RMSNorm; these are the passes of that expression). The fused kernel also
+    writes what its backward needs: mu (LayerNorm) and r, R each."""
     n = R * C
-    unfused = [_rows("mean", n, R, s, mean=True), _pass("x - mu", n, s, extra=R),
-               _pass("xc * xc", n, s), _rows("mean: var", n, R, s, mean=True),
-               _pass("+ eps", R, s), _pass("sqrt", R, s), _pass("1 / .", R, s),
-               _pass("xhat = xc * r", n, s, extra=R), _pass("* w", n, s, extra=C)]
+    centre = [_rows("mean", n, R, s, mean=True), _pass("x - mu", n, s, extra=R)]
+    unfused = (centre if centered else []) + [
+        _pass("xc * xc" if centered else "x * x", n, s),
+        _rows("mean: var" if centered else "mean: ms", n, R, s, mean=True),
+        _pass("+ eps", R, s), _pass("sqrt", R, s), _pass("1 / .", R, s),
+        _pass("xhat = xc * r" if centered else "xhat = x * r", n, s, extra=R),
+        _pass("* w", n, s, extra=C)]
     if bias:
         unfused.append(_pass("+ b", n, s, extra=C))
     flops = sum(k.other for k in unfused)
     vectors = (1 + bias) * C
-    return ((Kernel("layernorm", 0, flops, s * (n + vectors), s * (n + 2 * R)),),
-            tuple(unfused))
+    return ((Kernel("layernorm" if centered else "rmsnorm", 0, flops, s * (n + vectors),
+                    s * (n + (1 + centered) * R)),), tuple(unfused))
 
 
-def layernorm_backward(R: int, C: int, s: int, bias: bool = True
-                       ) -> tuple[Kernels, Kernels]:
-    """dx, dw (and db) of layernorm (LayerNorm.backward's passes, given xhat and r).
-    Fused: one kernel rebuilds xhat = (x - mu) r (2 FLOPs an element), writes dx and
-    per-block partial sums of dw, db; a second adds the partials (their few KB are left
-    out of the bytes): the two-stage reduction."""
+def layernorm_backward(R: int, C: int, s: int, bias: bool = True,
+                       centered: bool = True) -> tuple[Kernels, Kernels]:
+    """dx, dw (and db) of layernorm (LayerNorm.backward's passes, given xhat and r;
+    centered=False: RMSNorm's, dx = r (dxhat - xhat mean(dxhat xhat)), without the
+    subtraction of mean(dxhat)). Fused: one kernel rebuilds xhat = (x - mu) r (2 FLOPs an
+    element; RMSNorm x r, 1), writes dx and per-block partial sums of dw, db; a second
+    adds the partials (their few KB are left out of the bytes): the two-stage reduction."""
     n = R * C
-    unfused = [_pass("dxhat = g * w", n, s, extra=C), _rows("mean", n, R, s, mean=True),
-               _pass("dx = dxhat - mean", n, s, extra=R), _pass("dxhat * xhat", n, s, 2),
-               _rows("mean", n, R, s, mean=True), _pass("xhat * mean", n, s, extra=R),
-               _pass("dx -= .", n, s, 2), _pass("dx *= r", n, s, extra=R),
-               _pass("g * xhat", n, s, 2), _rows("sum: dw", n, C, s)]
+    centre = [_rows("mean", n, R, s, mean=True), _pass("dx = dxhat - mean", n, s, extra=R)]
+    unfused = [_pass("dxhat = g * w", n, s, extra=C)] + (centre if centered else []) + [
+        _pass("dxhat * xhat", n, s, 2),
+        _rows("mean", n, R, s, mean=True), _pass("xhat * mean", n, s, extra=R),
+        _pass("dx -= .", n, s, 2), _pass("dx *= r", n, s, extra=R),
+        _pass("g * xhat", n, s, 2), _rows("sum: dw", n, C, s)]
     if bias:
         unfused.append(_rows("sum: db", n, C, s))
     vectors = (1 + bias) * C
-    first = Kernel("layernorm backward", 0, sum(k.other for k in unfused) + 2 * n,
-                   s * (2 * n + C + 2 * R), s * (n + vectors))
+    first = Kernel(f"{'layernorm' if centered else 'rmsnorm'} backward", 0,
+                   sum(k.other for k in unfused) + (1 + centered) * n,
+                   s * (2 * n + C + (1 + centered) * R), s * (n + vectors))
     return (first, Kernel("dw, db: add the block partials")), tuple(unfused)
 
 
@@ -167,33 +180,81 @@ def scaled_masked_softmax_backward(R: int, T: int, s: int) -> tuple[Kernels, Ker
     return (Kernel("scaled causal softmax backward", 0, 5 * n - R, 2 * s * n, s * n),), unfused
 
 
-def attention(B: int, H: int, T: int, D: int, s: int) -> tuple[Kernels, Kernels]:
+def attention(B: int, H: int, T: int, D: int, s: int,
+              kv_heads: int | None = None) -> tuple[Kernels, Kernels]:
     """Causal y = softmax(q k^T / sqrt(D) + mask) v, q k v (B, H, T, D) (nn/attention.py's
     passes). Fused: FlashAttention's one kernel reads q, k, v once and writes y and the row
     log-sum-exp L for its backward; the n scores never reach memory. Both count the whole
-    T x T square, as the twin computes it (a kernel skipping masked tiles does ~half)."""
-    n, r, a = B * H * T * T, B * H * T, B * H * T * D
+    T x T square, as the twin computes it (a kernel skipping masked tiles does ~half).
+    kv_heads G: grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245), k and v
+    (B, G, T, D), each shared by H / G query heads: the FLOPs of H heads, the k and v bytes
+    of G (default G = H)."""
+    G = H if kv_heads is None else kv_heads
+    n, r, a, kv = B * H * T * T, B * H * T, B * H * T * D, B * G * T * D
     sm_fused, sm = scaled_masked_softmax(r, T, s)
-    unfused = (Kernel("S = q k^T", 2 * n * D, 0, 2 * s * a, s * n), *sm,
-               Kernel("y = P v", 2 * n * D, 0, s * (n + a), s * a))
-    flash = Kernel("flash attention", 4 * n * D, sm_fused[0].other, 3 * s * a, s * (a + r))
+    unfused = (Kernel("S = q k^T", 2 * n * D, 0, s * (a + kv), s * n), *sm,
+               Kernel("y = P v", 2 * n * D, 0, s * (n + kv), s * a))
+    flash = Kernel("flash attention", 4 * n * D, sm_fused[0].other, s * (a + 2 * kv),
+                   s * (a + r))
     return (flash,), unfused
 
 
-def attention_backward(B: int, H: int, T: int, D: int, s: int) -> tuple[Kernels, Kernels]:
+def attention_backward(B: int, H: int, T: int, D: int, s: int,
+                       kv_heads: int | None = None) -> tuple[Kernels, Kernels]:
     """dq, dk, dv of attention. Unfused: the twin's backward (two GEMMs per product, the
     softmax backward, mask and scale). Fused: FlashAttention's backward reads q, k, v, y,
-    dy and L, rebuilds P tile by tile (5 GEMMs instead of 4) and writes dq, dk, dv."""
-    n, r, a = B * H * T * T, B * H * T, B * H * T * D
-    unfused = (Kernel("dP = dy v^T", 2 * n * D, 0, 2 * s * a, s * n),
-               Kernel("dv = P^T dy", 2 * n * D, 0, s * (n + a), s * a),
+    dy and L, rebuilds P tile by tile (5 GEMMs instead of 4) and writes dq, dk, dv.
+    kv_heads G: dk and dv (B, G, T, D), each summed over its group's query heads."""
+    G = H if kv_heads is None else kv_heads
+    n, r, a, kv = B * H * T * T, B * H * T, B * H * T * D, B * G * T * D
+    unfused = (Kernel("dP = dy v^T", 2 * n * D, 0, s * (a + kv), s * n),
+               Kernel("dv = P^T dy", 2 * n * D, 0, s * (n + a), s * kv),
                *scaled_masked_softmax_backward(r, T, s)[1],
-               Kernel("dq = dS k", 2 * n * D, 0, s * (n + a), s * a),
-               Kernel("dk = dS^T q", 2 * n * D, 0, s * (n + a), s * a))
+               Kernel("dq = dS k", 2 * n * D, 0, s * (n + kv), s * a),
+               Kernel("dk = dS^T q", 2 * n * D, 0, s * (n + a), s * kv))
     # P = exp(S / sqrt(D) - L): 3n; rowsum(dy * y): 2a; dS = P (dP - rowsum) / sqrt(D): 3n
-    flash = Kernel("flash attention backward", 10 * n * D, 6 * n + 2 * a, s * (5 * a + r),
-                   3 * s * a)
+    flash = Kernel("flash attention backward", 10 * n * D, 6 * n + 2 * a,
+                   s * (3 * a + 2 * kv + r), s * (a + 2 * kv))
     return (flash,), unfused
+
+
+def rotary(B: int, T: int, heads: int, D: int, s: int) -> tuple[Kernels, Kernels]:
+    """Rotary positions (Su et al. 2021, RoFormer, arXiv:2104.09864, Eq. 34) on x (B, T,
+    heads, D), the query and key heads together: y = x cos + rotate_half(x) sin, cos and sin
+    (T, D) tables. Its backward is the rotation by minus the angle, the same passes, so
+    this one pair serves both directions. Unfused: x * cos, the half rotation (a copy that
+    negates half), * sin, the add; fused: one kernel reads x and both tables, writes y."""
+    n, table = B * T * heads * D, T * D
+    unfused = (_pass("x * cos", n, s, extra=table), _pass("rotate_half", n, s, flops=n // 2),
+               _pass("* sin", n, s, extra=table), _pass("+", n, s, 2))
+    return (Kernel("rotary", 0, sum(k.other for k in unfused), s * (n + 2 * table), s * n),
+            ), unfused
+
+
+_SWIGLU_FORWARD = (("-g", 1), ("exp", 1), ("+ 1", 1), ("silu = g / .", 2), ("* u", 2))
+_SWIGLU_BACKWARD = (("-g", 1), ("exp", 1), ("+ 1", 1), ("sig = 1 / .", 1),
+                    ("silu = g * sig", 2), ("du = dy * silu", 2), ("1 - sig", 1),
+                    ("g * .", 2), ("+ 1", 1), ("sig * .", 2), ("dy * u", 2), ("dg = . * .", 2))
+
+
+def swiglu(R: int, F: int, s: int) -> tuple[Kernels, Kernels]:
+    """y = silu(g) * u, g and u (R, F) the gate and up projections' outputs (Shazeer 2020,
+    "GLU Variants Improve Transformer", arXiv:2002.05202, Eq. 6, Swish with beta = 1), silu(g)
+    = g / (1 + exp(-g)). nn/ has no twin: the unfused passes are those of this expression
+    in NumPy (_SWIGLU_FORWARD). Fused: one kernel reads g and u and writes y."""
+    n = R * F
+    unfused = tuple(_pass(name, n, s, k) for name, k in _SWIGLU_FORWARD)
+    return (Kernel("swiglu", 0, sum(k.other for k in unfused), 2 * s * n, s * n),), unfused
+
+
+def swiglu_backward(R: int, F: int, s: int) -> tuple[Kernels, Kernels]:
+    """du = dy silu(g), dg = dy u silu'(g), silu'(g) = sig (1 + g (1 - sig)), sig = 1 / (1 +
+    exp(-g)) (_SWIGLU_BACKWARD's passes). Fused: one kernel reads g, u and dy, rebuilds sig
+    and writes dg and du."""
+    n = R * F
+    unfused = tuple(_pass(name, n, s, k) for name, k in _SWIGLU_BACKWARD)
+    return (Kernel("swiglu backward", 0, sum(k.other for k in unfused), 3 * s * n,
+                   2 * s * n),), unfused
 
 
 _GELU_FORWARD = ("x * x", "* c3", "+ c1", "* x", "exp", "+ 1", "-2 / .", "+ 1", "t + 1",
@@ -258,22 +319,27 @@ def cross_entropy_backward(N: int, V: int, s: int) -> tuple[Kernels, Kernels]:
     return (), unfused
 
 
-def embedding(B: int, T: int, C: int, s: int) -> tuple[Kernels, Kernels]:
-    """h_0 = wte[idx] + wpe[0..T-1]: two row gathers and an add, or one kernel."""
+def embedding(B: int, T: int, C: int, s: int, positions: bool = True
+              ) -> tuple[Kernels, Kernels]:
+    """h_0 = wte[idx] + wpe[0..T-1]: two row gathers and an add, or one kernel.
+    positions=False (rotary positions, applied inside attention): the token gather alone."""
     n = B * T * C
-    unfused = (Kernel("wte[idx]", 0, 0, INDEX_BYTES * B * T + s * n, s * n),
-               Kernel("wpe[pos]", 0, 0, INDEX_BYTES * T + s * T * C, s * T * C),
+    tokens = Kernel("wte[idx]", 0, 0, INDEX_BYTES * B * T + s * n, s * n)
+    if not positions:
+        return (tokens,), (tokens,)
+    unfused = (tokens, Kernel("wpe[pos]", 0, 0, INDEX_BYTES * T + s * T * C, s * T * C),
                _pass("+", n, s, extra=T * C))
     fused = Kernel("wte[idx] + wpe", 0, n, INDEX_BYTES * B * T + s * (n + T * C), s * n)
     return (fused,), unfused
 
 
-def embedding_backward(B: int, T: int, C: int, V: int, s: int) -> tuple[Kernels, Kernels]:
-    """dwpe = sum over the batch of g; dwte += g scattered to the rows of idx (add.at).
-    The same two kernels fused or not."""
+def embedding_backward(B: int, T: int, C: int, V: int, s: int, positions: bool = True
+                       ) -> tuple[Kernels, Kernels]:
+    """dwpe = sum over the batch of g (with positions); dwte += g scattered to the rows of
+    idx (add.at). The same kernels fused or not."""
     n = B * T * C
-    ks = (_rows("sum over B: dwpe", n, T * C, s),
-          Kernel("dwte: add.at", 0, n, INDEX_BYTES * B * T + s * n, s * V * C))
+    ks = ((_rows("sum over B: dwpe", n, T * C, s),) if positions else ()) + \
+        (Kernel("dwte: add.at", 0, n, INDEX_BYTES * B * T + s * n, s * V * C),)
     return ks, ks
 
 

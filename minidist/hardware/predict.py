@@ -38,8 +38,18 @@ micro-batches of b rows, M = B / (dp b) of them, on P = pp stages of L / P layer
     step            pipeline + exposed data-parallel time + optimizer
 Reported with one convention (observe/throughput.py's): MFU = model FLOPs per step (6N +
 12LHQT per token, N every parameter) / (step time x GPUs x peak); HFU adds the recomputed
-forward (selective: the attention core's 4LHQT). Megatron's paper reports FLOP/s by its Eq. 3, 96 B s l h^2 (1 + s/(6h) + V/(16
-l h)), which counts the recomputation: `megatron_flops`.
+forward (selective: the attention core's 4LHQT). Megatron's paper reports FLOP/s by its
+Eq. 3, 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), which counts the recomputation:
+`megatron_flops`.
+
+The model: a GPTConfig (minidist's GPT, MoE layers included) or an Architecture
+(hardware/architecture.py; the Llama 2 and 3 presets of hardware/llama.py). An
+Architecture's ops come from the same gpt_ops (RMSNorm, rotary positions, grouped-query
+attention and its smaller qkv GEMM, SwiGLU); tp splits its heads, KV heads and F as
+Megatron does; its N counts every parameter, both untied embedding tables and the norms'
+gains (H in 12LHQT: the query heads); its memory is hardware/architecture_memory.py's
+(Korthikanti's count for GQA and SwiGLU). Modelled on dp, tp with or without SP and pp;
+not on cp.
 
 Global parameters (`Efficiency`): eta_max, I_0 and rho, the same for every row; the paper
 replay fits them on a third of the published rows and reports the error on the rest.
@@ -56,21 +66,24 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from minidist.collectives.tiers import choose
+from minidist.hardware import architecture, architecture_memory
 from minidist.hardware import op_costs as oc
+from minidist.hardware.architecture import Architecture
 from minidist.hardware.profiles import Hardware
 from minidist.hardware.roofline import gpt_ops
 from minidist.memory import budget
 from minidist.memory.budget_models import parameter_count
 from minidist.nn import GPTConfig
+from minidist.observe.throughput import palm_flops_per_token
 from minidist.parallel.compose import Plan
 from minidist.parallel.context import memory as context_memory
 from minidist.parallel.pipeline.schedule_sim import bubble_closed_form, simulate
 
 SIMULATE_LIMIT = 20_000          # P x M actions at most go through simulate()
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}
-PER_LAYER = ("layernorm", "qkv matmul", "attention", "attn proj matmul", "residual add",
-             "fc matmul", "bias + gelu", "gelu", "fc2 matmul", "residual grad add", "router",
-             "experts")
+PER_LAYER = ("layernorm", "rmsnorm", "qkv matmul", "rotary", "attention", "attn proj matmul",
+             "residual add", "fc matmul", "bias + gelu", "gelu", "swiglu", "fc2 matmul",
+             "residual grad add", "router", "experts")
 DENSE_MLP = ("fc matmul", "bias + gelu", "gelu", "fc2 matmul")
 
 
@@ -147,43 +160,50 @@ def _ops_seconds(ops, hw, fmt, eff) -> dict[tuple[str, str], float]:
     return out
 
 
-def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
+def predict(cfg: GPTConfig | Architecture, plan: Plan, global_batch: int, hw: Hardware, *,
             fmt: str = "bf16", eff: Efficiency = Efficiency(), overlap_dp: bool = False,
             check: bool = True, memory: bool = True, imbalance: float = 1.0) -> Prediction:
     """The step of GPT(cfg) under `plan` with `global_batch` sequences of cfg.block_size
-    tokens on `hw` (module docstring). plan.micro_batches sets M; cfg.recompute "full"
-    recomputes the forward. memory=False skips the memory estimate ({} and fits=True), as
-    does a layout memory/budget.py has no formula for (MoE, cp with tp: `unmodelled` says).
+    tokens on `hw` (module docstring); cfg an Architecture (hardware/architecture.py, the
+    Llama presets of hardware/llama.py): the step of that model, dense, on dp, tp, SP and pp.
+    plan.micro_batches sets M; cfg.recompute "full" recomputes the forward. memory=False
+    skips the memory estimate ({} and fits=True), as does a layout memory/budget.py has no
+    formula for (MoE, cp with tp: `unmodelled` says).
     imbalance: under expert parallelism, the rows the busiest rank's experts run over the
     balanced share (1: balanced, as a trained router with load balancing keeps it; the
     capacity factor bounds it for an untrained one); every MoE layer waits for that rank."""
     if not imbalance >= 1:
         raise ValueError(f"predict: imbalance={imbalance} must be >= 1 (1: balanced routing).")
     T, L, P, cp = cfg.block_size, cfg.n_layer, plan.pp, plan.cp
-    if cfg.moe_every and (plan.tp > 1 or plan.expert_tp > 1):
+    moe = cfg.moe_every if isinstance(cfg, GPTConfig) else 0
+    shape = architecture.of(cfg)                 # the dense shapes every op is priced on
+    if moe and (plan.tp > 1 or plan.expert_tp > 1):
         raise ValueError("predict: MoE models are modelled with dp, cp, pp and ep; tensor "
                          "parallelism of a MoE model (and --expert-tp) is not modelled yet.")
+    if cp > 1 and isinstance(cfg, Architecture):
+        raise ValueError(f"predict: context parallelism (cp={cp}) is modelled for minidist's "
+                         "GPT; an Architecture's (grouped K/V passed round the ring) is not.")
     if check:
-        plan.validate(cfg, global_batch, T)
+        architecture.validate(cfg, plan, global_batch, T)
     M, s = plan.micro_batches, BYTES[fmt]
     b = global_batch // (plan.dp * M)                          # rows per micro-batch
     topo, groups = hw.topology(), plan.group_ranks(0)
     precision = "bf16" if s == 2 else "float32"
     # my T / cp positions through every per-token op; attention: my share of the scores
-    dense = replace(cfg, moe_every=0)         # its MoE layers' experts: _swap_in_experts
-    sec = _ops_seconds(gpt_ops(dense, b, T // cp, precision, tp=plan.tp), hw, fmt, eff)
+    # a MoE GPT's dense shapes: its MoE layers' experts come in through _swap_in_experts
+    sec = _ops_seconds(gpt_ops(shape, b, T // cp, precision, tp=plan.tp), hw, fmt, eff)
     if cp > 1:
-        whole = _ops_seconds(gpt_ops(dense, b, T, precision, tp=plan.tp), hw, fmt, eff)
+        whole = _ops_seconds(gpt_ops(shape, b, T, precision, tp=plan.tp), hw, fmt, eff)
         share = max(context_memory.attention_scores(T, cp, plan.cp_algo, plan.cp_layout)) / T**2
         for phase in ("forward", "backward"):
             sec[phase, "attention"] = whole[phase, "attention"] * share
-    if cfg.moe_every:
+    if moe:
         _swap_in_experts(sec, cfg, b * T // cp, hw, fmt, eff,
                          imbalance if plan.ep > 1 else 1.0)
     layer_f = sum(t for (ph, n), t in sec.items() if ph == "forward" and n in PER_LAYER)
     layer_b = sum(t for (ph, n), t in sec.items() if ph == "backward" and n in PER_LAYER)
-    ln = sec["forward", "layernorm"] / (2 * L + 1)              # one LayerNorm, forward
-    ln_b = sec["backward", "layernorm"] / (2 * L + 1)
+    ln = sec["forward", shape.norm] / (2 * L + 1)               # one norm, forward
+    ln_b = sec["backward", shape.norm] / (2 * L + 1)
     layer_f, layer_b = (layer_f - ln) / L, (layer_b - ln_b) / L  # ln_f belongs to the head
     embed_f, embed_b = sec["forward", "embedding"], sec["backward", "embedding"]
     head_f = sec["forward", "lm head matmul"] + sec["forward", "cross-entropy"] + ln
@@ -193,14 +213,15 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
     # ep's dispatch and combine (a layer's share of them: MoE layers / L)
     tp_one = 0.0
     if plan.tp > 1:
-        n = b * T // cp * cfg.n_embd * s
+        n = b * T // cp * shape.n_embd * s
         if plan.sequence_parallel:
             tp_one = choose("reduce_scatter", groups["tp"], n, topo)[1] + \
                 choose("all_gather", groups["tp"], n / plan.tp, topo)[1]
         else:
             tp_one = choose("all_reduce", groups["tp"], n, topo)[1]
     cp_f, cp_b = _cp_seconds(cfg, plan, b, s, sec, groups, topo)
-    ep_f = ep_b = _ep_seconds(cfg, plan, b * T // cp, s, groups, topo, imbalance)
+    ep_f = ep_b = _ep_seconds(cfg, plan, b * T // cp, s, groups, topo, imbalance) \
+        if moe else 0.0
     comm_f, comm_b = 2 * tp_one + cp_f + ep_f, 2 * tp_one + cp_b + ep_b
     recompute, selective = cfg.recompute == "full", cfg.recompute == "selective"
     per_stage = L / P
@@ -218,7 +239,7 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
     if P > 1:
         span = topo.span(groups["pp"][:2])
         link = topo.inter if span[0] > 1 else topo.intra
-        p2p = link.alpha + b * T // cp * cfg.n_embd * s / plan.tp * link.beta
+        p2p = link.alpha + b * T // cp * shape.n_embd * s / plan.tp * link.beta
     pipeline = _pipeline_seconds(plan, F, B, p2p)
     # data parallelism over dp (x cp): the gradients of my dense parameters; my experts'
     # over their replicas (edp x cp)
@@ -239,8 +260,9 @@ def predict(cfg: GPTConfig, plan: Plan, global_batch: int, hw: Hardware, *,
     redone = M * per_stage * (layer_f if recompute else again)
     tokens = global_batch * T
     N = _active_elements(cfg)                 # a token's parameters: its top-k experts
-    model = (6 * N + 12 * L * cfg.n_head * (cfg.n_embd // cfg.n_head) * T) * tokens
-    attention = 4 * L * cfg.n_embd * T * tokens              # QK^T and AV, forward
+    H, Q = shape.n_head, shape.head_dim       # query heads (grouped-query: still all H)
+    model = palm_flops_per_token(N, L, H, Q, T) * tokens
+    attention = 4 * L * H * Q * T * tokens                    # QK^T and AV, forward
     hardware = model + (2 * N * tokens + attention) * recompute + attention * selective
     mem, unmodelled = {}, ""
     if memory:
@@ -356,9 +378,12 @@ def _ep_seconds(cfg: GPTConfig, plan: Plan, tokens: int, s: int, groups: dict, t
     return one * (cfg.n_layer // cfg.moe_every) / cfg.n_layer
 
 
-def _elements(cfg: GPTConfig) -> tuple[int, int]:
+def _elements(cfg: GPTConfig | Architecture) -> tuple[int, int]:
     """(dense, routed-expert) parameter elements of GPT(cfg): a MoE layer's dense MLP
-    replaced by its router, shared experts and n_experts experts of width expert_hidden."""
+    replaced by its router, shared experts and n_experts experts of width expert_hidden.
+    An Architecture: (all of its parameters, architecture.parameter_count, 0)."""
+    if isinstance(cfg, Architecture):
+        return architecture.parameter_count(cfg), 0
     dense = parameter_count(replace(cfg, moe_every=0))
     if not cfg.moe_every:
         return dense, 0
@@ -371,7 +396,7 @@ def _elements(cfg: GPTConfig) -> tuple[int, int]:
     return dense, moe * cfg.n_experts * mlp(Fe)
 
 
-def _active_elements(cfg: GPTConfig) -> int:
+def _active_elements(cfg: GPTConfig | Architecture) -> int:
     """The parameters one token runs through: the dense ones and top_k experts a MoE layer."""
     dense, experts = _elements(cfg)
     return dense + experts * cfg.top_k // cfg.n_experts if experts else dense
@@ -393,28 +418,32 @@ def _dp_seconds(plan: Plan, ranks, elements: float, s: int, topo, M: int) -> flo
     return rs + ag if plan.zero < 3 else M * (rs + 2 * ag)
 
 
-def _memory(cfg: GPTConfig, plan: Plan, batch: int, T: int, fmt: str) -> dict:
-    """memory/budget.py's estimate for the layout (bf16 mixed precision's bytes)."""
+def _memory(cfg: GPTConfig | Architecture, plan: Plan, batch: int, T: int, fmt: str) -> dict:
+    """memory/budget.py's estimate for the layout (bf16 mixed precision's bytes); an
+    Architecture's, hardware/architecture_memory.py's."""
     mp = budget.MemoryPlan(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                            cp_algo=plan.cp_algo, zero=plan.zero,
                            recompute=cfg.recompute, micro_batches=plan.micro_batches,
                            sp=plan.sequence_parallel,
                            precision="bf16" if BYTES[fmt] == 2 else "fp32",
                            schedule="gpipe" if plan.schedule == "gpipe" else "1f1b")
-    est = budget.estimate(replace(cfg, dropout=0.0), mp, batch, T)
+    est = architecture_memory.estimate(cfg, mp, batch, T) if isinstance(cfg, Architecture) \
+        else budget.estimate(replace(cfg, dropout=0.0), mp, batch, T)
     return {**est.categories(), "total": est.total}
 
 
-def search(cfg: GPTConfig, gpus: int, global_batch: int, hw: Hardware, *,
+def search(cfg: GPTConfig | Architecture, gpus: int, global_batch: int, hw: Hardware, *,
            fmt: str = "bf16", eff: Efficiency = Efficiency(), micro_batches=(1, 2, 4),
            recompute=("none", "selective", "full"), zero=(0, 1)) -> list[tuple]:
     """Every layout of `gpus` GPUs that Plan.validate accepts and memory/budget.py fits on
-    `hw`: tp a power of two dividing the heads, at most a node; pp dividing the layers; dp
-    the rest (dividing the batch); each micro-batch size, recomputation and ZeRO stage given.
+    `hw`: tp a power of two dividing the heads (and KV heads), at most a node; pp dividing
+    the layers; dp the rest (dividing the batch); each micro-batch size, recomputation and
+    ZeRO stage given.
     Returns [(Prediction, Plan, micro-batch, recompute)] fastest first."""
     out = []
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.gpus_per_node and cfg.n_head % t == 0
-           and (cfg.mlp_ratio * cfg.n_embd) % t == 0]
+    shape = architecture.of(cfg)
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.gpus_per_node and shape.n_head % t == 0
+           and shape.n_kv_head % t == 0 and shape.ffn_hidden % t == 0]
     for tp in tps:
         for pp in (p for p in range(1, cfg.n_layer + 1) if cfg.n_layer % p == 0):
             if gpus % (tp * pp):
@@ -427,7 +456,8 @@ def search(cfg: GPTConfig, gpus: int, global_batch: int, hw: Hardware, *,
                 plan = Plan(tp=tp, pp=pp, dp=dp, zero=z, micro_batches=global_batch // (dp * mb),
                             check_placements=False)
                 try:
-                    plan.validate(replace(cfg, recompute=rc), global_batch, cfg.block_size)
+                    architecture.validate(replace(cfg, recompute=rc), plan, global_batch,
+                                          cfg.block_size)
                     p = predict(replace(cfg, recompute=rc), plan, global_batch, hw, fmt=fmt,
                                 eff=eff, check=False)
                 except ValueError:

@@ -14,7 +14,8 @@ hardware/predict.py), the step's breakdown (compute, recomputation, tp collectiv
 p2p and bubble, data-parallel sync, optimizer), memory per GPU by category against the
 GPU's, and the global efficiency parameters with where they were fitted. `--png` draws the
 breakdown (matplotlib). Models: the GPT-3 presets of memory/budget_models.py
-(gpt3-125m ... gpt3-175b), Megatron's Table 1 shapes (megatron-1.7b ... megatron-1t), or
+(gpt3-125m ... gpt3-175b), Megatron's Table 1 shapes (megatron-1.7b ... megatron-1t), the
+Llama 2 and 3 presets of hardware/llama.py (llama2-7b ... llama3-405b; dense, no --cp), or
 --layers/--hidden/--heads/--vocab. Hardware: hardware/profiles/ (a100-40g, a100-80g,
 h100-sxm, h200), or cpu (this machine).
 Read next: hardware/predict.py, hardware/replay.py.
@@ -27,6 +28,8 @@ from dataclasses import replace
 
 from minidist.cli import CliParser, at_least
 from minidist.hardware import profiles, replay
+from minidist.hardware.architecture import Architecture
+from minidist.hardware.llama import LLAMA_SHAPES, llama
 from minidist.hardware.predict import Efficiency, predict, search
 from minidist.memory.budget_models import GPT3_SHAPES, preset
 from minidist.nn import GPTConfig
@@ -40,8 +43,9 @@ GIB = 2 ** 30
 def parse_args(argv):
     ap = CliParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt3-175b",
-                    help=f"a preset: {', '.join(GPT3_SHAPES)}, {', '.join(MEGATRON)}; or "
-                         "'custom' with --layers --hidden --heads")
+                    help=f"a preset: {', '.join(GPT3_SHAPES)}, {', '.join(MEGATRON)}, "
+                         f"{', '.join(LLAMA_SHAPES)}; or 'custom' with --layers --hidden "
+                         "--heads")
     ap.add_argument("--layers", type=at_least(1), default=None)
     ap.add_argument("--hidden", type=at_least(1), default=None)
     ap.add_argument("--heads", type=at_least(1), default=None)
@@ -83,7 +87,13 @@ def parse_args(argv):
     return ap.parse_args(argv), ap
 
 
-def model_of(a) -> GPTConfig:
+def model_of(a) -> GPTConfig | Architecture:
+    if a.model in LLAMA_SHAPES:
+        if a.moe_every:
+            raise ValueError(f"--moe-every {a.moe_every}: the Llama presets are dense models")
+        arch = llama(a.model, a.recompute)
+        return replace(arch, block_size=a.seq or arch.block_size,
+                       vocab_size=a.vocab or arch.vocab_size)
     if a.model in MEGATRON:
         cfg = MEGATRON[a.model].config()
     elif a.model in GPT3_SHAPES:
@@ -95,10 +105,20 @@ def model_of(a) -> GPTConfig:
                         n_layer=a.layers, n_head=a.heads, n_embd=a.hidden, dtype="float32")
     else:
         raise ValueError(f"--model {a.model!r} is unknown; use one of "
-                         f"{', '.join([*GPT3_SHAPES, *MEGATRON])} or custom")
+                         f"{', '.join([*GPT3_SHAPES, *MEGATRON, *LLAMA_SHAPES])} or custom")
     return replace(cfg, block_size=a.seq or cfg.block_size, recompute=a.recompute,
                    vocab_size=a.vocab or cfg.vocab_size, moe_every=a.moe_every,
                    n_experts=a.experts, top_k=a.top_k, capacity_factor=0.0)
+
+
+def shape_words(cfg: GPTConfig | Architecture) -> str:
+    """"96 layers, h=12288, 96 heads, V=51200, s=2048"; an Architecture's KV heads and MLP
+    too ("64 heads (8 KV), swiglu F=28672")."""
+    heads = f"{cfg.n_head} heads"
+    if isinstance(cfg, Architecture):
+        heads += f" ({cfg.n_kv_head} KV), {cfg.mlp} F={cfg.ffn_hidden}"
+    return (f"{cfg.n_layer} layers, h={cfg.n_embd}, {heads}, V={cfg.vocab_size}, "
+            f"s={cfg.block_size}")
 
 
 def say(text: str) -> None:
@@ -133,12 +153,11 @@ def show(a) -> int:
     cfg = model_of(a)
     hw = profiles.this_machine() if a.hardware == "cpu" else profiles.load(a.hardware)
     plan, dp = layout(a)
-    if a.cp > 1 and cfg.moe_every:       # routing groups inside a cp chunk (no effect on time)
+    if a.cp > 1 and a.moe_every:         # routing groups inside a cp chunk (no effect on time)
         cfg = replace(cfg, moe_group_size=cfg.block_size // (2 * a.cp))
     p = predict(cfg, plan, a.global_batch, hw, fmt=a.precision, overlap_dp=a.overlap_dp)
     nodes = -(-a.gpus // hw.gpus_per_node)
-    say(f"predict · {a.model}: {cfg.n_layer} layers, h={cfg.n_embd}, {cfg.n_head} heads, "
-        f"V={cfg.vocab_size}, s={cfg.block_size} · {a.gpus} x {hw.name} ({nodes} nodes of "
+    say(f"predict · {a.model}: {shape_words(cfg)} · {a.gpus} x {hw.name} ({nodes} nodes of "
         f"{hw.gpus_per_node})")
     say(f" layout tp={a.tp}{' +sp' if a.sp else ''} pp={a.pp} dp={dp}"
         + (f" cp={a.cp} ({a.cp_algo})" * (a.cp > 1)) + (f" ep={a.ep}" * (a.ep > 1))

@@ -17,6 +17,8 @@ One training step's view (`gpt_ops`, then a Roof):
     1. list the step's ops in the order they run, each with how often it runs:
        forward   embedding; per block 2 LayerNorms, the qkv, proj, fc and fc2 GEMMs,
                  attention, bias + GELU, 2 residual adds; ln_f; LM head; cross-entropy
+                 (a Llama block, hardware/architecture.py: RMSNorms, rotary positions
+                 on q and k, grouped-query attention, SwiGLU instead of GELU)
        backward  the same in reverse (cross-entropy's fused kernel already wrote dz)
        optimizer the global gradient norm and AdamW over every parameter;
     2. an op's kernels run one after another: its bound is the sum over them of
@@ -28,9 +30,10 @@ NumPy's matmul FLOP/s, via observe/peak.py, and the best of copy, read and write
 On a GPU each launch also costs a few microseconds of overhead, outside the roofline: the
 launch counts show where that matters (every op of the tiny demo GPT).
 
-Shapes: R = B*T rows of width C, F = mlp_ratio*C, H heads of D = C/H, V vocabulary, L
-layers; bytes per element s = 8, 4, 4 (TF32), 2 (BF16) by precision; AdamW and the norm
-keep float32 state under TF32/BF16 (mixed precision's master weights), float64 else.
+Shapes: R = B*T rows of width C, F = mlp_ratio*C, H heads of D = C/H (G KV heads), V
+vocabulary, L layers; bytes per element s = 8, 4, 4 (TF32), 2 (BF16) by precision; AdamW
+and the norm keep float32 state under TF32/BF16 (mixed precision's master weights),
+float64 else.
 No communication: a rank of a parallel layout runs these ops on its shards.
 
 References: Williams, Waterman & Patterson 2009, "Roofline: an insightful visual performance
@@ -43,7 +46,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minidist.hardware import architecture
 from minidist.hardware import op_costs as oc
+from minidist.hardware.architecture import Architecture, parameter_sizes
 from minidist.hardware.op_costs import Kernel, Kernels
 from minidist.nn import GPTConfig
 
@@ -144,67 +149,75 @@ def _check_precision(precision: str) -> int:
     return PRECISIONS[precision]
 
 
-
-
-def parameter_sizes(cfg: GPTConfig) -> list[int]:
-    """Elements of each parameter array of GPT(cfg), in model.parameters() order."""
-    C, F, b = cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, cfg.bias
-    block = []
-    for shape in ((C,), (C, 3 * C), (C, C), (C,), (C, F), (F, C)):      # ln_1 ... mlp.proj
-        block += [shape[0] * shape[-1] if len(shape) == 2 else C] + ([shape[-1]] if b else [])
-    sizes = [cfg.vocab_size * C, cfg.block_size * C] + block * cfg.n_layer + [C] * (1 + b)
-    return sizes + ([] if cfg.tie_weights else [C * cfg.vocab_size])
-
-
-def gpt_ops(cfg: GPTConfig, batch: int, T: int | None = None, precision: str = "float32",
-            weight_decay: float = 0.0, tp: int = 1) -> list[Op]:
-    """The ops of one training step of GPT(cfg) on `batch` sequences of T tokens (default
-    block_size), in the order they run, with AdamW; see the module docstring. tp: the ops of
-    one rank of tensor parallelism (Megatron's split: its H / tp heads, F / tp hidden
-    columns, ceil(V / tp) vocabulary columns, the projections' K / tp rows; LayerNorms,
-    residuals and the embedding whole; its 1/tp of the split parameters in the optimizer)."""
+def gpt_ops(cfg: GPTConfig | Architecture, batch: int, T: int | None = None,
+            precision: str = "float32", weight_decay: float = 0.0, tp: int = 1) -> list[Op]:
+    """The ops of one training step of the model on `batch` sequences of T tokens (default
+    block_size), in the order they run, with AdamW; see the module docstring. cfg: a
+    GPTConfig, or any Architecture (hardware/architecture.py: a Llama block's RMSNorm,
+    rotary positions on q and k, grouped-query attention, SwiGLU MLP, untied head). tp: the
+    ops of one rank of tensor parallelism (Megatron's split: its H / tp heads and G / tp KV
+    heads, F / tp hidden columns, ceil(V / tp) vocabulary columns, the projections' K / tp
+    rows; norms, residuals and the embedding whole; its 1/tp of the split parameters in the
+    optimizer)."""
     s = _check_precision(precision)
-    T = cfg.block_size if T is None else T
-    if cfg.moe_every:
+    if isinstance(cfg, GPTConfig) and cfg.moe_every:
         raise ValueError(f"gpt_ops: moe_every={cfg.moe_every}; the roofline models a dense "
                          "GPT (expert routing is data-dependent). Use moe_every=0.")
-    if batch < 1 or not 1 <= T <= cfg.block_size:
+    a = architecture.of(cfg)
+    T = a.block_size if T is None else T
+    if batch < 1 or not 1 <= T <= a.block_size:
         raise ValueError(f"gpt_ops: batch={batch} must be >= 1 and T={T} between 1 and "
-                         f"block_size={cfg.block_size}.")
-    if tp < 1 or cfg.n_head % tp or (cfg.mlp_ratio * cfg.n_embd) % tp:
-        raise ValueError(f"gpt_ops: tp={tp} must be >= 1 and divide n_head={cfg.n_head} and "
-                         f"the MLP width {cfg.mlp_ratio * cfg.n_embd}.")
-    B, C, L, H, bias = batch, cfg.n_embd, cfg.n_layer, cfg.n_head // tp, cfg.bias
-    V, R, F, D = -(-cfg.vocab_size // tp), B * T, cfg.mlp_ratio * cfg.n_embd // tp, C // cfg.n_head
-    sizes = [n // tp for n in parameter_sizes(cfg)] if tp > 1 else parameter_sizes(cfg)
+                         f"block_size={a.block_size}.")
+    a.check_tp(tp, "gpt_ops")
+    B, C, L, bias, D = batch, a.n_embd, a.n_layer, a.bias, a.head_dim
+    H, G, F, R = a.n_head // tp, a.n_kv_head // tp, a.ffn_hidden // tp, B * T
+    V = -(-a.vocab_size // tp)
+    sizes = [n // tp for n in parameter_sizes(a)] if tp > 1 else parameter_sizes(a)
     s_opt = 8 if precision == "float64" else 4
-    Dq = H * D                                  # my heads' width: C / tp
-    fwd = [("embedding", 1, oc.embedding(B, T, C, s)),
-           ("layernorm", 2 * L + 1, oc.layernorm(R, C, s, bias)),
-           ("qkv matmul", L, oc.gemm(R, C, 3 * Dq, s, bias)),
-           ("attention", L, oc.attention(B, H, T, D, s)),
+    Dq, rope = H * D, a.positions == "rotary"                 # my heads' width: C / tp
+    norm, centered = a.norm, a.norm == "layernorm"
+    mlp_f, mlp_b = _mlp_ops(a, R, C, F, s)
+    rotary = [("rotary", L, oc.rotary(B, T, H + G, D, s))] if rope else []
+    fwd = [("embedding", 1, oc.embedding(B, T, C, s, positions=not rope)),
+           (norm, 2 * L + 1, oc.layernorm(R, C, s, bias, centered)),
+           ("qkv matmul", L, oc.gemm(R, C, (H + 2 * G) * D, s, bias)), *rotary,
+           ("attention", L, oc.attention(B, H, T, D, s, G)),
            ("attn proj matmul", L, oc.gemm(R, Dq, C, s, bias)),
            ("residual add", 2 * L, oc.residual(R * C, s)),
-           ("fc matmul", L, oc.gemm(R, C, F, s)),
-           ("bias + gelu" if bias else "gelu", L, oc.bias_gelu(R, F, s, bias)),
-           ("fc2 matmul", L, oc.gemm(R, F, C, s, bias)),
+           *mlp_f,
            ("lm head matmul", 1, oc.gemm(R, C, V, s)),
            ("cross-entropy", 1, oc.cross_entropy(R, V, s))]
     bwd = [("cross-entropy", 1, oc.cross_entropy_backward(R, V, s)),
            ("lm head matmul", 1, oc.gemm_backward(R, C, V, s)),
-           ("layernorm", 2 * L + 1, oc.layernorm_backward(R, C, s, bias)),
-           ("fc2 matmul", L, oc.gemm_backward(R, F, C, s, bias)),
-           ("bias + gelu" if bias else "gelu", L, oc.bias_gelu_backward(R, F, s, bias)),
-           ("fc matmul", L, oc.gemm_backward(R, C, F, s)),
+           (norm, 2 * L + 1, oc.layernorm_backward(R, C, s, bias, centered)),
+           *mlp_b,
            ("attn proj matmul", L, oc.gemm_backward(R, Dq, C, s, bias)),
-           ("attention", L, oc.attention_backward(B, H, T, D, s)),
-           ("qkv matmul", L, oc.gemm_backward(R, C, 3 * Dq, s, bias)),
+           ("attention", L, oc.attention_backward(B, H, T, D, s, G)), *rotary,
+           ("qkv matmul", L, oc.gemm_backward(R, C, (H + 2 * G) * D, s, bias)),
            ("residual grad add", 2 * L, oc.residual(R * C, s)),
-           ("embedding", 1, oc.embedding_backward(B, T, C, V, s))]
+           ("embedding", 1, oc.embedding_backward(B, T, C, V, s, positions=not rope))]
     opt = [("grad norm", 1, oc.grad_norm(sizes, s_opt)),
            ("adamw", 1, oc.adamw(sizes, s_opt, weight_decay))]
     return [Op(name, phase, times, *kernels)
             for phase, rows in zip(PHASES, (fwd, bwd, opt)) for name, times, kernels in rows]
+
+
+def _mlp_ops(a: Architecture, R: int, C: int, F: int, s: int) -> tuple[list, list]:
+    """The MLP's (forward, backward) rows on my F = F / tp columns. GELU: fc (C x F, its bias
+    added in the GELU kernel), bias + GELU, fc2 (F x C). SwiGLU: fc = gate and up in one
+    C x 2F GEMM (Megatron's linear_fc1), silu(gate) * up, fc2 = down (F x C)."""
+    L, bias = a.n_layer, a.bias
+    if a.mlp == "gelu":
+        act = "bias + gelu" if bias else "gelu"
+        fc, fc_b = oc.gemm(R, C, F, s), oc.gemm_backward(R, C, F, s)
+        act_f, act_b = oc.bias_gelu(R, F, s, bias), oc.bias_gelu_backward(R, F, s, bias)
+    else:
+        act = "swiglu"
+        fc, fc_b = oc.gemm(R, C, 2 * F, s, bias), oc.gemm_backward(R, C, 2 * F, s, bias)
+        act_f, act_b = oc.swiglu(R, F, s), oc.swiglu_backward(R, F, s)
+    fc2, fc2_b = oc.gemm(R, F, C, s, bias), oc.gemm_backward(R, F, C, s, bias)
+    return ([("fc matmul", L, fc), (act, L, act_f), ("fc2 matmul", L, fc2)],
+            [("fc2 matmul", L, fc2_b), (act, L, act_b), ("fc matmul", L, fc_b)])
 
 
 def totals(ops: list[Op], variant: str = "fused") -> dict[str, int]:

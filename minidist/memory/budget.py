@@ -48,7 +48,10 @@ One rank's view (stage s of P):
     1. units = my tp shard of stage s's layers -> params, grads, optimizer, buffers
     2. R, T_c, T' -> per-layer bytes x my layers (+ embedding, + head and loss) x k_s
     3. + what one layer's backward rebuilds under recomputation (dropped terms, output)
-Every stage is estimated; the plan's figure is the stage with the largest total.
+Every stage is estimated; the plan's figure is the stage with the largest total. The
+adding up (`stage_estimates`) takes any model that states its units, its terms per
+micro-batch and what a layer's backward rebuilds: hardware/architecture_memory.py's Llama
+blocks use it too.
 Communication: none; these are formulas.
 
 Published examples, reproduced by the tests: `zero_figure1` (Rajbhandari et al. 2020,
@@ -63,6 +66,7 @@ Read next: memory/budget_measure.py (estimate vs measured), memory/budget_fit.py
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minidist.memory import recompute
@@ -225,11 +229,18 @@ def micro_batch_terms(cfg: GPTConfig, plan: MemoryPlan, rows: int, T: int,
 
 
 def recompute_bytes(cfg: GPTConfig, plan: MemoryPlan, rows: int, T: int) -> int:
-    """What the backward of one layer rebuilds beside what is kept: the terms of "none"
-    that the plan's mode drops (selective: the T^2 ones, the rebuilt attention weights
-    among them; full, and ZeRO-3: all, and the rebuilt block output R T' C b)."""
-    mode, none = _mode(plan), layer_terms(cfg, plan, rows, T)
-    kept = layer_terms(cfg, plan, rows, T, mode)
+    """What the backward of one layer rebuilds beside what is kept (`rebuilt_bytes` of the
+    layer's terms under "none" and under the plan's mode)."""
+    mode = _mode(plan)
+    return rebuilt_bytes(layer_terms(cfg, plan, rows, T),
+                         layer_terms(cfg, plan, rows, T, mode), mode)
+
+
+def rebuilt_bytes(none: dict[str, int], kept: dict[str, int], mode: str) -> int:
+    """From a layer's terms kept without recomputation (`none`) and under `mode` (`kept`):
+    the terms the mode drops (selective: the T^2 ones, the rebuilt attention weights among
+    them; full, and ZeRO-3: all) and under full the rebuilt block output, the size of the
+    kept block input."""
     dropped = sum(v for k, v in none.items() if k not in kept)
     return dropped + (kept["block input"] if mode == "full" else 0)
 
@@ -241,18 +252,29 @@ def estimate_stages(cfg: GPTConfig, plan: MemoryPlan, batch: int,
     T = cfg.block_size if seq_len is None else seq_len
     _check(cfg, plan, batch, T)
     rows = batch // (plan.dp * plan.micro_batches)
+    return stage_estimates(plan, lambda s: unit_numels(cfg, plan.tp, plan.pp, s),
+                           lambda s: micro_batch_terms(cfg, plan, rows, T, s),
+                           recompute_bytes(cfg, plan, rows, T))
+
+
+def stage_estimates(plan: MemoryPlan, numels: Callable[[int], list[int]],
+                    terms: Callable[[int], dict[str, int]], rebuilt: int) -> list[Estimate]:
+    """The Estimate of every pipeline stage s from what the model says of it: numels(s), the
+    elements per ZeRO unit of my shard there; terms(s), {what: bytes} one micro-batch's
+    graph keeps there; rebuilt, what one layer's backward rebuilds. Model states over the
+    gradient-sync group W = dp cp; activations: terms(s) x the micro-batches the schedule
+    holds at once (schedule_sim.peak_activations). Any model that states these three is
+    estimated this way (the GPT here, hardware/architecture_memory.py's Llama blocks)."""
     held = peak_activations(plan.to_plan().pipeline_schedule()) if plan.pp > 1 else [1]
     out = []
     for s in range(plan.pp):
-        states = model_states(plan.zero, unit_numels(cfg, plan.tp, plan.pp, s),
-                              plan.dp * plan.cp, plan.precision, plan.optimizer,
-                              accumulating=plan.micro_batches > 1 or plan.pp > 1)
-        per = micro_batch_terms(cfg, plan, rows, T, s)
+        states = model_states(plan.zero, numels(s), plan.dp * plan.cp, plan.precision,
+                              plan.optimizer, accumulating=plan.micro_batches > 1 or plan.pp > 1)
+        per = terms(s)
         out.append(Estimate(s, states["params"], states["grads"], states["optimizer"],
                             held[s] * sum(per.values()),
                             states.get("peak_unsharded_grads", 0)
-                            + states.get("peak_gathered_params", 0),
-                            recompute_bytes(cfg, plan, rows, T), held[s], per))
+                            + states.get("peak_gathered_params", 0), rebuilt, held[s], per))
     return out
 
 
@@ -311,4 +333,5 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 __all__ = ["RECOMPUTE", "PRECISIONS", "CATEGORIES", "Precision", "MemoryPlan", "Estimate",
            "model_states", "layer_terms", "micro_batch_terms", "recompute_bytes",
-           "estimate_stages", "estimate", "zero_figure1", "korthikanti_layer_bytes"]
+           "rebuilt_bytes", "estimate_stages", "stage_estimates", "estimate", "zero_figure1",
+           "korthikanti_layer_bytes"]

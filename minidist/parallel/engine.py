@@ -29,7 +29,9 @@ optimizer, and calls only these:
     engine.memory()
 
 Engines: parallel/data/ddp.py's DataParallel (ZeRO stage 0) and parallel/zero/engine.py's
-ZeroEngine (stages 1-3). An engine syncs gradients over ONE group, the dp group, for
+ZeroEngine (stages 1-3); DiLoCo and OneBitAdam (parallel/data/) sync less, or in fewer
+bits. The first and the last two keep the whole model (shard) on every dp rank and share
+`ReplicatedEngine`'s forward and full-state methods. An engine syncs gradients over ONE group, the dp group, for
 whatever parameters the model holds: under tensor parallelism those are this rank's tp
 shards, and the engine's `sharding` (parallel/sharding.py) turns dp-global values into
 global ones (norm over tp, full parameters gathered over tp) and back (`local_values`).
@@ -45,6 +47,7 @@ from typing import Iterator
 
 import numpy as np
 
+from minidist import backend
 from minidist.optim import SGD, AdamW
 from minidist.parallel.sharding import check_state, check_values
 
@@ -127,6 +130,34 @@ class Engine:
 
     def release(self, p) -> None:
         """hold(p)'s end: p's gradient is final now."""
+
+
+class ReplicatedEngine(Engine):
+    """An engine whose every dp rank holds its whole model (tp shard): `model`, `group`,
+    `names` and `params` (model.named_parameters()) and `opt` over those params."""
+
+    def forward(self, idx, targets, *, n_tokens: int, aux_weight: float = 1.0,
+                dropout_key=None):
+        """(logits, loss) of the local replica; nothing to communicate in the forward."""
+        return self.model(idx, targets, n_tokens=n_tokens, aux_weight=aux_weight,
+                          dropout_key=dropout_key)
+
+    def local_grad(self, p):
+        """p's gradient accumulated on this rank, not yet summed over dp (after backwards
+        inside no_sync()); writable in place (pipeline.sync_tied adds the tied copy's)."""
+        if p.grad is None:
+            raise RuntimeError(f"{self.group.prefix} local_grad: this parameter has no "
+                               "gradient yet; call it after the backward passes of the step.")
+        return p.grad
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        """{name: full values} of this replica (gathered over tp if sharded)."""
+        return self._global_params({n: backend.to_numpy(p.data).copy()
+                                    for n, p in zip(self.names, self.params)})
+
+    def full_optimizer_state(self) -> dict:
+        """The optimizer's state_dict(), the layout baseline.py returns (gathered over tp)."""
+        return self._global_state(self.opt.state_dict())
 
 
 def state_layout(opt) -> tuple[str, tuple[str, ...], tuple[str, ...]]:

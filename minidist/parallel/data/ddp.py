@@ -81,7 +81,7 @@ from minidist.nn import Module, Parameter
 from minidist.optim import clip_to
 from minidist.optim import make_optimizer
 from minidist.optim.clip import wide
-from minidist.parallel.engine import Engine
+from minidist.parallel.engine import ReplicatedEngine
 
 ALGOS = ("auto", "direct", "ring", "tree", "halving")
 
@@ -90,7 +90,7 @@ class ReplicaDivergence(RuntimeError):
     """The parameters of some dp ranks differ from rank 0's."""
 
 
-class DataParallel(Engine):
+class DataParallel(ReplicatedEngine):
     """The ZeRO-stage-0 engine of train.py: replicated model, all-reduced gradients.
 
     The interface is parallel/engine.py's (shared with parallel/zero/engine.py's ZeroEngine);
@@ -179,21 +179,7 @@ class DataParallel(Engine):
     def _gradient_bytes(self) -> int:
         return sum(int(p.data.nbytes) for p in self.params)      # one .grad per parameter
 
-    def local_grad(self, p: Parameter):
-        """p's gradient accumulated on this rank, not yet summed over dp (after backwards
-        inside no_sync()); writable in place (pipeline.sync_tied adds the tied copy's)."""
-        if p.grad is None:
-            raise RuntimeError(f"{self.group.prefix} local_grad: this parameter has no "
-                               "gradient yet; call it after the backward passes of the step.")
-        return p.grad
-
     # --- what train.py calls (no_sync() is inherited from Engine) ---
-    def forward(self, idx, targets, *, n_tokens: int, aux_weight: float = 1.0,
-                dropout_key=None):
-        """(logits, loss) of the local replica; nothing to communicate in the forward."""
-        return self.model(idx, targets, n_tokens=n_tokens, aux_weight=aux_weight,
-                          dropout_key=dropout_key)
-
     def step(self, lr: float, clip_grad: float | None = None,
              skip: Callable[[float], bool] | None = None) -> float:
         """Finish the all-reduces, clip by the global norm, update, zero; return the norm.
@@ -214,15 +200,6 @@ class DataParallel(Engine):
         if self.replica_check_every and self.steps % self.replica_check_every == 0:
             self.check_replicas()
         return norm
-
-    def full_params(self) -> dict[str, np.ndarray]:
-        """{name: full values}: every dp replica holds them (gathered over tp if sharded)."""
-        return self._global_params({n: backend.to_numpy(p.data).copy()
-                                    for n, p in zip(self.names, self.params)})
-
-    def full_optimizer_state(self) -> dict:
-        """The optimizer's state_dict(), the layout baseline.py returns (gathered over tp)."""
-        return self._global_state(self.opt.state_dict())
 
     def load_full_state(self, params: dict, optimizer_state: dict) -> None:
         """Every replica keeps its pieces (tp, stage, experts) of the global parameters and

@@ -26,8 +26,8 @@ With H = 1, SGD inside (no momentum, no weight decay) and an outer SGD of lr 1 w
 momentum, the outer step is theta_0 - (1/W) sum_r lr W g_r = theta_0 - lr sum_r g_r: DDP's
 SGD step, up to rounding (tests/parallel/data/test_diloco.py).
 
-Not an exact method: between outer steps the replicas differ, so `full_params` returns this
-rank's replica (equal on every rank right after an outer step), and the global gradient
+Not an exact method: between outer steps the replicas differ, so `full_params` (and the
+inner optimizer's state) are this rank's replica's (equal on every rank right after an outer step), and the global gradient
 norm DDP returns is not known: `step` returns this rank's (scaled) gradient norm.
 Reference: Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
     Language Models", arXiv:2311.08105 (Algorithm 1; outer Nesterov, lr 0.7, momentum 0.9);
@@ -45,10 +45,10 @@ from minidist import backend, collectives as C
 from minidist.nn import Module
 from minidist.optim import clip_to, make_optimizer
 from minidist.optim.clip import wide
-from minidist.parallel.engine import Engine
+from minidist.parallel.engine import ReplicatedEngine
 
 
-class DiLoCo(Engine):
+class DiLoCo(ReplicatedEngine):
     """Local steps on each dp replica, an outer Nesterov step on their mean every H steps;
     the engine interface of parallel/engine.py (the module docstring has the algorithm)."""
 
@@ -73,13 +73,7 @@ class DiLoCo(Engine):
         self.velocity = [np.zeros_like(a) for a in self.anchor]
         self.inner = 0                           # inner steps since the last outer step
 
-    # --- what train.py calls ---
-    def forward(self, idx, targets, *, n_tokens: int, aux_weight: float = 1.0,
-                dropout_key=None):
-        """(logits, loss) of my replica: nothing to communicate."""
-        return self.model(idx, targets, n_tokens=n_tokens, aux_weight=aux_weight,
-                          dropout_key=dropout_key)
-
+    # --- what train.py calls (forward and the full state: ReplicatedEngine's) ---
     def step(self, lr: float, clip_grad: float | None = None,
              skip: Callable[[float], bool] | None = None) -> float:
         """One inner step on my rows' gradient (x W), then the outer step every H-th call.
@@ -116,21 +110,6 @@ class DiLoCo(Engine):
             self.anchor[i] = self.anchor[i] - self.eta * (mean + self.mu * self.velocity[i])
             p.data[...] = backend.xp.asarray(self.anchor[i])
         self.inner = 0
-
-    def local_grad(self, p):
-        if p.grad is None:
-            raise RuntimeError(f"{self.group.prefix} local_grad: this parameter has no "
-                               "gradient yet; call it after the backward passes of the step.")
-        return p.grad
-
-    def full_params(self) -> dict[str, np.ndarray]:
-        """{name: full values} of MY replica (the replicas agree right after an outer step)."""
-        return self._global_params({n: backend.to_numpy(p.data).copy()
-                                    for n, p in zip(self.names, self.params)})
-
-    def full_optimizer_state(self) -> dict:
-        """The inner optimizer's state_dict() of my replica (gathered over tp)."""
-        return self._global_state(self.opt.state_dict())
 
     def load_full_state(self, params: dict, optimizer_state: dict) -> None:
         """My pieces of the global state, taken as a fresh anchor (outer momentum zero)."""

@@ -41,11 +41,11 @@ from typing import Callable
 
 import numpy as np
 
-from minidist import backend, collectives as C
+from minidist import collectives as C
 from minidist.nn import Module
 from minidist.optim import AdamW, clip_to
 from minidist.optim.clip import wide
-from minidist.parallel.engine import Engine
+from minidist.parallel.engine import ReplicatedEngine
 
 
 def compress(x: np.ndarray, error: np.ndarray) -> tuple[np.ndarray, float, np.ndarray]:
@@ -61,7 +61,7 @@ def decompress(signs: np.ndarray, scale: float) -> np.ndarray:
     return scale * (2.0 * signs - 1.0)
 
 
-class OneBitAdam(Engine):
+class OneBitAdam(ReplicatedEngine):
     """Adam on all-reduced gradients for `warmup` steps, then 1-bit compressed momentum with
     error feedback (module docstring); the engine interface of parallel/engine.py."""
 
@@ -89,12 +89,8 @@ class OneBitAdam(Engine):
         self.server_error = np.zeros(self.chunk)
         self.v_hat: list[np.ndarray] | None = None        # frozen after the warm-up
 
-    # --- what train.py calls ---
-    def forward(self, idx, targets, *, n_tokens: int, aux_weight: float = 1.0,
-                dropout_key=None):
-        return self.model(idx, targets, n_tokens=n_tokens, aux_weight=aux_weight,
-                          dropout_key=dropout_key)
-
+    # --- what train.py calls (forward and the full state: ReplicatedEngine's; the replicas
+    # take the same steps, the momentum every rank uses being the all_gather's) ---
     def step(self, lr: float, clip_grad: float | None = None,
              skip: Callable[[float], bool] | None = None) -> float:
         """A warm-up step (all-reduced gradients, Adam) or a 1-bit step; returns the norm
@@ -161,22 +157,6 @@ class OneBitAdam(Engine):
             if wd:
                 update = update + wd * p.data
             p.data -= lr * update
-
-    def local_grad(self, p):
-        if p.grad is None:
-            raise RuntimeError(f"{self.group.prefix} local_grad: this parameter has no "
-                               "gradient yet; call it after the backward passes of the step.")
-        return p.grad
-
-    def full_params(self) -> dict[str, np.ndarray]:
-        """{name: full values}: the replicas take the same steps (the momentum every rank
-        uses is the all_gather's), so every rank holds them."""
-        return self._global_params({n: backend.to_numpy(p.data).copy()
-                                    for n, p in zip(self.names, self.params)})
-
-    def full_optimizer_state(self) -> dict:
-        """Adam's state_dict(): step, m and v (v as it was frozen, while compressing)."""
-        return self._global_state(self.opt.state_dict())
 
     def load_full_state(self, params: dict, optimizer_state: dict) -> None:
         """Load parameters and Adam's state; errors reset (a resumed run restarts them)."""

@@ -303,6 +303,9 @@ def _arguments() -> argparse.ArgumentParser:
                     help="1-bit Adam: T Adam steps on summed gradients, then the momentum "
                          "sent as signs + a scale with error feedback (parallel/data/"
                          "onebit_adam.py); 0: off")
+    ap.add_argument("--powersgd", type=at_least(0), default=0, metavar="R",
+                    help="PowerSGD: each gradient matrix summed as a rank-R factorisation "
+                         "with error feedback (parallel/data/powersgd.py); 0: off")
     ap.add_argument("--hsdp", type=at_least(0), default=0, metavar="S",
                     help="hybrid sharding: ZeRO's state sharded over groups of S dp ranks "
                          "(inside a node) and replicated over --dp / S (across nodes); "

@@ -79,7 +79,7 @@ FLAGS = {"global_batch": "--batch", "micro_batches": "--grad-accum", "dp": "--dp
          "tp": "--tp", "cp": "--cp", "pp": "--pp", "ep": "--ep", "zero": "--zero",
          "expert_tp": "--expert-tp", "hsdp": "--hsdp", "local_steps": "--local-steps",
          "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
-         "onebit_warmup": "--onebit-adam",
+         "onebit_warmup": "--onebit-adam", "powersgd_rank": "--powersgd",
          "cp_layout": "--cp-layout", "cp_algo": "--cp-algo", "n_head": "--n-head",
          "n_embd": "--n-embd", "n_layer": "--n-layer", "moe_every": "--moe-every",
          "n_experts": "--n-experts", "moe_group_size": "--moe-group-size", "top_k": "--top-k",
@@ -253,7 +253,8 @@ def _validated(a: argparse.Namespace) -> Job:
         raise OptionError("--sp splits the sequence over the tensor-parallel ranks: give "
                           "--tp > 1 with it, or drop --sp")
     inexact = f"--local-steps {a.local_steps}" if a.local_steps else \
-        f"--onebit-adam {a.onebit_adam}" if a.onebit_adam else ""
+        f"--onebit-adam {a.onebit_adam}" if a.onebit_adam else \
+        f"--powersgd {a.powersgd}" if a.powersgd else ""
     if a.check and inexact:
         raise OptionError(f"--check compares with the single process, which {inexact} (not "
                           "an exact method: it syncs less, or in fewer bits) is not meant to "
@@ -299,6 +300,7 @@ def _validated(a: argparse.Namespace) -> Job:
     plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, expert_tp=a.expert_tp,
                 zero=a.zero, hsdp=a.hsdp, local_steps=a.local_steps, outer_lr=a.outer_lr,
                 outer_momentum=a.outer_momentum, onebit_warmup=a.onebit_adam,
+                powersgd_rank=a.powersgd,
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,
                 schedule=a.schedule_value, virtual_stages=a.virtual_stages,

@@ -9,6 +9,8 @@
     1-bit Adam           Adam on summed gradients for the first fifth of the steps, then
                          the momentum as signs + scales with error feedback
                          (parallel/data/onebit_adam.py)
+    PowerSGD, rank 1, 4  each gradient matrix summed as a rank-r factorisation with error
+                         feedback (parallel/data/powersgd.py)
 and prints, per method: the loss at the end (mean of the last 10 steps' global losses),
 the bytes rank 0 sent per step for the gradient sync (the dp axis' counters less the
 steps' loss sums, measured on a run that never syncs), that figure over DDP's, and the
@@ -17,7 +19,7 @@ task, next to the exact one's. The textbook algorithms (ring, one collective per
 are used by every row, so the bytes compare like for like.
 
     python -m minidist bench sync [--dp 2 --steps 200 --batch 32 --lr 3e-3]
-Read next: parallel/data/diloco.py, parallel/data/onebit_adam.py.
+Read next: parallel/data/diloco.py, parallel/data/onebit_adam.py, parallel/data/powersgd.py.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def methods(a) -> list[tuple[str, dict]]:
             ("local SGD, H = 4", {"local_steps": 4, "outer_lr": 1.0, "outer_momentum": 0.0}),
             ("DiLoCo, H = 4", {"local_steps": 4}),
             ("DiLoCo, H = 16", {"local_steps": 16}),
-            (f"1-bit Adam, warm-up {warm}", {"onebit_warmup": warm})]
+            (f"1-bit Adam, warm-up {warm}", {"onebit_warmup": warm}),
+            ("PowerSGD, rank 1", {"powersgd_rank": 1}),
+            ("PowerSGD, rank 4", {"powersgd_rank": 4})]
 
 
 def _train(a, fields: dict, steps: int):

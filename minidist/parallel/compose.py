@@ -62,6 +62,7 @@ from minidist.parallel.data.buckets import BucketedDataParallel
 from minidist.parallel.data.ddp import ALGOS, DataParallel
 from minidist.parallel.data.diloco import DiLoCo
 from minidist.parallel.data.onebit_adam import OneBitAdam
+from minidist.parallel.data.powersgd import PowerSGD
 from minidist.parallel.expert.expert_parallel import apply_experts, is_expert_parameter
 from minidist.parallel.expert.expert_tensor import apply_expert_tensor
 from minidist.parallel.pipeline.schedule_validate import validate
@@ -98,6 +99,8 @@ class Plan:
     (parallel/data/diloco.py): 1/H of DDP's bytes; not an exact method. onebit_warmup T > 0:
     Adam on summed gradients for T steps, then 1-bit compressed momentum with error feedback
     (parallel/data/onebit_adam.py): about 1/32 of DDP's bytes; not exact either.
+    powersgd_rank r > 0: each gradient matrix summed as a rank-r factorisation with error
+    feedback (parallel/data/powersgd.py): r (n + m) numbers for n x m.
     Hybrid sharding (HSDP): hsdp S > 0 shards ZeRO's state over groups of S dp ranks (the
     mesh's "shard" axis, the faster: inside a node) and replicates it over the dp / S
     groups ("replicate"): a gradient is reduce-scattered in its shard group, then its shard
@@ -119,6 +122,7 @@ class Plan:
     outer_lr: float = 0.7                     # DiLoCo's outer Nesterov step
     outer_momentum: float = 0.9
     onebit_warmup: int = 0                    # 1-bit Adam after this many Adam steps, 0: off
+    powersgd_rank: int = 0                    # PowerSGD of this rank, 0: off
     zero: int = 0
     micro_batches: int = 1
     sequence_parallel: bool = False
@@ -179,17 +183,21 @@ class Plan:
         if not _positive_int(self.local_steps, 0):
             raise ValueError(f"Plan: local_steps={self.local_steps!r} must be an int >= 0 "
                              "(0: sum the gradients every step).")
+        if not _positive_int(self.powersgd_rank, 0):
+            raise ValueError(f"Plan: powersgd_rank={self.powersgd_rank!r} must be an int >= "
+                             "0 (0: no compression).")
         if not _positive_int(self.onebit_warmup, 0):
             raise ValueError(f"Plan: onebit_warmup={self.onebit_warmup!r} must be an int >= 0 "
                              "(0: no compression).")
-        for field, what in (("local_steps", "DiLoCo"), ("onebit_warmup", "1-bit Adam")):
+        syncs = (("local_steps", "DiLoCo"), ("onebit_warmup", "1-bit Adam"),
+                 ("powersgd_rank", "PowerSGD"))
+        for k, (field, what) in enumerate(syncs):
             if not getattr(self, field):
                 continue
             clash = [f"{k}={v}" for k, v in (("zero", self.zero), ("pp", self.pp),
                                              ("cp", self.cp), ("ep", self.ep)) if v > 1 or
                      (k == "zero" and v)]
-            if field == "onebit_warmup" and self.local_steps:
-                clash.append(f"local_steps={self.local_steps}")
+            clash += [f"{f}={getattr(self, f)}" for f, _ in syncs[:k] if getattr(self, f)]
             if clash:
                 raise ValueError(f"Plan: {field}={getattr(self, field)} ({what}) runs on dp "
                                  f"(and tp) only, not with {', '.join(clash)}; use {field}=0.")
@@ -324,7 +332,9 @@ class Plan:
                  "ring": "(collectives/ring.py)", "tree": "(collectives/tree.py)",
                  "halving": "(collectives/halving_doubling.py)",
                  "auto": "chosen by size (collectives/api.py)"}[algo]
-        if self.onebit_warmup:
+        if self.powersgd_rank:
+            sync = f"PowerSGD of rank {self.powersgd_rank} (parallel/data/powersgd.py)"
+        elif self.onebit_warmup:
             sync = (f"1-bit Adam after {self.onebit_warmup} Adam steps "
                     "(parallel/data/onebit_adam.py)")
         elif self.local_steps:
@@ -552,12 +562,16 @@ def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
         zero 0, MPI                          DataParallel, one all-reduce per parameter
         local_steps H > 0                    DiLoCo (parallel/data/diloco.py)
         onebit_warmup T > 0                  OneBitAdam (parallel/data/onebit_adam.py)
+        powersgd_rank r > 0                  PowerSGD (parallel/data/powersgd.py)
         zero 1, 2, 3                         ZeroEngine (parallel/zero/engine.py), over
                                              the shard group under HSDP (its replicas
                                              all-reduce the shards)
     Experts' gradients sum over their own replicas (edp x cp), the rest over dp x cp.
     Plan.textbook() turns the fast path off; Plan.algorithms() names the choice."""
     grad, edp = groups["grad"], groups.get("edp")
+    if plan.powersgd_rank:
+        return PowerSGD(sharding.model, grad, rank=plan.powersgd_rank, algo=plan.algo,
+                        sharding=sharding, **opt)
     if plan.onebit_warmup:
         return OneBitAdam(sharding.model, grad, warmup=plan.onebit_warmup, algo=plan.algo,
                           sharding=sharding, **opt)

@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from minidist import backend
-from minidist.optim import SGD, AdamW
+from minidist.optim import SGD, AdamW, clip_to
+from minidist.optim.clip import wide
 from minidist.parallel.sharding import check_state, check_values
 
 
@@ -158,6 +159,37 @@ class ReplicatedEngine(Engine):
     def full_optimizer_state(self) -> dict:
         """The optimizer's state_dict(), the layout baseline.py returns (gathered over tp)."""
         return self._global_state(self.opt.state_dict())
+
+    # --- the steps' common parts ---
+    def local_gradients(self, transform: Callable) -> list:
+        """[transform(i, g_i)] for every parameter i, g_i its gradient on this rank (zeros
+        if it got none), each also left in .grad for the optimizer."""
+        out = []
+        for i, p in enumerate(self.params):
+            g = p.grad if p.grad is not None else np.zeros_like(p.data)
+            p.grad = transform(i, g)
+            out.append(p.grad)
+        return out
+
+    def grad_norm(self, grads: list) -> float:
+        """||grads|| over this rank's parameters and the model-parallel ranks (not dp: the
+        caller's grads are already what every dp rank uses, or its own)."""
+        sq = self.sharding.grad_sq(grads) if self.sharding is not None else \
+            sum(float(wide(g.reshape(-1)) @ wide(g.reshape(-1))) for g in grads)
+        return self._norm(sq)
+
+    def update(self, grads: list, norm: float, lr: float, clip_grad: float | None,
+               skip: Callable[[float], bool] | None) -> bool:
+        """Unless skip(norm): clip the .grad arrays by norm, one optimizer step at lr. Then
+        .grad = None everywhere. True if it stepped."""
+        stepped = skip is None or not skip(norm)
+        if stepped:
+            clip_to(grads, norm, clip_grad)
+            self.opt.lr = lr
+            self.opt.step()
+        for p in self.params:
+            p.grad = None
+        return stepped
 
 
 def state_layout(opt) -> tuple[str, tuple[str, ...], tuple[str, ...]]:

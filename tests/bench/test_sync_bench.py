@@ -15,7 +15,8 @@ def test_each_method_s_row_and_its_share_of_ddp_s_bytes(capsys):
     rows = {m[1]: (float(m[2]), float(m[3])) for m in (
         re.match(r"  (.+?) +([\d.]+) +[\d,]+ +([\d.]+) +[\d.]+$", line) for line in out) if m}
     assert list(rows) == ["DDP", "local SGD, H = 4", "DiLoCo, H = 4", "DiLoCo, H = 16",
-                          "1-bit Adam, warm-up 4"], out
+                          "1-bit Adam, warm-up 4", "PowerSGD, rank 1", "PowerSGD, rank 4"], out
+    assert rows["PowerSGD, rank 1"][1] < rows["PowerSGD, rank 4"][1] < 1
     assert [ratio for _, ratio in rows.values()][:4] == [1.0, 0.25, 0.25, 0.05]
     # 4 of 20 steps at DDP's bytes, 16 at one bit per float32 element and a few scales
     assert rows["1-bit Adam, warm-up 4"][1] == pytest.approx(4 / 20 + 16 / 20 / 32, abs=2e-3)

@@ -9,6 +9,8 @@ gradients summed before the same update on every rank.
                  replicas' mean progress; 1/H of DDP's bytes (not an exact method)
     onebit_adam.py  OneBitAdam: Adam's momentum sent as signs and a scale with error
                  feedback after a warm-up; about 1/32 of DDP's bytes (not exact)
+    powersgd.py  PowerSGD: each gradient matrix summed as a rank-r factorisation with
+                 error feedback; r (n + m) numbers for n x m (exact at full rank)
 compose.gradient_sync chooses between them (Plan.textbook() forces ddp.py). Either sends
 2 (W-1)/W of the gradient bytes per rank and step with the ring (collectives/cost.py
 predicts each algorithm's time).

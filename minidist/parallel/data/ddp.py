@@ -80,7 +80,6 @@ from minidist import collectives as C
 from minidist.nn import Module, Parameter
 from minidist.optim import clip_to
 from minidist.optim import make_optimizer
-from minidist.optim.clip import wide
 from minidist.parallel.engine import ReplicatedEngine
 
 ALGOS = ("auto", "direct", "ring", "tree", "halving")
@@ -186,9 +185,7 @@ class DataParallel(ReplicatedEngine):
         skip(norm) True (the same on every rank: reliability/spike.py): zero the gradients
         and leave the parameters and the optimizer as they are."""
         grads = self._summed_grads()
-        norm = self._norm(self.sharding.grad_sq(grads) if self.sharding is not None
-                          else sum(float(wide(g.reshape(-1)) @ wide(g.reshape(-1)))
-                                   for g in grads))
+        norm = self.grad_norm(grads)
         if skip is not None and skip(norm):
             self._zero_grads()
             return norm

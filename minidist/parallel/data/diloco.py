@@ -43,8 +43,7 @@ import numpy as np
 
 from minidist import backend, collectives as C
 from minidist.nn import Module
-from minidist.optim import clip_to, make_optimizer
-from minidist.optim.clip import wide
+from minidist.optim import make_optimizer
 from minidist.parallel.engine import ReplicatedEngine
 
 
@@ -79,20 +78,9 @@ class DiLoCo(ReplicatedEngine):
         """One inner step on my rows' gradient (x W), then the outer step every H-th call.
         Returns the norm of that local gradient (module docstring)."""
         W = self.group.size
-        grads = []
-        for p in self.params:
-            g = p.grad if p.grad is not None else np.zeros_like(p.data)
-            p.grad = g * W
-            grads.append(p.grad)
-        sq = self.sharding.grad_sq(grads) if self.sharding is not None else \
-            sum(float(wide(g.reshape(-1)) @ wide(g.reshape(-1))) for g in grads)
-        norm = self._norm(sq)
-        if skip is None or not skip(norm):
-            clip_to(grads, norm, clip_grad)
-            self.opt.lr = lr
-            self.opt.step()
-        for p in self.params:
-            p.grad = None
+        grads = self.local_gradients(lambda i, g: g * W)
+        norm = self.grad_norm(grads)
+        self.update(grads, norm, lr, clip_grad, skip)
         self.inner += 1
         if self.inner == self.H:
             self.outer_step()

@@ -44,7 +44,6 @@ import numpy as np
 from minidist import collectives as C
 from minidist.nn import Module
 from minidist.optim import AdamW, clip_to
-from minidist.optim.clip import wide
 from minidist.parallel.engine import ReplicatedEngine
 
 
@@ -97,30 +96,17 @@ class OneBitAdam(ReplicatedEngine):
         (the global one in the warm-up, this rank's scaled one after)."""
         warm = self.opt.t < self.warmup
         W = self.group.size
-        grads = []
-        for p in self.params:
-            g = p.grad if p.grad is not None else np.zeros_like(p.data)
-            grads.append(C.all_reduce(g, op="sum", group=self.group, algo=self.algo)
-                         if warm else g * W)
-        sq = self.sharding.grad_sq(grads) if self.sharding is not None else \
-            sum(float(wide(g.reshape(-1)) @ wide(g.reshape(-1))) for g in grads)
-        norm = self._norm(sq)
-        if skip is not None and skip(norm):
-            return self._zero(norm)
-        clip_to(grads, norm, clip_grad)
-        self.opt.lr = lr
+        grads = self.local_gradients(
+            lambda i, g: C.all_reduce(g, op="sum", group=self.group, algo=self.algo)
+            if warm else g * W)
+        norm = self.grad_norm(grads)
         if warm:
-            for p, g in zip(self.params, grads):
-                p.grad = g
-            self.opt.step()
-            if self.opt.t == self.warmup:                 # freeze Adam's variance
-                b2 = self.opt.betas[1]
+            if self.update(grads, norm, lr, clip_grad, skip) and self.opt.t == self.warmup:
+                b2 = self.opt.betas[1]                    # freeze Adam's variance
                 self.v_hat = [v / (1.0 - b2 ** self.opt.t) for v in self.opt.v]
-        else:
+        elif skip is None or not skip(norm):
+            clip_to(grads, norm, clip_grad)
             self._compressed_step(grads, lr)
-        return self._zero(norm)
-
-    def _zero(self, norm: float) -> float:
         for p in self.params:
             p.grad = None
         return norm

@@ -11,6 +11,8 @@ Reading order:
     cost.py              the alpha-beta model and algo="auto"
     tiers.py             the same formulas on a two-level topology (nodes of fast links,
                          a slower network across): flat and hierarchical, a chooser
+    hierarchical.py      the two-level all-reduce, reduce-scatter and all-gather (inside a
+                         node, across it on a share, inside again), for emulated nodes
     api.py               the public, torch.distributed-shaped calls re-exported here
     prepared.py          their lean path: calls whose signature was validated before
 """

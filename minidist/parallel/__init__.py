@@ -9,8 +9,10 @@
     engine.py          the narrow interface every gradient-sync engine offers the loop
     micro_batching.py  my rows of each global batch, cut into micro-batches; gradient
                        accumulation, the step schedule without a pipeline
-    data/              DDP: replicas summing their gradients (and its shared-memory fast path)
-    zero/              ZeRO-1/2/3: DDP without the redundant copies
+    data/              DDP: replicas summing their gradients (and its shared-memory fast path);
+                       DiLoCo, 1-bit Adam and PowerSGD, which sync less or in fewer bits
+    zero/              ZeRO-1/2/3: DDP without the redundant copies (and HSDP: sharded inside
+                       a node, replicated across)
     tensor/            Megatron tensor parallelism, sequence parallelism, the vocabulary split
     context/           context parallelism: ring attention and Ulysses
     pipeline/          pipeline parallelism: schedules as data, their validator, simulator

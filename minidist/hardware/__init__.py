@@ -21,6 +21,7 @@
                       Llama block (RMSNorm, SwiGLU, grouped-query attention, rotary, untied
                       head); its parameters and Megatron's tp split of them
     llama.py          the Llama 2 and 3 presets (7B-405B), each number with its source
+    architecture_layout.py  an Architecture on a layout: its rules, each rank's elements
     architecture_memory.py  an Architecture's memory per GPU: Korthikanti et al.'s
                       activation count generalised to grouped-query attention and SwiGLU
     cpu_caches.py     this CPU's memory hierarchy: read GB/s and random-access ns over

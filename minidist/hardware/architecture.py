@@ -17,8 +17,10 @@ few choices, so one small description serves both (`Architecture`):
 
 `of(cfg)` turns a GPTConfig into its Architecture; hardware/llama.py holds the Llama
 presets. From an Architecture: the op list of a step (roofline.gpt_ops), the parameter
-arrays and their count, one rank's share of them under Megatron's split (`unit_numels`),
-the layout rules (`validate`), and the memory (hardware/architecture_memory.py).
+arrays and their count, one array's share under Megatron's split (`local_numel`); on a
+layout (hardware/architecture_layout.py) its rules and each rank's elements, and the memory
+(hardware/architecture_memory.py). This module imports no runtime: the roofline and the
+GPU check read it on machines without multiprocess.
 
 One block's parameter arrays, in the order GPT(cfg).parameters() keeps them (a Llama's
 fused the way Megatron stores them: q, k, v in one qkv matrix, gate and up in one fc):
@@ -48,9 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from minidist.memory.budget_models import stage_layers
 from minidist.nn import GPTConfig
-from minidist.parallel.compose import Plan
 from minidist.parallel.placement import piece_length
 
 NORMS = ("layernorm", "rmsnorm")         # also the op names in roofline.gpt_ops
@@ -133,21 +133,6 @@ def of(cfg: GPTConfig | Architecture) -> Architecture:
                         bias=cfg.bias, tie_weights=cfg.tie_weights, recompute=cfg.recompute)
 
 
-def validate(cfg: GPTConfig | Architecture, plan: Plan, global_batch: int,
-             seq_len: int) -> None:
-    """ValueError, one line, if the layout cannot run the model: Plan.validate for a
-    GPTConfig; for an Architecture its tp rule (`check_tp`), then Plan.validate on the GPT of
-    the same L, H, C, V and T, since the rest of the layout's rules (the batch split,
-    sequence parallelism, the pipeline's stages and schedule) read only those."""
-    if isinstance(cfg, GPTConfig):
-        return plan.validate(cfg, global_batch, seq_len)
-    cfg.check_tp(plan.tp, "Plan")
-    stand_in = GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size,
-                         n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                         mlp_ratio=1, dtype="float32", recompute=cfg.recompute)
-    plan.validate(stand_in, global_batch, seq_len)
-
-
 def _with_biases(a: Architecture, rows) -> Shapes:
     """Each (name, shape, tp dim) weight, followed by its bias when the model has biases:
     split with a column-split weight's outputs, whole after a row-split or unsplit one."""
@@ -199,20 +184,5 @@ def local_numel(shape: tuple[int, ...], dim: int | None, tp: int) -> int:
     return math.prod(piece_length(n, tp) if d == dim else n for d, n in enumerate(shape))
 
 
-def unit_numels(a: Architecture, tp: int = 1, pp: int = 1, stage: int = 0) -> list[int]:
-    """Elements per ZeRO unit of one rank's shard of pipeline stage `stage`: [root, my
-    blocks...], the root the embeddings (first stage) and the head (last stage; a tied wte
-    there too when pp > 1, as budget_models.unit_numels places it); no root on a middle
-    stage."""
-    first, last = stage == 0, stage == pp - 1
-    root = (embedding_shapes(a) if first else []) + (head_shapes(a) if last else [])
-    if last and not first and a.tie_weights:
-        root += embedding_shapes(a)[:1]
-    size = lambda shapes: sum(local_numel(s, d, tp) for _, s, d in shapes)  # noqa: E731
-    blocks = [size(block_shapes(a))] * len(stage_layers(a, pp, stage))     # reads n_layer
-    return ([size(root)] if root else []) + blocks
-
-
-__all__ = ["Architecture", "NORMS", "MLPS", "POSITIONS", "of", "validate", "embedding_shapes",
-           "block_shapes", "head_shapes", "parameter_sizes", "parameter_count", "local_numel",
-           "unit_numels"]
+__all__ = ["Architecture", "NORMS", "MLPS", "POSITIONS", "of", "embedding_shapes",
+           "block_shapes", "head_shapes", "parameter_sizes", "parameter_count", "local_numel"]

@@ -8,7 +8,7 @@ tensor by tensor, what the backward needs, in the layer's own format (b bytes an
 R T numbers against R T C). Here that count is generalised to grouped-query attention and
 SwiGLU (and the GELU MLP, where it gives back the paper's numbers). Model states (params,
 grads, optimizer, ZeRO's buffers) are memory/budget.py's, from this rank's elements
-(architecture.unit_numels): the GPT's rules, bytes per element by precision and ZeRO stage.
+(architecture_layout.unit_numels): the GPT's rules, bytes per element by precision and ZeRO stage.
 
 One layer, one micro-batch of R rows of T positions, on one of t tensor-parallel ranks
 (H heads and G KV heads of D = C / H, F the MLP width; T' = T / t with sequence
@@ -67,8 +67,9 @@ Read next: memory/budget.py, hardware/predict.py.
 
 from __future__ import annotations
 
-from minidist.hardware import architecture
-from minidist.hardware.architecture import Architecture, unit_numels
+from minidist.hardware import architecture_layout
+from minidist.hardware.architecture import Architecture
+from minidist.hardware.architecture_layout import unit_numels
 from minidist.memory import budget
 from minidist.memory.budget_models import stage_layers
 from minidist.parallel.placement import piece_length
@@ -131,7 +132,7 @@ def estimate_stages(a: Architecture, plan: budget.MemoryPlan, batch: int,
     if plan.cp > 1:
         raise ValueError(f"memory: context parallelism (cp={plan.cp}) of an Architecture has "
                          "no activation formula here (its ring passes grouped K/V); use cp=1.")
-    architecture.validate(a, plan.to_plan(), batch, T)
+    architecture_layout.validate(a, plan.to_plan(), batch, T)
     rows = batch // (plan.dp * plan.micro_batches)
     b, mode = budget.PRECISIONS[plan.precision].activation, plan.recompute
     none, kept = (layer_terms(a, rows, T, plan.tp, plan.sp, m, b) for m in ("none", mode))

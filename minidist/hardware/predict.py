@@ -66,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from minidist.collectives.tiers import choose
-from minidist.hardware import architecture, architecture_memory
+from minidist.hardware import architecture, architecture_layout, architecture_memory
 from minidist.hardware import op_costs as oc
 from minidist.hardware.architecture import Architecture
 from minidist.hardware.profiles import Hardware
@@ -184,7 +184,7 @@ def predict(cfg: GPTConfig | Architecture, plan: Plan, global_batch: int, hw: Ha
         raise ValueError(f"predict: context parallelism (cp={cp}) is modelled for minidist's "
                          "GPT; an Architecture's (grouped K/V passed round the ring) is not.")
     if check:
-        architecture.validate(cfg, plan, global_batch, T)
+        architecture_layout.validate(cfg, plan, global_batch, T)
     M, s = plan.micro_batches, BYTES[fmt]
     b = global_batch // (plan.dp * M)                          # rows per micro-batch
     topo, groups = hw.topology(), plan.group_ranks(0)
@@ -456,7 +456,7 @@ def search(cfg: GPTConfig | Architecture, gpus: int, global_batch: int, hw: Hard
                 plan = Plan(tp=tp, pp=pp, dp=dp, zero=z, micro_batches=global_batch // (dp * mb),
                             check_placements=False)
                 try:
-                    architecture.validate(replace(cfg, recompute=rc), plan, global_batch,
+                    architecture_layout.validate(replace(cfg, recompute=rc), plan, global_batch,
                                           cfg.block_size)
                     p = predict(replace(cfg, recompute=rc), plan, global_batch, hw, fmt=fmt,
                                 eff=eff, check=False)

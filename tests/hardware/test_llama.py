@@ -12,6 +12,7 @@ import pytest
 
 from minidist.__main__ import main as cli
 from minidist.hardware import architecture as ar
+from minidist.hardware import architecture_layout as lay
 from minidist.hardware import architecture_memory as am
 from minidist.hardware import op_costs as oc
 from minidist.hardware import predict as pr
@@ -59,7 +60,7 @@ def test_a_gpt_described_as_an_architecture_counts_as_the_gpt():
         assert ar.parameter_count(a) == bm.parameter_count(cfg)
         for tp, pp in ((1, 1), (2, 1), (2, 2), (1, 3)):
             for stage in range(pp):
-                assert ar.unit_numels(a, tp, pp, stage) == bm.unit_numels(cfg, tp, pp, stage)
+                assert lay.unit_numels(a, tp, pp, stage) == bm.unit_numels(cfg, tp, pp, stage)
 
 
 def test_the_model_flops_by_hand():
@@ -119,8 +120,8 @@ def test_tensor_parallelism_splits_heads_kv_heads_mlp_and_vocabulary():
     # rank shards: a block's qkv 64 x 48, proj 32 x 64, gate/up 64 x 96, down 48 x 64 and
     # its 2 norms; stage 0 adds wte's 50 rows, stage 1 the final norm and 50 head columns
     block = 3072 + 2048 + 6144 + 3072 + 2 * 64
-    assert ar.unit_numels(SMALL, 2, 2, 0) == [50 * 64, block]
-    assert ar.unit_numels(SMALL, 2, 2, 1) == [64 + 64 * 50, block]
+    assert lay.unit_numels(SMALL, 2, 2, 0) == [50 * 64, block]
+    assert lay.unit_numels(SMALL, 2, 2, 1) == [64 + 64 * 50, block]
 
 
 def test_grouped_query_attention_shrinks_qkv_and_the_kv_bytes_not_the_scores():

@@ -132,8 +132,9 @@ def _across_nodes(op: str, nbytes: int, group) -> str:
     nodes, c = group.nodes, calibration.constants(group.size)
     topo = tiers.Topology(nodes.ranks_per_node, tiers.Link(c.alpha, max(c.beta, 1e-15), c.gamma),
                           tiers.Link(nodes.alpha, max(nodes.beta, 1e-15), c.gamma))
+    even = _even(group)
     best = [(tiers.seconds(op, a, group.ranks, nbytes, topo), a) for a in tiers.ALGOS[op]
-            if a != "hierarchical" or _even(group)]
+            if a != "hierarchical" or even]
     return min(best)[1]
 
 

@@ -191,13 +191,13 @@ class Plan:
                              "(0: no compression).")
         syncs = (("local_steps", "DiLoCo"), ("onebit_warmup", "1-bit Adam"),
                  ("powersgd_rank", "PowerSGD"))
-        for k, (field, what) in enumerate(syncs):
+        for i, (field, what) in enumerate(syncs):          # each engine replaces DDP's
             if not getattr(self, field):
                 continue
-            clash = [f"{k}={v}" for k, v in (("zero", self.zero), ("pp", self.pp),
-                                             ("cp", self.cp), ("ep", self.ep)) if v > 1 or
-                     (k == "zero" and v)]
-            clash += [f"{f}={getattr(self, f)}" for f, _ in syncs[:k] if getattr(self, f)]
+            clash = [f"{name}={value}" for name, value, on in (
+                ("zero", self.zero, self.zero > 0), ("pp", self.pp, self.pp > 1),
+                ("cp", self.cp, self.cp > 1), ("ep", self.ep, self.ep > 1)) if on]
+            clash += [f"{f}={getattr(self, f)}" for f, _ in syncs[:i] if getattr(self, f)]
             if clash:
                 raise ValueError(f"Plan: {field}={getattr(self, field)} ({what}) runs on dp "
                                  f"(and tp) only, not with {', '.join(clash)}; use {field}=0.")

@@ -3,15 +3,19 @@
 What you will see: part 1, an all-reduce of 16 MiB by the flat ring and by the two-level
 algorithm (inside each node, across on a quarter, inside again): each one's time, the
 two-tier cost model's, and the bytes all ranks together sent across nodes. Part 2, the
-main job's GPT trained on the same 8 ranks with DDP, ZeRO-3 over all 8 and HSDP (ZeRO-3
-inside each node, replicated across): per step the bytes sent inside and across nodes and
-the median step time. The OK line checks the bytes (exact), never a time.
+main job's GPT trained on the same 8 ranks with DDP, ZeRO-3 over all 8, HSDP (ZeRO-3
+inside each node, replicated across) and ZeRO++ (ZeRO-3 over all 8 with int8 weight
+gathers, the backward's gather inside the node, int4 two-hop gradient reduce-scatter): per
+step the bytes sent inside and across nodes and the median step time. The OK line checks
+the bytes, never a time.
 
 Run:       python demos/32_nodes.py [--slower 10]   (or python -m minidist demo nodes)
 Read with: minidist/runtime/nodes.py, minidist/collectives/hierarchical.py,
-           minidist/collectives/tiers.py, minidist/parallel/zero/engine.py (HSDP)
+           minidist/collectives/tiers.py, minidist/parallel/zero/engine.py (HSDP),
+           minidist/parallel/zero/zeropp.py, minidist/collectives/quantized.py (ZeRO++)
 Paper:     Thakur, Rabenseifner & Gropp 2005, IJHPCA 19(1) (two-level collectives);
-           Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, Sec. 3.2.2 (hybrid sharding)
+           Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, Sec. 3.2.2 (hybrid sharding);
+           Wang et al. 2023, "ZeRO++", arXiv:2306.10209, Sec. 3
 """
 
 import argparse
@@ -103,7 +107,8 @@ def part2(nodes: Nodes) -> dict:
           f"{'across':>8}")
     out = {}
     for name, plan in (("DDP", Plan(dp=W)), ("ZeRO-3 over all 8", Plan(dp=W, zero=3)),
-                       ("HSDP: ZeRO-3 x 4, replicas x 2", Plan(dp=W, zero=3, hsdp=L))):
+                       ("HSDP: ZeRO-3 x 4, replicas x 2", Plan(dp=W, zero=3, hsdp=L)),
+                       ("ZeRO++ (qwZ, hpZ, qgZ)", Plan(dp=W, zero=3, zeropp=L))):
         runs = spawn(W, _step, plan, nodes=nodes)
         sent, across = sum(r[0] for r in runs), sum(r[1] for r in runs)
         step = max(r[2] for r in runs)
@@ -125,12 +130,14 @@ def main(argv=None) -> int:
     # every rank sends 2 (N-1)/N of its quarter across: 2 nodes, 8 ranks, n = 16 MiB
     want = 2 * (W // L - 1) * N_BYTES // (W // L) // L
     ok = across["hierarchical"] == want and across["hierarchical"] * 4 < across["ring"] \
-        and train["HSDP: ZeRO-3 x 4, replicas x 2"] < train["ZeRO-3 over all 8"]
+        and train["HSDP: ZeRO-3 x 4, replicas x 2"] < train["ZeRO-3 over all 8"] \
+        and train["ZeRO++ (qwZ, hpZ, qgZ)"] * 4 <= train["ZeRO-3 over all 8"]
+    zero3 = train["ZeRO-3 over all 8"]
     print(f"{'OK' if ok else 'MISMATCH'}: the two-level all-reduce's busiest rank sent "
           f"{across['hierarchical']:,} B across nodes (the formula: {want:,}),\n"
           f"{across['ring'] / max(across['hierarchical'], 1):.1f} x less than the flat ring's; "
-          f"HSDP sent {train['HSDP: ZeRO-3 x 4, replicas x 2'] / train['ZeRO-3 over all 8']:.0%}"
-          " of ZeRO-3's bytes across")
+          f"across nodes HSDP sent {train['HSDP: ZeRO-3 x 4, replicas x 2'] / zero3:.0%} and "
+          f"ZeRO++ {train['ZeRO++ (qwZ, hpZ, qgZ)'] / zero3:.0%} of ZeRO-3's bytes")
     return 0 if ok else 1
 
 

@@ -77,7 +77,8 @@ class Job:
 # The flag that sets each field the Plan, GPTConfig and DataConfig name in their messages.
 FLAGS = {"global_batch": "--batch", "micro_batches": "--grad-accum", "dp": "--dp",
          "tp": "--tp", "cp": "--cp", "pp": "--pp", "ep": "--ep", "zero": "--zero",
-         "expert_tp": "--expert-tp", "hsdp": "--hsdp", "local_steps": "--local-steps",
+         "expert_tp": "--expert-tp", "hsdp": "--hsdp", "zeropp": "--zeropp",
+         "zeropp_parts": "--zeropp-parts", "local_steps": "--local-steps",
          "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
          "onebit_warmup": "--onebit-adam", "powersgd_rank": "--powersgd",
          "cp_layout": "--cp-layout", "cp_algo": "--cp-algo", "n_head": "--n-head",
@@ -298,7 +299,8 @@ def _validated(a: argparse.Namespace) -> Job:
                            aux_loss_coef=aux_loss, shared_experts=a.shared_experts,
                            expert_hidden=a.expert_hidden)
     plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, expert_tp=a.expert_tp,
-                zero=a.zero, hsdp=a.hsdp, local_steps=a.local_steps, outer_lr=a.outer_lr,
+                zero=a.zero, hsdp=a.hsdp, zeropp=a.zeropp,
+                zeropp_parts=a.zeropp_parts, local_steps=a.local_steps, outer_lr=a.outer_lr,
                 outer_momentum=a.outer_momentum, onebit_warmup=a.onebit_adam,
                 powersgd_rank=a.powersgd,
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
@@ -318,7 +320,15 @@ def _validated(a: argparse.Namespace) -> Job:
                           global_batch=a.batch, token_tiles=a.token_tiles,
                           seq_len=data_cfg.block_size)
     resilience = recovery.options(a, plan.world_size, plan.pp)
-    nodes(a, plan.world_size)
+    topology = nodes(a, plan.world_size)
+    if topology is not None and plan.zeropp and \
+            topology.count(plan.group_ranks(0)["shard"]) > 1:
+        span = plan.zeropp * plan.tp
+        raise OptionError(f"--zeropp {plan.zeropp}: a node's {plan.zeropp} dp ranks (with "
+                          f"--tp {plan.tp}: {span} ranks) span several nodes of "
+                          f"--ranks-per-node {a.ranks_per_node}; use --ranks-per-node "
+                          f"{span} or a multiple of it, or --zeropp "
+                          f"{max(1, a.ranks_per_node // plan.tp)}")
     if plan.world_size > 1 and not getattr(a, "dry_run", False):   # a dry run starts none
         check_world_size(plan.world_size)       # this machine's ranks, and the MINIDIST_*
         RuntimeConfig(plan.world_size)          # variables the launcher will read

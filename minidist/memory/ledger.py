@@ -193,8 +193,11 @@ class Ledger(Observer):
             self._wrap(engine, "_grad_buffer", grads)
         else:                               # a gathered unit: one flat, the params view it
             self._wrap(hooks, "_new_grad_buffer", grads)
-            self._wrap(hooks, "_acquire", lambda _, i: self.register(
+            self._wrap(hooks, "_acquire", lambda _, i, *_rest: self.register(
                 units[i].params[0].data, "communication", f"gathered unit {units[i].name}"))
+        if hasattr(engine, "secondary"):          # ZeRO++'s hpZ copy (parallel/zero/zeropp.py)
+            self._wrap(engine, "_keep_secondary", lambda _, i, *_rest: self.register(
+                engine.secondary[i], "parameters", f"hpZ secondary {units[i].name}"))
 
     def mark_modules(self, modules: dict[str, Any]) -> None:
         """After each forward of modules[name] (while counting), mark("forward <name>")."""

@@ -72,6 +72,7 @@ from minidist.parallel.pipeline.stage import PipelineCut, PipelineStage, make_li
 from minidist.parallel.sharding import ModelSharding
 from minidist.parallel.tensor.tensor_parallel import TensorParallel, apply_tensor
 from minidist.parallel.zero.engine import ZeroEngine
+from minidist.parallel.zero.zeropp import ZeroPlusPlus, parse_parts
 from minidist.runtime.mesh import DeviceMesh
 
 
@@ -105,6 +106,10 @@ class Plan:
     mesh's "shard" axis, the faster: inside a node) and replicates it over the dp / S
     groups ("replicate"): a gradient is reduce-scattered in its shard group, then its shard
     all-reduced over the replicas (parallel/zero/engine.py); 0: ZeRO over all dp ranks.
+    ZeRO++ (parallel/zero/zeropp.py): zeropp L > 0 runs ZeRO-3 over all dp ranks seen as
+    dp / L nodes of L ("replicate" x "shard", as HSDP lays them out) with zeropp_parts of
+    qwZ (int8 weight all-gather), hpZ (the backward's gather inside the node) and qgZ (int4
+    two-hop gradient reduce-scatter).
     The fast paths: algo "auto" reduces in rank order over shared memory ("direct",
     collectives/direct.py) where the group has it, and `buckets` makes DDP keep its
     gradients in shared-memory buckets (parallel/data/buckets.py); `textbook()` turns both
@@ -118,6 +123,8 @@ class Plan:
     ep: int = 1
     expert_tp: int = 1                        # experts' own tensor parallelism (folded)
     hsdp: int = 0                             # ZeRO sharded over this many dp ranks, 0: all
+    zeropp: int = 0                           # ZeRO++ with nodes of this many dp ranks, 0: off
+    zeropp_parts: str = "qwz,hpz,qgz"         # which of ZeRO++'s three collectives
     local_steps: int = 0                      # DiLoCo: sync every this many steps, 0: DDP
     outer_lr: float = 0.7                     # DiLoCo's outer Nesterov step
     outer_momentum: float = 0.9
@@ -221,6 +228,8 @@ class Plan:
                 raise ValueError(f"Plan: hsdp={self.hsdp} with {'cp' if self.cp > 1 else 'ep'}"
                                  " > 1 is not built (the shard group would have to span the "
                                  "context or expert ranks too); use hsdp=0.")
+        if self.zeropp:
+            self._check_zeropp()
         if self.zero and self.algo == "tree":
             raise ValueError("Plan: ZeRO needs a reduce-scatter, which the tree algorithm "
                              "does not have; use algo 'auto', 'direct', 'ring' or 'halving'.")
@@ -237,6 +246,21 @@ class Plan:
         self.policy()                            # validates precision and grad_reduce
         if self.offload != "none" or self.offload_dir is not None:
             check_plan(self)                     # memory/offload.py owns its options
+
+    def _check_zeropp(self) -> None:
+        if not _positive_int(self.zeropp, 0) or self.dp % self.zeropp:
+            raise ValueError(f"Plan: zeropp={self.zeropp!r} must be an int dividing dp="
+                             f"{self.dp} (the dp ranks on one node; dp / zeropp nodes).")
+        parse_parts(self.zeropp_parts)
+        clash = [f"{name}={value}" for name, value, on in (
+            ("hsdp", self.hsdp, self.hsdp), ("cp", self.cp, self.cp > 1),
+            ("ep", self.ep * self.expert_tp, self.ep * self.expert_tp > 1),
+            ("precision", self.precision, self.policy() is not None),
+            ("offload", self.offload, self.offload != "none")) if on]
+        if self.zero != 3 or clash:
+            raise ValueError(f"Plan: zeropp={self.zeropp} changes ZeRO-3's collectives: it "
+                             "needs zero=3" + (f" and is not built with {', '.join(clash)}"
+                                               if clash else f", not zero={self.zero}") + ".")
 
     def policy(self):
         """memory/precision.Policy of a mixed-precision Plan; None for fp32 (nothing changes)."""
@@ -271,10 +295,10 @@ class Plan:
         are neighbours (inside a node) and pp's the farthest apart (across nodes)."""
         axes = (("pp",) if self.pp > 1 else ()) + ("dp", "cp", "tp")
         shape = ((self.pp,) if self.pp > 1 else ()) + (self.dp, self.cp, self.tp)
-        if self.hsdp:                                  # dp = (replicate, shard), shard fastest
-            i = axes.index("dp")
+        if self.hsdp or self.zeropp:                  # dp = (replicate, shard), shard fastest
+            i, node = axes.index("dp"), self.hsdp or self.zeropp
             axes = axes[:i] + ("replicate", "shard") + axes[i + 1:]
-            shape = shape[:i] + (self.dp // self.hsdp, self.hsdp) + shape[i + 1:]
+            shape = shape[:i] + (self.dp // node, node) + shape[i + 1:]
         if self.ep * self.expert_tp > 1:              # dp = (edp, ep, etp), etp the fastest
             i = axes.index("dp")
             axes = axes[:i] + ("edp", "ep", "etp") + axes[i + 1:]
@@ -316,6 +340,9 @@ class Plan:
             if self.policy() is not None else ""
         if self.hsdp:
             ep = f" (HSDP: shard {self.hsdp} x replicate {self.dp // self.hsdp})"
+        if self.zeropp:
+            ep = f" (ZeRO++ {self.zeropp_parts}: {self.dp // self.zeropp} nodes of " \
+                f"{self.zeropp})"
         return f"{pp}dp={self.dp}{ep}{cp} x tp={self.tp}" \
             f"{' (SP)' if self.sequence_parallel else ''}{low}"
 
@@ -566,6 +593,7 @@ def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
         zero 1, 2, 3                         ZeroEngine (parallel/zero/engine.py), over
                                              the shard group under HSDP (its replicas
                                              all-reduce the shards)
+        zero 3 with zeropp L > 0             ZeroPlusPlus (parallel/zero/zeropp.py)
     Experts' gradients sum over their own replicas (edp x cp), the rest over dp x cp.
     Plan.textbook() turns the fast path off; Plan.algorithms() names the choice."""
     grad, edp = groups["grad"], groups.get("edp")
@@ -579,6 +607,10 @@ def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
         return DiLoCo(sharding.model, grad, local_steps=plan.local_steps,
                       outer_lr=plan.outer_lr, outer_momentum=plan.outer_momentum,
                       algo=plan.algo, sharding=sharding, **opt)
+    if plan.zeropp:
+        return ZeroPlusPlus(sharding.model, grad, groups["shard"], groups["replicate"],
+                            parts=parse_parts(plan.zeropp_parts), algo=plan.algo,
+                            sharding=sharding, **opt)
     if plan.zero:
         experts = {"expert_group": edp} if edp is not None else {}
         hybrid = {"replica_group": groups["replicate"]} if plan.hsdp else {}
@@ -631,14 +663,14 @@ def _groups(ctx, plan: Plan, cfg: GPTConfig) -> dict:
     axes, shape = plan.mesh_axes()
     experts = plan.ep * plan.expert_tp > 1
     mesh = DeviceMesh(job, axes, shape)
-    dp_axes = ("edp", "ep", "etp") if experts else ("replicate", "shard") if plan.hsdp \
-        else ("dp",)
+    dp_axes = ("edp", "ep", "etp") if experts else ("replicate", "shard") \
+        if plan.hsdp or plan.zeropp else ("dp",)
     dp = mesh.flatten(dp_axes, "dp") if len(dp_axes) > 1 else mesh.group("dp")
     # the gradient sync gets a group of its own even when dp = 1, so that the cp
     # group's traffic (bytes_by_axis["cp"]) is attention and nothing else
     groups = {"mesh": mesh, "dp": dp, "cp": mesh.group("cp"), "tp": mesh.group("tp"),
               "grad": dp if plan.cp == 1 else mesh.flatten(dp_axes + ("cp",), "dp_cp")}
-    if plan.hsdp:
+    if plan.hsdp or plan.zeropp:
         groups["shard"], groups["replicate"] = mesh.group("shard"), mesh.group("replicate")
     if experts:
         groups["ep"] = mesh.group("ep")

@@ -51,6 +51,8 @@ LAYOUTS = {
     "tp2-cp2": (dict(tp=2, cp=2), 4, 2, "float64"),
     "dp2-textbook": (dict(dp=2, algo="ring", buckets=False), 4, 2, "float64"),
     "dp2-zero1-bf16": (dict(dp=2, zero=1, precision="bf16"), 4, 2, "float32"),
+    "dp4-zero3-zeropp": (dict(dp=4, zero=3, zeropp=2), 8, 2, "float64"),
+    "dp4-zero2-hsdp": (dict(dp=4, zero=2, hsdp=2), 8, 2, "float64"),
 }
 DEFAULT = ("dp2-tp2-sp-pp2", "tp2-cp2", "dp2-zero3")
 CASES = [name if name in DEFAULT else pytest.param(name, marks=pytest.mark.slow)

@@ -351,6 +351,11 @@ class ZeroEngine(Engine):
         group = self.group if unit is None else self.unit_groups[unit]
         return C.all_gather(x, group=group, algo=self.ag_algo, async_op=async_op)
 
+    def gather_async(self, i: int, backward: bool):
+        """Stage 3's gather of unit i before a call (forward or backward): the Work of an
+        async all_gather of every rank's shard; wait() gives (W, S_u). ZeRO++ overrides it."""
+        return self._all_gather(self.shards[i].data, async_op=True, unit=i)
+
     def gather_unit(self, i: int) -> np.ndarray:
         """COLLECTIVE: unit i's full flat parameters (W S_u,), from every rank's shard."""
         return self._all_gather(self.shards[i].data, unit=i).reshape(-1)

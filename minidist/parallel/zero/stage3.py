@@ -301,11 +301,11 @@ class Zero3Hooks:
     def before(self, k: int, backward: bool) -> None:
         """Gather hook point k's units; prefetch the next (forward) or previous one's."""
         for u in self.points[k].units:
-            self._acquire(u)
+            self._acquire(u, backward)
         nxt = k - 1 if backward else k + 1
         if 0 <= nxt < len(self.points):
             for u in self.points[nxt].units:
-                self._prefetch(u)
+                self._prefetch(u, backward)
 
     def after(self, k: int, backward: bool) -> None:
         """Count the use of each of k's units; after a unit's last use of the pass,
@@ -329,18 +329,19 @@ class Zero3Hooks:
         self._release(u)
 
     # --- gather / free ---
-    def _prefetch(self, i: int) -> None:
-        """Start unit i's all_gather on the group's worker unless it is already on its way."""
+    def _prefetch(self, i: int, backward: bool) -> None:
+        """Start unit i's all_gather on the group's worker unless it is already on its way
+        (the engine's gather_async: ZeRO++ gathers differently in the backward)."""
         if i in self.work:
             return
         e = self.e
-        self.work[i] = e._all_gather(e.shards[i].data, async_op=True, unit=i)
+        self.work[i] = e.gather_async(i, backward)
         held = sum(e.units[u].padded for u in self.work) * e.dtype.itemsize
         e._note_peak("gathered_params", held)
 
-    def _acquire(self, i: int) -> None:
+    def _acquire(self, i: int, backward: bool) -> None:
         """Make unit i's parameters real: wait for its gather, point the Parameters at it."""
-        self._prefetch(i)
+        self._prefetch(i, backward)
         if i not in self.gathered:
             flat = self.work[i].wait().reshape(-1)                 # (W S_u,)
             self.buffers[i] = base_buffer(flat)

@@ -70,15 +70,15 @@ def _trace_one_step(ctx, M):
     h, log = engine.stage3, []
     prefetch, acquire, release = h._prefetch, h._acquire, h._release
 
-    def logged_prefetch(i):
+    def logged_prefetch(i, backward):
         log.append(f"+{i}") if i not in h.work else None
-        prefetch(i)
+        prefetch(i, backward)
 
-    def logged_acquire(i):
+    def logged_acquire(i, backward):
         if i not in h.gathered:
-            h._prefetch(i)
+            h._prefetch(i, backward)
             log.append(f"={i}")
-        acquire(i)
+        acquire(i, backward)
 
     def logged_release(i):
         log.append(f"-{i}")
@@ -134,9 +134,9 @@ def _buffers_alive_after_forward(ctx):
     h, refs = engine.stage3, []
     acquire = h._acquire
 
-    def watched_acquire(i):
+    def watched_acquire(i, backward):
         new = i not in h.gathered
-        acquire(i)
+        acquire(i, backward)
         if new:
             refs.append(weakref.ref(h.buffers[i]))
 

@@ -7,7 +7,7 @@
     python -m minidist demo [name]                   list the demos, or run one
     python -m minidist bench collectives|autograd|train|pipeline|checkpoint|throughput|
                              recompute|observe|offload|determinism|predict|hierarchical|
-                             sync
+                             sync|async_tp
                                                      benchmarks (medians, tables)
     python -m minidist memory --model ... --plan dp=2,zero=1 [--measure] [--fit]
                                                      the memory budget per rank
@@ -45,7 +45,7 @@ from minidist.cli import CliParser, at_least
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos")
 BENCHES = ("collectives", "autograd", "compare", "train", "pipeline", "checkpoint", "throughput",
            "recompute", "observe", "offload", "determinism", "predict", "hierarchical",
-           "sync")
+           "sync", "async_tp")
 INTERRUPTED = 128 + signal.SIGINT           # the shells' code for "ended by SIGINT"
 STDOUT_CLOSED = 128 + signal.SIGPIPE        # ... and for "ended by SIGPIPE"
 

@@ -287,6 +287,9 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel ranks (Megatron)")
     ap.add_argument("--sp", action="store_true",
                     help="sequence parallelism over the tp ranks (needs --tp > 1)")
+    ap.add_argument("--async-tp", action="store_true",
+                    help="with --sp: SP's all-gather and reduce-scatter cut into steps hidden "
+                         "behind the matmul chunks (parallel/tensor/async_tp.py)")
     ap.add_argument("--cp", type=at_least(1), default=1, help="context-parallel ranks (sequence)")
     ap.add_argument("--cp-algo", default="ring", choices=["ring", "ulysses"],
                     help="attention across the cp ranks")

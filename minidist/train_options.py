@@ -253,6 +253,9 @@ def _validated(a: argparse.Namespace) -> Job:
     if a.sp and a.tp == 1:
         raise OptionError("--sp splits the sequence over the tensor-parallel ranks: give "
                           "--tp > 1 with it, or drop --sp")
+    if a.async_tp and not a.sp:
+        raise OptionError("--async-tp overlaps sequence parallelism's collectives with the "
+                          "matmuls: give --sp (and --tp > 1) with it, or drop --async-tp")
     inexact = f"--local-steps {a.local_steps}" if a.local_steps else \
         f"--onebit-adam {a.onebit_adam}" if a.onebit_adam else \
         f"--powersgd {a.powersgd}" if a.powersgd else ""
@@ -303,7 +306,8 @@ def _validated(a: argparse.Namespace) -> Job:
                 zeropp_parts=a.zeropp_parts, local_steps=a.local_steps, outer_lr=a.outer_lr,
                 outer_momentum=a.outer_momentum, onebit_warmup=a.onebit_adam,
                 powersgd_rank=a.powersgd,
-                micro_batches=a.grad_accum, sequence_parallel=a.sp, cp_algo=a.cp_algo,
+                micro_batches=a.grad_accum, sequence_parallel=a.sp, async_tp=a.async_tp,
+                cp_algo=a.cp_algo,
                 cp_layout=a.cp_layout, check_placements=a.check_placements or None,
                 schedule=a.schedule_value, virtual_stages=a.virtual_stages,
                 schedule_costs=getattr(a, "schedule_costs", None),

@@ -19,7 +19,7 @@ Reading order:
 
 from minidist.collectives.api import (all_gather, all_reduce, all_to_all, barrier, broadcast,
                                       gather, irecv, isend, recv, reduce, reduce_scatter,
-                                      scatter, send)
+                                      scatter, send, sendrecv)
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "gather", "irecv",
-           "isend", "recv", "reduce", "reduce_scatter", "scatter", "send"]
+           "isend", "recv", "reduce", "reduce_scatter", "scatter", "send", "sendrecv"]

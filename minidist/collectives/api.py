@@ -42,6 +42,7 @@ Contract shared by all calls:
     recv(out, src, tag)       -> out, filled with the message of the matching send
     isend(x, dst, tag)        -> Work: send with async_op=True (wait() gives None)
     irecv(out, src, tag)      -> Work: recv with async_op=True (wait() gives out)
+    sendrecv(x, dst, src, tag)-> out: x goes to dst while src's x arrives (a shift)
 
 Algorithms (cost.ALGOS): ring.py, tree.py, halving_doubling.py ("halving"),
 direct.py (canonical rank order, bitwise reproducible), all_to_all.py ("pairwise").
@@ -331,6 +332,8 @@ def barrier(group=None, async_op: bool = False):
 # the group's worker in program order, under the same rule. So, unlike torch, two ranks
 # that swap messages write it as rank 0: isend then irecv, rank 1: irecv then isend (both
 # posting isend first is a CollectiveMismatch naming both sends, at once, never a hang).
+# Or both call sendrecv, which moves the two messages together, chunk by chunk: a shift
+# around a ring of any number of ranks, with messages of any size, cannot deadlock.
 
 def _tag(tag: Any, what: str) -> int:
     if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or tag < 0:
@@ -416,3 +419,39 @@ def irecv(out: np.ndarray, src: int | None = None, group=None, tag: int = 0):
     only after wait() (or once is_completed() is True). src is required (see recv).
     """
     return recv(out, src, group=group, tag=tag, async_op=True)
+
+
+def sendrecv(x: np.ndarray, dst: int, src: int, out: np.ndarray | None = None, group=None,
+             tag: int = 0, async_op: bool = False):
+    """Send x to group rank `dst` and, at the same time, receive src's x; return it (in
+    `out` when given: C-contiguous, x's shape and dtype).
+
+    Every rank taking part calls sendrecv at the same point of its calls on the group,
+    each naming its own peers; the usual case is a shift of the whole group (dst = rank
+    + s, src = rank - s, mod W), which the pairwise schedules of parallel/tensor/async_tp.py
+    use. The two messages advance together chunk by chunk (runtime/p2p.py), so a shift is
+    deadlock-free at any size, where an isend queued before an irecv on the group's FIFO
+    worker waits for a peer that waits too once a message outgrows the mailbox.
+    The call is numbered in the group like any other; its header is checked by the
+    receiver (same sequence number, tag, dtype and shape: call.identity, which leaves out
+    the two ranks each end names), or CollectiveMismatch naming both calls.
+    async_op=True runs it on the group's worker in program order and returns a Work
+    (wait() gives out); do not touch x or out before then. On MPI (runtime/mpi.py) it runs
+    inline: correct, with nothing overlapped.
+    Cost: x.nbytes sent and received, one copy in and one out each way.
+    """
+    g = _group(group)
+    x = _array(x, "sendrecv")
+    dst = _other_rank(dst, g, "sendrecv", "dst")
+    src = _other_rank(src, g, "sendrecv", "src")
+    tag = _tag(tag, "sendrecv")
+    if out is None:
+        out = np.empty_like(x)
+    elif not isinstance(out, np.ndarray) or not out.flags.c_contiguous \
+            or out.shape != x.shape or out.dtype != x.dtype:
+        what = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(f"sendrecv: out must be a C-contiguous NumPy array of x's dtype and "
+                         f"shape, {x.dtype} {x.shape} (got {what}); every rank of a shift "
+                         "sends and receives the same shape. Pass out=None for a new one.")
+    return _run(g, "sendrecv", x, lambda: g.sendrecv(x, dst, src, out), async_op,
+                p2p=(src, dst, tag))

@@ -100,6 +100,9 @@ def check(plan, cfg, spike: bool = False, rebalance: bool = False, grain: int = 
                          "another order than the single process's matmul); drop one of "
                          "the two (without --deterministic the layout equals the single "
                          "process within ~1e-12 in float64).")
+    if plan.async_tp:
+        raise ValueError("--deterministic with --async-tp: the mode's tiled tp layers replace "
+                         "the ones async TP overlaps; drop one of the two.")
     if plan.precision != "fp32" or plan.grad_reduce != "fp32":
         raise ValueError("--deterministic with mixed precision: not supported; the tiled "
                          "matmuls and tree sums run in the model's dtype. Drop --precision "

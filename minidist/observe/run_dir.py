@@ -193,7 +193,7 @@ def _events(part: dict) -> list[Event]:
             for name, back, t0, t1, lane in part["ops"]]
     out += [Event(f"{op} #{seq}", r, t0 * 1e6, t1 * 1e6,
                   {"group": group, "seq": seq, "bytes": nbytes, "state": state, "call": text},
-                  "p2p" if op in ("send", "recv") else "collective", lane)
+                  "p2p" if op in ("send", "recv", "sendrecv") else "collective", lane)
             for op, group, seq, nbytes, state, text, t0, t1, lane in part["calls"]]
     return out
 

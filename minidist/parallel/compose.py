@@ -133,6 +133,7 @@ class Plan:
     zero: int = 0
     micro_batches: int = 1
     sequence_parallel: bool = False
+    async_tp: bool = False                    # SP's collectives overlapped with the matmuls
     cp_algo: str = "ring"                     # context parallelism: "ring" or "ulysses"
     cp_layout: str = "zigzag"                 # "zigzag" (balanced causal work) or "contiguous"
     bucket_bytes: int = 1 << 20
@@ -233,7 +234,7 @@ class Plan:
         if self.zero and self.algo == "tree":
             raise ValueError("Plan: ZeRO needs a reduce-scatter, which the tree algorithm "
                              "does not have; use algo 'auto', 'direct', 'ring' or 'halving'.")
-        for field in ("overlap", "sequence_parallel"):
+        for field in ("overlap", "sequence_parallel", "async_tp"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"Plan: {field}={getattr(self, field)!r} must be True or False.")
         if not (self.check_placements is None or isinstance(self.check_placements, bool)):
@@ -243,6 +244,10 @@ class Plan:
             raise ValueError("Plan: sequence_parallel=True needs tp > 1 (it splits the "
                              "sequence over the tensor-parallel ranks); use tp=2 or more, or "
                              "sequence_parallel=False.")
+        if self.async_tp and not self.sequence_parallel:
+            raise ValueError("Plan: async_tp=True overlaps sequence parallelism's all-gather "
+                             "and reduce-scatter with the matmuls; use sequence_parallel=True "
+                             "(and tp > 1) with it.")
         self.policy()                            # validates precision and grad_reduce
         if self.offload != "none" or self.offload_dir is not None:
             check_plan(self)                     # memory/offload.py owns its options
@@ -343,8 +348,8 @@ class Plan:
         if self.zeropp:
             ep = f" (ZeRO++ {self.zeropp_parts}: {self.dp // self.zeropp} nodes of " \
                 f"{self.zeropp})"
-        return f"{pp}dp={self.dp}{ep}{cp} x tp={self.tp}" \
-            f"{' (SP)' if self.sequence_parallel else ''}{low}"
+        sp = " (SP, async)" if self.async_tp else " (SP)" if self.sequence_parallel else ""
+        return f"{pp}dp={self.dp}{ep}{cp} x tp={self.tp}{sp}{low}"
 
     def textbook(self) -> "Plan":
         """This plan with the plain algorithms a reader meets first: DDP with one all-reduce
@@ -564,7 +569,8 @@ def parallelize(cfg: GPTConfig, seed: int, plan: Plan, groups: dict,
     algo = "direct" if plan.algo == "auto" and getattr(groups["tp"], "supports_shared",
                                                          False) else plan.algo
     tensor_parallel = TensorParallel(groups["tp"], plan.sequence_parallel,
-                                     algo=algo if algo != "tree" else "ring", context=context)
+                                     algo=algo if algo != "tree" else "ring", context=context,
+                                     async_tp=plan.async_tp)
     if plan.tp > 1:
         apply_tensor(model, tensor_parallel)
     if context is not None:                       # every rank holds the whole weights

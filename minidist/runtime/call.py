@@ -16,6 +16,11 @@ Fields 1..12 are the identity of a call: equal on every rank, or a mismatch.
 A point-to-point pair (collectives `send` / `recv`) keeps the sender's group rank in
 the algo field, the receiver's in root and the message tag in redop, on both sides; a
 recv's identity is that of the send it expects (`identity`), so the pair matches.
+A `sendrecv` (every rank sends to one peer and receives from another, at the same
+sequence number) keeps its source in algo and its destination in root; its identity
+leaves both out: the two ends of a message hold different pairs (in a shift by s, rank r
+receives from r - s and its sender from r - 2s), and the mailbox a message arrives in
+names its two ends anyway (runtime/p2p.py). They agree on the rest, tag included.
 
 Read next: runtime/wait.py
 """
@@ -36,9 +41,9 @@ STATE_NAMES = {0: "-", STARTED: "started", DONE: "done", FAILED: "failed"}
 _NAMES = ["", "p2p", "barrier", "broadcast", "reduce", "all_reduce", "reduce_scatter",
           "all_gather", "gather", "scatter", "all_to_all", "sum", "avg", "max", "min", "prod",
           "ring", "tree", "direct", "halving", "pairwise", "auto", "shared", "exit",
-          "new_group", "send", "recv"]
+          "new_group", "send", "recv", "sendrecv"]
 _CODE = {name: i for i, name in enumerate(_NAMES)}
-_P2P_OPS = (_CODE["send"], _CODE["recv"])
+_P2P_OPS = (_CODE["send"], _CODE["recv"], _CODE["sendrecv"])
 _SEEN: dict[int, str] = {}                   # other names this process has encoded
 _DTYPES = [np.dtype(t) for t in ("bool", "int8", "uint8", "int16", "uint16", "int32",
                                  "uint32", "int64", "uint64", "float16", "float32",
@@ -79,7 +84,8 @@ def pack(gid: int, seq: int, op: str, x: np.ndarray | None, root: int | None = N
          redop: str | None = None, algo: str | None = None,
          p2p: tuple[int, int, int] | None = None) -> np.ndarray:
     """The record of one call; `x` gives dtype and shape (None for barrier); p2p =
-    (src, dst, tag) of a send or recv (group ranks), kept in the algo, root, redop fields."""
+    (src, dst, tag) of a send, recv or sendrecv (group ranks), kept in the algo, root,
+    redop fields."""
     rec = np.zeros(NFIELDS, np.int64)
     rec[GID], rec[SEQ], rec[OP] = gid, seq, encode(op)
     rec[ROOT] = -1 if root is None else root
@@ -95,7 +101,8 @@ def pack(gid: int, seq: int, op: str, x: np.ndarray | None, root: int | None = N
 
 def describe(rec: np.ndarray, group_names: dict[int, str] | None = None) -> str:
     """Human text for a record: "all_reduce #5 on 'world' (float32 (4, 3), op sum, algo ring)",
-    "recv #2 on 'pp0' (float64 (2, 8), group rank 0 -> 1, tag 3)"."""
+    "recv #2 on 'pp0' (float64 (2, 8), group rank 0 -> 1, tag 3)", "sendrecv #4 on 'tp'
+    (float64 (2, 8), from group rank 3, to group rank 1, tag 0)"."""
     gid = int(rec[GID])
     gname = (group_names or {}).get(gid, f"group#{gid}")
     parts = []
@@ -103,7 +110,10 @@ def describe(rec: np.ndarray, group_names: dict[int, str] | None = None) -> str:
         ndim = int(rec[NDIM])
         dims = tuple(int(d) for d in rec[9:9 + min(ndim, 4)])
         parts.append(f"{dtype_name(int(rec[DTYPE]))} {dims}")
-    if rec[OP] in _P2P_OPS:
+    if rec[OP] == _CODE["sendrecv"]:
+        parts.append(f"from group rank {int(rec[ALGO])}, to group rank {int(rec[ROOT])}, "
+                     f"tag {int(rec[REDOP])}")
+    elif rec[OP] in _P2P_OPS:
         parts.append(f"group rank {int(rec[ALGO])} -> {int(rec[ROOT])}, tag {int(rec[REDOP])}")
     elif rec[ROOT] >= 0:
         parts.append(f"root {int(rec[ROOT])}")
@@ -116,11 +126,16 @@ def describe(rec: np.ndarray, group_names: dict[int, str] | None = None) -> str:
 
 
 def identity(rec: np.ndarray) -> bytes:
-    """The bytes two ranks must agree on (fields 1..12); a recv's are its send's."""
-    if rec[OP] != _CODE["recv"]:
+    """The bytes two ranks must agree on (fields 1..12); a recv's are its send's; a
+    sendrecv's leave out its source and destination (module docstring)."""
+    op = rec[OP]
+    if op != _CODE["recv"] and op != _CODE["sendrecv"]:
         return rec[IDENTITY].tobytes()
     ident = rec[IDENTITY].copy()
-    ident[OP - 1] = _CODE["send"]
+    if op == _CODE["recv"]:
+        ident[OP - 1] = _CODE["send"]
+    else:
+        ident[ALGO - 1] = ident[ROOT - 1] = -1
     return ident.tobytes()
 
 

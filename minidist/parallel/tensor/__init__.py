@@ -6,6 +6,8 @@ split over the tp group, with sequence parallelism and the vocabulary split besi
     vocab.py             the embedding table, LM head and cross-entropy split by vocabulary
     sequence.py          sequence parallelism (Korthikanti et al. 2022): LayerNorm and
                          dropout on T/tp positions, all-gather / reduce-scatter for f and g
+    async_tp.py          async TP (collective matmul, Wang et al. 2023): SP's all-gather and
+                         reduce-scatter cut into steps, hidden behind the matmul chunks
     memory.py            the bytes a tp rank sends and the activations it keeps, as formulas
 compose.parallelize calls apply_tensor first, before the other axes.
 Read next: tensor_parallel.py.

@@ -43,7 +43,8 @@ Communication per collective: B T C (W-1)/W numbers sent per rank (ring), half a
 all-reduce; the group is tp.
 References: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
     Transformer Models", arXiv:2205.05198, Sec. 4.2.2 and Fig. 5 (g and g-bar), Table 2.
-Read next: parallel/tensor/vocab.py.
+Read next: parallel/tensor/async_tp.py (these collectives in steps, overlapped with the
+matmuls), parallel/tensor/vocab.py.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ Communication per layer and micro-batch (without SP): 2 all-reduces of B T C for
 two g) and 2 backward (the two f): 4 x 2(W-1)/W B T C numbers sent per rank (ring).
 References: Shoeybi et al. 2019, "Megatron-LM", arXiv:1909.08053, Sec. 3, Fig. 3 (f, g);
     Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.3.
-Read next: parallel/tensor/sequence.py (sequence parallelism), parallel/tensor/vocab.py.
+Read next: parallel/tensor/sequence.py (sequence parallelism), parallel/tensor/async_tp.py
+(its collectives overlapped with the matmuls), parallel/tensor/vocab.py.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from minidist.nn.layers import MLP, Linear
 from minidist.nn.module import Module
 from minidist.parallel import placement as pl
 from minidist.parallel.context.context_parallel import sequence_positions
+from minidist.parallel.tensor import async_tp
 from minidist.parallel.tensor import sequence as sp
 from minidist.parallel.tensor.vocab import VocabParallelEmbedding, shard_parameter, vocab_range
 from minidist.parallel.tensor.vocab import vocab_parallel_cross_entropy
@@ -92,13 +94,21 @@ def reduce_from_tensor_region(x: Tensor, tp) -> Tensor:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """What a tensor-parallel layer needs: the tp group, SP on or off, the algorithms."""
+    """What a tensor-parallel layer needs: the tp group, SP on or off, the algorithms, and
+    async TP (SP's collectives cut into steps hidden behind the matmuls: async_tp.py)."""
 
     group: object
     sequence_parallel: bool = False
     algo: str = "auto"              # all-reduce / reduce-scatter ("direct": rank order)
     gather_algo: str = "auto"
     context: object = None          # parallel/context.ContextParallel when cp > 1
+    async_tp: bool = False          # SP only: the column matmuls and row exits overlapped
+
+    def __post_init__(self) -> None:
+        if self.async_tp and not self.sequence_parallel:
+            raise ValueError(f"{self.prefix} async tensor parallelism overlaps the all-gather "
+                             "and reduce-scatter of sequence parallelism with the matmuls; "
+                             "without SP there are none. Pass sequence_parallel=True too.")
 
     @property
     def prefix(self) -> str:
@@ -112,10 +122,19 @@ class TensorParallel:
 
     def matmul(self, x: Tensor, w: Tensor) -> Tensor:
         """A column-parallel matmul: f(x) @ w, or under SP the all-gather along T fused with
-        the matmul (sequence.AllGatherMatmul keeps only the shard for the backward)."""
+        the matmul (sequence.AllGatherMatmul keeps only the shard for the backward; async TP:
+        the same, its gather in steps behind the chunk products, async_tp.py)."""
         if self.sequence_parallel:
-            return sp.all_gather_matmul(x, w, self)
+            fused = async_tp.all_gather_matmul if self.async_tp else sp.all_gather_matmul
+            return fused(x, w, self)
         return pl.tag(self.enter(x) @ w, "tp", pl.Shard(2))
+
+    def matmul_exit(self, x: Tensor, w: Tensor) -> Tensor:
+        """A row-parallel matmul, a partial sum {U_tp}, and the way out of the region: exit
+        (async TP: the reduce-scatter in steps, each sent while the next chunk is computed)."""
+        if not self.async_tp:
+            return self.exit(pl.tag(x @ w, "tp", pl.Partial()))
+        return async_tp.matmul_reduce_scatter(x, w, self)                  # async_tp.py
 
     def exit(self, y: Tensor) -> Tensor:
         """Out of a row-parallel layer: g, or the reduce-scatter along T under SP."""
@@ -162,7 +181,8 @@ class ColumnParallelLinear(Module):
 class RowParallelLinear(Module):
     """y[B, T, C] = g(x[B, T, F_tp] @ W[F_tp, C]) + b: input features split over tp.
 
-    The matmul gives a partial sum {U_tp}; g all-reduces it (SP: reduce-scatter along T);
+    The matmul gives a partial sum {U_tp}; g all-reduces it (SP: reduce-scatter along T;
+    async TP: the matmul and the reduce-scatter in overlapped steps, see tp.matmul_exit);
     the replicated bias is added once, after the reduction.
     """
 
@@ -173,7 +193,7 @@ class RowParallelLinear(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         pl.expect(x, "tp", pl.Shard(2), name="x", where="RowParallelLinear")
-        y = self.tp.exit(pl.tag(x @ self.weight, "tp", pl.Partial()))       # (B, T, C)
+        y = self.tp.matmul_exit(x, self.weight)          # exit(x @ W): (B, T, C) or T_tp
         return y if self.bias is None else y + self.tp.sum_grad(self.bias)
 
 

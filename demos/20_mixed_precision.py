@@ -11,7 +11,8 @@ that step and halve the loss scale, and the replicas stay bitwise equal.
 
 Run:       python demos/20_mixed_precision.py [--steps 100 --every 10 --overflow-step 6]
 Read with: minidist/memory/precision.py, minidist/memory/master_weights.py,
-           minidist/memory/loss_scale.py, minidist/memory/fp8.py
+           minidist/memory/mixed_precision.py, minidist/memory/loss_scale.py,
+           minidist/memory/fp8.py
 Paper:     Micikevicius et al. 2018, "Mixed Precision Training", arXiv:1710.03740, Sec. 3;
            Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433
 """

@@ -41,6 +41,9 @@ from minidist import optim
 from minidist.data import DataConfig, SyntheticData, check_compatible
 from minidist.deterministic.layers import determinize
 from minidist.deterministic.tree_sum import TreeSum, combine
+from minidist.memory import loss_scale
+from minidist.memory.master_weights import MasterWeights
+from minidist.memory.precision import Autocast, Policy, cast_parameters, round_to
 from minidist.nn import DropoutKey, GPT, GPTConfig
 
 
@@ -64,7 +67,8 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
                          lr_schedule: str = "constant", min_lr: float = 0.0,
                          on_step: Callable[[int, float, GPT], None] | None = None,
                          deterministic: bool = False, grain: int = 1,
-                         token_tiles: int | None = None) -> TrainResult:
+                         token_tiles: int | None = None, precision: str = "fp32",
+                         grad_reduce: str = "fp32") -> TrainResult:
     """Train GPT(model_cfg, seed) on `steps` global batches of `data_cfg`; the ground truth.
 
     lr_schedule "constant" keeps lr; "cosine" uses optim.lr_at (linear warm-up over
@@ -77,6 +81,13 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     `grain` consecutive rows); every layout compared must use the same grain. token_tiles
     (deterministic only): every sum over positions is a tree over runs of T / token_tiles
     of them (what context-parallel layouts need; deterministic/attention.py).
+    precision "bf16", "fp16" or "fp8" (memory/precision.py): the same policy a layout's
+    MixedPrecision applies, on this one process: the model holds the rounded copy, the
+    GEMMs run under Autocast, the optimizer steps fp32 master weights
+    (memory/master_weights.MasterWeights), and under fp16 the loss is scaled, a step with
+    an inf or NaN gradient skipped and the scale halved (memory/loss_scale.py). grad_reduce
+    "low": the summed gradients are rounded to the format before the update, as the
+    layouts store them. The reference every layout is checked against under that policy.
     """
     check_compatible(model_cfg, data_cfg)
     if steps < 0 or grad_accum < 1 or global_batch % grad_accum:
@@ -90,23 +101,28 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     model, data = GPT(model_cfg, seed), SyntheticData(data_cfg)
     if deterministic:                        # matmuls over the tiles every layout uses
         determinize(model, token_tiles)
-    opt = optim.make_optimizer(optimizer, model.parameters(), lr, weight_decay, betas,
-                               momentum)
+    mixed = _Mixed(model, Policy(precision, grad_reduce), lambda params: optim.make_optimizer(
+        optimizer, params, lr, weight_decay, betas, momentum))
+    opt = mixed.opt
     losses, norms, lrs, biases = [], [], [], []
     balanced = {name: m for name, m in model.named_modules()
                 if hasattr(m, "update_bias") and m.rule.bias_rate}
     for step in range(steps):
         opt.lr = lr if lr_schedule == "constant" else optim.lr_at(
             step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr=min_lr)
-        losses.append(_accumulate_canonical(model, data, step, global_batch, seed, grain)
-                      if deterministic else
-                      _accumulate_gradients(model, data, step, global_batch, grad_accum, seed))
+        with mixed:
+            losses.append(
+                _accumulate_canonical(model, data, step, global_batch, seed, grain, mixed.loss)
+                if deterministic else _accumulate_gradients(model, data, step, global_batch,
+                                                            grad_accum, seed, mixed.loss))
+        S, skip = mixed.unscale()                           # 1 and False in fp32
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norms.append(optim.clip_grad_norm(model.parameters(), clip_grad)
-                     if clip_grad is not None
-                     else optim.global_grad_norm(grads))
+        norms.append((optim.clip_grad_norm(model.parameters(), clip_grad * S)
+                      if clip_grad is not None and not skip
+                      else optim.global_grad_norm(grads)) / S)
         lrs.append(float(opt.lr))
-        opt.step()
+        if not skip:
+            opt.step()
         opt.zero_grad()
         for layer in balanced.values():
             layer.update_bias(layer.take_routed())
@@ -120,7 +136,7 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
 
 
 def _accumulate_gradients(model: GPT, data: SyntheticData, step: int, global_batch: int,
-                          grad_accum: int, seed: int) -> float:
+                          grad_accum: int, seed: int, scaled=lambda loss: loss) -> float:
     """Backward every micro-batch of `step` into .grad; return the global-batch loss."""
     ids = data.global_indices(step, global_batch)                    # (B,)
     x, y = data.batch(ids)                                           # (B, T) each
@@ -132,13 +148,13 @@ def _accumulate_gradients(model: GPT, data: SyntheticData, step: int, global_bat
         key = DropoutKey(seed, step, tuple(int(i) for i in ids[part]))
         _, loss = model(x[part], y[part], n_tokens=n_tokens,
                         aux_weight=rows / global_batch, dropout_key=key)
-        loss.backward()
+        scaled(loss).backward()
         total += float(loss.item())
     return total
 
 
 def _accumulate_canonical(model: GPT, data: SyntheticData, step: int, global_batch: int,
-                          seed: int, grain: int = 1) -> float:
+                          seed: int, grain: int = 1, scaled=lambda loss: loss) -> float:
     """_accumulate_gradients with `grain` samples per micro-batch, whose gradients and losses
     are summed in the aligned tree of tree_sum.py (leaf b: rows b grain .. (b+1) grain - 1)."""
     ids = data.global_indices(step, global_batch)                    # (B,)
@@ -152,13 +168,59 @@ def _accumulate_canonical(model: GPT, data: SyntheticData, step: int, global_bat
         key = DropoutKey(seed, step, tuple(int(i) for i in ids[rows]))
         _, loss = model(x[rows], y[rows], n_tokens=n_tokens,
                         aux_weight=grain / global_batch, dropout_key=key)
-        loss.backward()
+        scaled(loss).backward()
         grads.push(b, flat_grads(params))
         losses.push(b, loss.data.astype(np.float64))
         for p in params:
             p.grad = None
     set_flat_grads(params, combine(grads.nodes(), leaves))
     return float(combine(losses.nodes(), leaves))
+
+
+class _Mixed:
+    """A precision policy on one process (train_single_process's `precision`): `with` it
+    around a step's forwards and backwards (Autocast on), `loss` scales each loss (fp16),
+    `unscale()` after them says (S, skip): the scale the gradients carry and whether they
+    hold an inf/NaN (the step is then skipped and S halved). `opt` steps the fp32 master
+    weights (their update divides by S). fp32: no change, opt the plain optimizer."""
+
+    def __init__(self, model: GPT, policy: Policy, make) -> None:
+        self.model, self.policy = model, policy
+        self.autocast = self.scaler = None
+        if not policy.low:
+            self.opt = make(model.parameters())
+            return
+        cast_parameters(model, policy)
+        self.autocast = Autocast(policy)
+        self.scaler = loss_scale.LossScaler() if policy.loss_scaling else None
+        self.opt = MasterWeights(model.parameters(), policy.dtype, make)
+
+    def __enter__(self) -> "_Mixed":
+        if self.autocast is not None:
+            self.autocast.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.autocast is not None:
+            self.autocast.stop()
+
+    def loss(self, loss):
+        return loss if self.scaler is None else \
+            loss_scale.ScaleGrad.apply(loss, scale=self.scaler.scale)
+
+    def unscale(self) -> tuple[float, bool]:
+        params = self.model.parameters()
+        if self.policy.low and self.policy.grad_reduce == "low":   # stored in the format
+            for p in params:
+                if p.grad is not None:
+                    p.grad = round_to(p.grad, self.policy.dtype)
+        if self.scaler is None:
+            return 1.0, False
+        S = self.scaler.scale
+        skip = loss_scale.has_inf_or_nan(p.grad for p in params)
+        self.opt.inv_scale = 1.0 / S
+        self.scaler.update(skip)
+        return S, skip
 
 
 def flat_grads(params: list) -> np.ndarray:

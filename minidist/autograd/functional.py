@@ -223,6 +223,13 @@ def masked_fill(x: Any, mask: Any, value: float) -> Tensor:
     return Where.apply(value, x, cond=mask)
 
 
+def fp32_input(x: Any) -> Any:
+    """x as an op kept in fp32 under mixed precision reads it (memory/precision.FP32_OPS):
+    upcast when autocast is on and x is stored in a low-precision dtype, else x itself.
+    For ops built outside this module (the vocabulary-parallel cross-entropy)."""
+    return x if core.autocast is None else core.autocast.upcast(x)
+
+
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """exp(x) / sum exp(x) over `axis` (fused.Softmax)."""
     if core.autocast is not None:

@@ -814,6 +814,23 @@ def matmul_grads(a: Any, b: Any, g: Any, need_a: bool, need_b: bool) -> tuple:
     return da, db
 
 
+def gemm(a: Any, b: Any) -> tuple:
+    """(a @ b, how it was rounded) for a Function that runs its own GEMM (the sequence-
+    parallel all-gather matmul): under autocast (memory/precision.py) the rounded GEMM
+    MatMul runs, its operands' scales in the second item; else (mm(a, b), None). The
+    backward calls gemm_grads with the same operands (gathered again) and that item."""
+    if autocast is None:
+        return mm(a, b), None
+    return autocast.gemm(a, b)
+
+
+def gemm_grads(a: Any, b: Any, g: Any, how: Any, need_a: bool, need_b: bool) -> tuple:
+    """(da, db) of gemm(a, b) for the output gradient g; `how`: gemm's second item."""
+    if how is None:
+        return matmul_grads(a, b, g, need_a, need_b)
+    return how.grads(a, b, g, need_a, need_b)
+
+
 def matmul(a: Any, b: Any) -> Tensor:
     """a @ b with NumPy's matmul semantics (see MatMul)."""
     return MatMul.apply(a, b)

@@ -42,12 +42,13 @@ intermediate output until the graph is dropped, so "temporaries" exceed the save
 activations (227 kB against 194 kB on dp=2, 2 layers).
 
 `--precision bf16|fp16|fp8 [--grad-reduce fp32|low]` (`memory/precision.py`,
-`master_weights.py`, `loss_scale.py`, `fp8.py`; the `precision` extra, ml_dtypes): NumPy has
-no fast bf16 matmul, so the formats are emulated exactly where they round: matmul inputs and
-outputs are rounded to the format (E4M3 forward and E5M2 gradients with per-tensor delayed
-scaling for fp8), the products run in fp32; softmax, log-softmax, LayerNorm and the loss run
-on fp32 copies. fp32 master weights and AdamW's m and v (K = 12 bytes per parameter) sit in
-a wrapper around any dp/ZeRO engine, sharded as ZeRO shards them; fp16 uses GradScaler's
+`master_weights.py`, `mixed_precision.py`, `loss_scale.py`, `fp8.py`; the `precision`
+extra, ml_dtypes): NumPy has no fast bf16 matmul, so the formats are emulated exactly
+where they round: matmul inputs and outputs are rounded to the format (E4M3 forward and E5M2
+gradients with per-tensor delayed scaling for fp8), the products run in fp32; softmax,
+log-softmax, LayerNorm and the loss run on fp32 copies. fp32 master weights and AdamW's m
+and v (K = 12 bytes per parameter) sit in a wrapper around any engine on any layout,
+sharded as ZeRO shards them; fp16 uses GradScaler's
 dynamic loss scaling (2^16, x2 after 2000 good steps, x0.5 and a skipped step on inf/NaN,
 the flag all-reduced so one rank's inf skips the step everywhere). `--grad-reduce low` sums
 gradients in the 16-bit format: half the dp bytes (52,416 against 104,832 per step on the
@@ -73,8 +74,9 @@ read 1.53x.
 Reading order: ledger.py (every device array a rank holds, by category), recompute.py
 (activation recomputation, full and selective), precision.py (bf16 / fp16 / fp8: what is
 rounded where), loss_scale.py (fp16's dynamic loss scaling), fp8.py (E4M3 / E5M2 with
-delayed scaling), master_weights.py (fp32 master weights around any engine), offload.py
-(optimizer state and parameters to host memory or disk), budget_models.py and budget.py
+delayed scaling), master_weights.py (the fp32 master copy), mixed_precision.py (it,
+autocast and loss scaling around any engine), offload.py (optimizer state and parameters
+to host memory or disk), budget_models.py and budget.py
 (the per-rank estimate, checked against measured bytes).
 Each module is imported where it is used; this package imports none of them.
 """

@@ -18,7 +18,7 @@ Powers of two keep x S and x / S exact.
 Under data parallelism every rank must take the same decision, or the replicas part ways:
 one rank skipping while the others step. The check is local (this rank's gradients, or
 its shard of them under ZeRO), so the flag is all-reduced (max) over the gradient-sync
-group: one 8-byte number per rank per step (`found_inf_everywhere`).
+group: one 8-byte number per rank per step (memory/mixed_precision.found_inf_everywhere).
 
 One rank's view of a step (scale S):
     1. forward; loss.backward() sees S * loss (`ScaleGrad`: identity forward, x S backward)
@@ -30,7 +30,7 @@ One rank's view of a step (scale S):
 Reference: Micikevicius et al. 2018, "Mixed Precision Training", arXiv:1710.03740,
     Sec. 3.2 (loss scaling); PyTorch torch.amp.GradScaler (init_scale 2^16, growth_factor
     2, backoff_factor 0.5, growth_interval 2000).
-Read next: memory/master_weights.py (where the scaler is used).
+Read next: memory/master_weights.py, memory/mixed_precision.py (where the scaler is used).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from minidist import collectives as C
 from minidist.autograd.tensor import Context, Function
 
 
@@ -100,16 +99,6 @@ class LossScaler:
 def has_inf_or_nan(arrays) -> bool:
     """True if any array (None skipped) holds an inf or a NaN."""
     return any(a is not None and not np.isfinite(a).all() for a in arrays)
-
-
-def found_inf_everywhere(local: bool, group: Any = None) -> bool:
-    """COLLECTIVE over `group`: True on every rank if `local` is True on any.
-
-    all_reduce(max) of one float per rank (8 bytes); no group (one process): local."""
-    if group is None or getattr(group, "size", 1) == 1:
-        return bool(local)
-    flag = C.all_reduce(np.array([1.0 if local else 0.0]), op="max", group=group)
-    return bool(flag[0] > 0)
 
 
 class ScaleGrad(Function):

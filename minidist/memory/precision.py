@@ -38,7 +38,7 @@ a small optimism). LayerNorm saves its fp32 upcast input (a fused kernel would s
 16-bit one). Nothing here is faster than fp32; it is there to show what the formats do to
 the numbers and the bytes.
 
-One rank's view of a step (MixedPrecision in master_weights.py drives it):
+One rank's view of a step (MixedPrecision in mixed_precision.py drives it):
     1. Autocast on (until step()): the autograd's MatMul and FP32_OPS consult it in the
        forward and in whatever the backward recomputes
     2. (fp16) backward of S * loss; gradients summed over dp in grad_reduce's dtype
@@ -48,7 +48,8 @@ One rank's view of a step (MixedPrecision in master_weights.py drives it):
 References: Micikevicius et al. 2018, "Mixed Precision Training", arXiv:1710.03740,
     Sec. 3.1-3.3; Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning
     Training", arXiv:1905.12322; Micikevicius et al. 2022, arXiv:2209.05433 (fp8).
-Read next: memory/loss_scale.py, memory/fp8.py, memory/master_weights.py.
+Read next: memory/loss_scale.py, memory/fp8.py, memory/master_weights.py,
+    memory/mixed_precision.py.
 """
 
 from __future__ import annotations
@@ -219,14 +220,56 @@ class Autocast:
         qa, qb = ctx.saved_tensors
         if self.policy.name == "fp8":
             a, b = fp8.dequantize(qa, ctx.scales[0]), fp8.dequantize(qb, ctx.scales[1])
-            gq, gs = ctx.site[2].quantize(g)
-            g = fp8.dequantize(gq, gs)
         else:
             a, b = qa.astype(np.float32), qb.astype(np.float32)
+        return self._grads(a, b, g, getattr(ctx, "site", None), *ctx.needs_input_grad)
+
+    def _grads(self, a: Any, b: Any, g: Any, site, need_a: bool, need_b: bool) -> tuple:
+        """The backward GEMMs on the rounded operands a, b (fp32 arrays): g rounded (E5M2
+        with site's gradient scale under fp8), products in fp32, rounded to the format."""
+        if site is not None:
+            gq, gs = site[2].quantize(g)
+            g = fp8.dequantize(gq, gs)
+        else:
             g = round_to(g, self.dtype).astype(np.float32)
-        grads = matmul_grads(a, b, g, *ctx.needs_input_grad)
+        grads = matmul_grads(a, b, g, need_a, need_b)
         return tuple(None if d is None else round_to(d, self.dtype).astype(np.float32)
                      for d in grads)
+
+    def gemm(self, a: Any, b: Any) -> tuple:
+        """(the rounded GEMM's output, a `Rounded`): matmul_forward's numbers for a Function
+        that keeps its operands itself (autograd/tensor.gemm: the sequence-parallel
+        all-gather matmul, which gathers x again in the backward instead of saving it)."""
+        how = Rounded(self, self._site() if self.policy.name == "fp8" else None)
+        ra, rb = how.operands(a, b)
+        return round_to(mm(ra, rb), self.dtype), how
+
+
+class Rounded:
+    """How one GEMM's operands were rounded (fp8: the site and the two scales used), so that
+    the backward rounds the same operands, gathered again, to the same values."""
+
+    def __init__(self, autocast: Autocast, site) -> None:
+        self.autocast, self.site, self.scales = autocast, site, None
+
+    def operands(self, a: Any, b: Any) -> tuple:
+        """a and b rounded to the format (fp8: quantised; the scales chosen on the first
+        call and reused after), as fp32 arrays."""
+        if self.site is None:
+            dtype = self.autocast.dtype
+            return round_to(a, dtype).astype(np.float32), round_to(b, dtype).astype(np.float32)
+        if self.scales is None:
+            (qa, sa), (qb, sb) = self.site[0].quantize(a), self.site[1].quantize(b)
+            self.scales = (sa, sb)
+        else:
+            sa, sb = self.scales
+            qa, qb = fp8.quantize(a, fp8.E4M3, sa), fp8.quantize(b, fp8.E4M3, sb)
+        return fp8.dequantize(qa, sa), fp8.dequantize(qb, sb)
+
+    def grads(self, a: Any, b: Any, g: Any, need_a: bool, need_b: bool) -> tuple:
+        """(da, db) as MatMul's backward under autocast gives them, from the same a, b."""
+        ra, rb = self.operands(a, b)
+        return self.autocast._grads(ra, rb, g, self.site, need_a, need_b)
 
 
 def plan_policy(plan) -> Policy:
@@ -240,13 +283,12 @@ def plan_policy(plan) -> Policy:
 
 
 def check_plan(plan, cfg) -> None:
-    """ValueError unless mixed precision is built for this Plan and model: dp and ZeRO 1-3
-    of a float32 model, no recomputation."""
-    other = {k: getattr(plan, k) for k in ("tp", "pp", "cp", "ep") if getattr(plan, k) > 1}
-    if other or cfg.dtype != "float32" or cfg.recompute != "none":
+    """ValueError unless mixed precision is built for this Plan and model: any layout of a
+    float32 model (its fp32 master weights) without recomputation, but async TP (its chunked
+    GEMMs would each take their own fp8 scale)."""
+    if cfg.dtype != "float32" or cfg.recompute != "none" or plan.async_tp:
         raise ValueError(
-            f"Plan: precision={plan.precision!r} is built for data parallelism and ZeRO "
-            f"1-3 of a float32 model (its fp32 master weights) without recomputation; "
-            f"this job has {other or 'no other axis'}, dtype={cfg.dtype!r}, recompute="
-            f"{cfg.recompute!r}. Use tp = pp = cp = ep = 1, dtype float32 and recompute "
-            "none, or precision fp32.")
+            f"Plan: precision={plan.precision!r} is built for a float32 model (its fp32 "
+            f"master weights) without recomputation or async TP; this job has dtype="
+            f"{cfg.dtype!r}, recompute={cfg.recompute!r}, async_tp={plan.async_tp}. Use "
+            "dtype float32, recompute none and no async TP, or precision fp32.")

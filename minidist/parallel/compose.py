@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from minidist.memory.master_weights import MixedPrecision
+from minidist.memory.mixed_precision import MixedPrecision
 from minidist.memory.offload import check_plan, offload_engine
 from minidist.memory.precision import cast_parameters, plan_policy
 from minidist.memory.precision import check_plan as check_precision
@@ -91,7 +91,7 @@ class Plan:
     schedule_costs (F, B, W): the costs the searched schedules (zb-1p, zb-2p, zbv) are
     found for (default 1, 1, 1: at those ZB-1p and ZB-2p are ZB-H1 and ZB-H2).
     Mixed precision (memory/precision.py; dp and ZeRO only): precision "bf16", "fp16" or
-    "fp8" makes the model hold a rounded copy and wraps the engine in master_weights.py's
+    "fp8" makes the model hold a rounded copy and wraps the engine in mixed_precision.py's
     MixedPrecision; grad_reduce "low" stores and sums the gradients in that format.
     Offloading (memory/offload.py): offload "host" or "disk" moves the optimizer state (and
     ZeRO-3's parameter shards) off the device; offload_dir: the disk tier's root directory.
@@ -535,8 +535,8 @@ def build(ctx, plan: Plan, cfg: GPTConfig, seed: int, *, optimizer: str, lr: flo
     engine = gradient_sync(sharding, plan, groups, opt)                # 5. the engine
     if plan.offload != "none":                    # memory/offload.py: state off the device
         offload_engine(engine, plan.offload, plan.offload_dir)
-    if policy is not None:                        # fp32 master weights, loss scaling
-        engine = MixedPrecision(engine, policy, groups["grad"], **opt)
+    if policy is not None:                        # fp32 master weights, loss scaling; an
+        engine = MixedPrecision(engine, policy, ctx.world, **opt)   # inf anywhere skips all
     stage = None
     if plan.pp > 1:                                                     # 6. the schedule
         stage = PipelineStage(sharding.model, groups["cut"], groups["links"],

@@ -27,6 +27,11 @@ optimizer, and calls only these:
                                  naming the key for a missing or unexpected name, a wrong
                                  shape or dtype, or another optimizer's state.
     engine.memory()
+    engine.begin_step(), engine.loss_seed()
+                                 for a pipeline stage, which runs the model's pieces and
+                                 seeds the backward itself: what forward() would switch on
+                                 (mixed precision's autocast), and the seed of the loss's
+                                 backward (S under fp16 loss scaling, else 1)
 
 Engines: parallel/data/ddp.py's DataParallel (ZeRO stage 0) and parallel/zero/engine.py's
 ZeroEngine (stages 1-3); DiLoCo and OneBitAdam (parallel/data/) sync less, or in fewer
@@ -106,6 +111,16 @@ class Engine:
         named = list(self.model.named_parameters())
         return ([n for n, _ in named], [tuple(p.shape) for _, p in named],
                 np.dtype(named[0][1].dtype))
+
+    def begin_step(self) -> None:
+        """Before a step's first forward, for a caller that runs the model's pieces itself
+        instead of forward() (a pipeline stage): nothing here; mixed precision turns its
+        autocast on (memory/mixed_precision.py)."""
+
+    def loss_seed(self) -> float:
+        """d loss / d loss for a caller that starts the backward itself (a pipeline's last
+        stage; a stage's MoE auxiliary terms): 1 here; S under fp16 loss scaling."""
+        return 1.0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

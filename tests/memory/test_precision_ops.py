@@ -147,8 +147,10 @@ def test_policies_and_their_refusals():
     with pytest.raises(ValueError, match="changes nothing"):
         Autocast(Policy("fp32"))
     cfg = model_config_for(DataConfig(task="sort", length=4), n_head=2, dtype="float32")
-    with pytest.raises(ValueError, match=r"\{'tp': 2\}"):
-        Plan(tp=2, precision="bf16").validate(cfg, 8, 10)
+    Plan(tp=2, precision="bf16").validate(cfg, 8, 10)         # every layout takes it
+    with pytest.raises(ValueError, match="async_tp=True"):
+        Plan(tp=2, sequence_parallel=True, async_tp=True, precision="bf16").validate(cfg, 8,
+                                                                                     10)
     with pytest.raises(ValueError, match="dtype='float64'"):
         Plan(precision="fp16").validate(model_config_for(DataConfig(task="sort")), 8, 10)
     assert Plan(precision="fp32").policy() is None            # fp32: nothing wraps

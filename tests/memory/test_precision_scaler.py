@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from minidist.autograd.tensor import Tensor
-from minidist.memory.loss_scale import (LossScaler, ScaleGrad, ScalerConfig, found_inf_everywhere,
-                                        has_inf_or_nan)
+from minidist.memory.loss_scale import LossScaler, ScaleGrad, ScalerConfig, has_inf_or_nan
+from minidist.memory.mixed_precision import found_inf_everywhere
 
 
 def _run(found: list[bool], **config) -> LossScaler:

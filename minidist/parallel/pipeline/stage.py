@@ -283,7 +283,8 @@ class PipelineStage:
         shares are summed. The engine's step() then reduces the rest and updates.
         Under "dual" every parameter has a copy on the mirror stage P-1-s: the two copies'
         gradients are summed (sync_mirror) before any dp reduction, so nothing overlaps."""
-        self.begin(batches, n_tokens)
+        engine.begin_step()                             # mixed precision: autocast on
+        self.begin(batches, n_tokens, engine.loss_seed())
         overlap = engine.overlaps_backward and self.mirror_group is None
         last = self.last_backwards() if overlap else set()
         # the tied wte takes two shares, the embedding's and the head's: on two stages
@@ -315,8 +316,9 @@ class PipelineStage:
                     last[p.chunk] = i
         return set(last.values())
 
-    def begin(self, batches, n_tokens: int) -> None:
-        self.batches, self.n_tokens = batches, n_tokens
+    def begin(self, batches, n_tokens: int, seed: float = 1.0) -> None:
+        """seed: d loss / d loss (S under fp16 loss scaling: engine.loss_seed())."""
+        self.batches, self.n_tokens, self.seed = batches, n_tokens, seed
         self.live: dict[tuple[int, int], dict] = {}     # (m, c) -> what B and W need
         self.loss, self.record = 0.0, []
         self.aux_values: dict[tuple[int, int], object] = {}   # (m, layer) -> MoE aux term
@@ -382,15 +384,17 @@ class PipelineStage:
         k, key = self.cut.vstage(a.chunk), (a.micro_batch, a.chunk)
         state = self.live[key]
         y = state["y"]
-        if k == self.last_vstage:
-            dy = backend.xp.ones_like(y.data)                       # d loss / d loss
+        if k == self.last_vstage:                                   # d loss / d loss
+            dy = backend.xp.ones_like(y.data) if self.seed == 1.0 else \
+                backend.xp.full_like(y.data, self.seed)
         else:
             buf = np.empty(y.shape, y.dtype)
             dy = backend.xp.asarray(self.links.recv(
                 "grad", self.schedule.place(k + 1, a.micro_batch)[0], buf, a.micro_batch))
         t0 = time.perf_counter()
         if state["aux"] is not None:   # one root: sum(y * dy) has gradient dy exactly
-            y, dy = (y * Tensor(dy)).sum() + state["aux"], None
+            aux = state["aux"] if self.seed == 1.0 else state["aux"] * self.seed
+            y, dy = (y * Tensor(dy)).sum() + aux, None
         split = self.schedule.is_split(self.cut.stage, a.micro_batch, a.chunk)
         if split:                                                   # B: input gradient only
             (dx,), state["w"] = backward_input(y, dy, [state["x"]])

@@ -54,6 +54,7 @@ import numpy as np
 from minidist import collectives as C
 from minidist.autograd import Function, Tensor
 from minidist.autograd import functional as F
+from minidist.autograd.tensor import gemm, gemm_grads
 from minidist.nn.layers import Embedding, LayerNorm
 from minidist.parallel import placement as pl
 
@@ -114,20 +115,18 @@ class AllGatherMatmul(Function):
         ctx.tp = tp
         ctx.save_for_backward(x, w)
         x_all = all_gather_sequence(x, tp)                              # (B, T, C)
-        return (x_all.reshape(-1, x_all.shape[-1]) @ w).reshape(x_all.shape[:-1] + (-1,))
+        y, ctx.how = gemm(x_all, w)      # x_all @ w; rounded as MatMul's under autocast
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad
-        dy2 = dy.reshape(-1, dy.shape[-1])                              # (B T, F_tp)
-        dx = dw = None
-        if need_w:
-            x_all = all_gather_sequence(x, ctx.tp)                      # gathered again
-            dw = x_all.reshape(-1, x_all.shape[-1]).T @ dy2             # (C, F_tp)
-        if need_x:
-            dx_all = (dy2 @ w.T).reshape(dy.shape[:-1] + (w.shape[0],))  # (B, T, C) {U_tp}
-            dx = reduce_scatter_sequence(dx_all, ctx.tp)                # (B, T_tp, C)
+        x_all = all_gather_sequence(x, ctx.tp) if need_w else \
+            np.empty(dy.shape[:-1] + x.shape[-1:], x.dtype)             # gathered again
+        # dw = x_all^T dy (C, F_tp); dx_all = dy w^T (B, T, C) {U_tp}
+        dx_all, dw = gemm_grads(x_all, w, dy, ctx.how, need_x, need_w)
+        dx = reduce_scatter_sequence(dx_all, ctx.tp) if need_x else None   # (B, T_tp, C)
         return dx, dw
 
 

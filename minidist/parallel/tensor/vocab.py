@@ -134,7 +134,8 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, tp, vocab_size: int) -
     """sum over counted (b, t) of CE(logits, targets) for logits[B, T, V_tp] (this rank's
     vocabulary shard); targets (B, T) with -100 = ignored. Refuses any other logits."""
     z, t, lo = vocab_shard(logits, targets, tp, vocab_size)
-    return VocabParallelCrossEntropy.apply(z, t=t, tp=tp, lo=lo, vocab_size=vocab_size)
+    return VocabParallelCrossEntropy.apply(F.fp32_input(z), t=t, tp=tp, lo=lo,
+                                           vocab_size=vocab_size)
 
 
 def vocab_shard(logits: Tensor, targets, tp, vocab_size: int) -> tuple:

@@ -68,7 +68,7 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
                          on_step: Callable[[int, float, GPT], None] | None = None,
                          deterministic: bool = False, grain: int = 1,
                          token_tiles: int | None = None, precision: str = "fp32",
-                         grad_reduce: str = "fp32") -> TrainResult:
+                         grad_reduce: str = "fp32", fp8_recipe: str = "delayed") -> TrainResult:
     """Train GPT(model_cfg, seed) on `steps` global batches of `data_cfg`; the ground truth.
 
     lr_schedule "constant" keeps lr; "cosine" uses optim.lr_at (linear warm-up over
@@ -87,7 +87,7 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     (memory/master_weights.MasterWeights), and under fp16 the loss is scaled, a step with
     an inf or NaN gradient skipped and the scale halved (memory/loss_scale.py). grad_reduce
     "low": the summed gradients are rounded to the format before the update, as the
-    layouts store them. The reference every layout is checked against under that policy.
+    layouts store them; fp8_recipe: memory/fp8_recipes.RECIPES. The reference every layout is checked against under that policy.
     """
     check_compatible(model_cfg, data_cfg)
     if steps < 0 or grad_accum < 1 or global_batch % grad_accum:
@@ -101,7 +101,8 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     model, data = GPT(model_cfg, seed), SyntheticData(data_cfg)
     if deterministic:                        # matmuls over the tiles every layout uses
         determinize(model, token_tiles)
-    mixed = _Mixed(model, Policy(precision, grad_reduce), lambda params: optim.make_optimizer(
+    mixed = _Mixed(model, Policy(precision, grad_reduce, fp8_recipe=fp8_recipe),
+                   lambda params: optim.make_optimizer(
         optimizer, params, lr, weight_decay, betas, momentum))
     opt = mixed.opt
     losses, norms, lrs, biases = [], [], [], []

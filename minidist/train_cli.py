@@ -30,6 +30,7 @@ from minidist import backend, baseline, collectives as C, train_dry_run, train_o
 from minidist.cli import CliParser, at_least, cli_error, directory
 from minidist.data import DataConfig, SyntheticData, answer_accuracy
 from minidist.deterministic.digest import params_digest
+from minidist.memory.fp8_recipes import RECIPES
 from minidist.memory.ledger import parse_bytes
 from minidist.nn import GPT, GPTConfig
 from minidist.observe import run_dir
@@ -329,6 +330,10 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "fp8"],
                     help="mixed precision (memory/precision.py): the model copy and "
                          "activations in bf16 / fp16 / fp8 GEMMs, fp32 master weights")
+    ap.add_argument("--fp8-recipe", default="delayed", choices=list(RECIPES),
+                    help="under --precision fp8: delayed (per-tensor, amax history), "
+                         "tensorwise, rowwise, blockwise (DeepSeek-V3's 1x128 / 128x128), "
+                         "mxfp8 (32-element blocks, E8M0 scales) (memory/fp8_recipes.py)")
     ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "low"],
                     help="gradients stored and summed over dp in fp32 (4 bytes each) or "
                          "in the low-precision format (2 bytes)")
@@ -493,7 +498,8 @@ def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str
                                         grain=getattr(a, "grain", 1),
                                         token_tiles=getattr(a, "token_tiles", None),
                                         precision=getattr(a, "precision", "fp32"),
-                                        grad_reduce=getattr(a, "grad_reduce", "fp32"))
+                                        grad_reduce=getattr(a, "grad_reduce", "fp32"),
+                                        fp8_recipe=getattr(a, "fp8_recipe", "delayed"))
     if plan is not None and plan.zeropp and set(parse_parts(plan.zeropp_parts)) - {"hpz"}:
         return _check_quantized(a, run, ref, layout)
     d_bias = _bias_gap(run.routing_biases, ref.routing_biases)

@@ -87,6 +87,7 @@ FLAGS = {"global_batch": "--batch", "micro_batches": "--grad-accum", "dp": "--dp
          "layers_per_stage": "--layers-per-stage", "virtual_stages": "--virtual-stages",
          "schedule_costs": "--schedule-costs",
          "schedule": "--schedule", "precision": "--precision", "grad_reduce": "--grad-reduce",
+         "fp8_recipe": "--fp8-recipe",
          "dtype": "--dtype", "recompute": "--recompute", "offload": "--offload",
          "offload_dir": "--offload-dir", "length": "--length", "task": "--task",
          "router": "--router", "route_groups": "--route-groups", "route_limit": "--route-limit",
@@ -309,7 +310,8 @@ def _validated(a: argparse.Namespace) -> Job:
                 schedule=a.schedule_value, virtual_stages=a.virtual_stages,
                 schedule_costs=getattr(a, "schedule_costs", None),
                 layers_per_stage=a.layers_per_stage, precision=a.precision,
-                grad_reduce=a.grad_reduce, offload=a.offload, offload_dir=a.offload_dir)
+                grad_reduce=a.grad_reduce, fp8_recipe=a.fp8_recipe, offload=a.offload,
+                offload_dir=a.offload_dir)
     plan = plan.textbook() if a.plain else plan
     _fits_in_memory(a, cfg, data_cfg.block_size)
     _batch_splits(a)

@@ -46,9 +46,16 @@ Covered: dp of any size, ZeRO 0-3, pp (every schedule; MoE blocks too, whose aux
 the stages gather to add them in the model's order), tp with or without SP, ep (with pp
 too), cp (ring or Ulysses layouts, zig-zag or contiguous, with --token-tiles), and their
 products, any micro-batch count, with any activation recomputation, float64 and float32.
+Mixed precision: its casts are elementwise, so they keep the guarantee where the twins
+apply them: the tiled matmuls round their operands and outputs to the format
+(matmul.Operands; under fp8 one scale per weight tile and per row of an activation's
+K-tile, which no layout cuts), the tree LayerNorm and loss read fp32 copies, and the
+gradients travel and add in fp32; fp16's loss scale seeds every backward (pipeline stages
+too). bf16, fp16 and fp8 with the rowwise, blockwise or mxfp8 recipe each train one set
+of bits under every layout (tests/deterministic/test_precision.py).
 Not covered (refused by step.check): cp with MoE (a rank's experts would run on its
-positions' tokens only, and their gradients would need the position runs too), and mixed
-precision (the twins add in the model's dtype).
+positions' tokens only, and their gradients would need the position runs too), and fp8
+with a per-tensor scale (recipes delayed, tensorwise: the amax of the rows a rank holds).
 
 Reading order: tree_sum.py (the aligned tree), matmul.py (tiles and token sums),
 layers.py (the twins, determinize), tensor.py, context.py, attention.py, expert.py,

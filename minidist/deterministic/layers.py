@@ -120,12 +120,14 @@ def tree_embedding(weight: Tensor, ids, tokens: Tokens) -> Tensor:
 
 def tree_layer_norm(x: Tensor, weight, bias, eps: float, tokens: Tokens) -> Tensor:
     """F.layer_norm with TreeLayerNormFunction's sums over tokens."""
+    x, weight, bias = (F.fp32_input(v) for v in (x, weight, bias))   # mixed precision
     return TreeLayerNormFunction.apply(x, weight, bias, eps=eps, tokens=tokens)
 
 
 def tree_cross_entropy(logits: Tensor, targets, tokens: Tokens | None) -> Tensor:
     """F.cross_entropy(reduction="sum") with TreeCrossEntropy's sums (ignore_index -100)."""
     t = F.cross_entropy_targets(logits, targets)
+    logits = F.fp32_input(logits)                                   # mixed precision
     z = logits if logits.ndim == 2 else logits.reshape(-1, logits.shape[-1])
     return TreeCrossEntropy.apply(z, t=t.reshape(-1), tokens=tokens, shape=tuple(t.shape))
 

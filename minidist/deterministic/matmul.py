@@ -52,6 +52,11 @@ cp rank would then hold B separate nodes of a whole dW per run; with the runs in
 order (below) it holds one. Measured on the bench model (cp=2, grain 8, 4 runs, `python -m
 minidist bench determinism --layouts cp=2 --grains max --token-tiles 4`): a leaf per (row,
 run) cost 3.2x the plain mode's step, a leaf per run 1.56x, in fold's order 1.41-1.45x.
+Mixed precision (`Operands`): under autocast the tiles' operands are rounded to the format
+before the BLAS calls (fp8: quantised with one power-of-two scale per k x n tile of W and
+per K-tile of a row of x or of the output gradient), the products and the trees run in
+fp32, and the result is rounded once: elementwise work on whole tiles, the same in every
+layout.
 Reference: the problem is the one of Demmel & Nguyen 2013 ("Fast reproducible
     floating-point summation"); fixed-split reductions are also how cuBLAS/cuDNN's
     deterministic modes are described (a fixed order per output element).
@@ -67,7 +72,10 @@ from typing import Callable
 import numpy as np
 
 from minidist import backend
+from minidist.autograd import tensor as core
 from minidist.autograd.tensor import Context, Function
+from minidist.memory import fp8
+from minidist.memory.precision import round_to
 from minidist.deterministic.tree_sum import combine, gather_nodes, stacked_nodes
 
 
@@ -113,6 +121,47 @@ def tree_over_tiles(parts, index: tuple[int, ...], count: int, exchange=None, va
     return combine(nodes, count if valid is None else valid)
 
 
+class Operands:
+    """How the tiled GEMMs round their operands under mixed precision (memory/precision.py's
+    autocast, when it is on): bf16 / fp16 round each element; fp8 quantises with one
+    power-of-two scale per BLOCK, a block being what no layout cuts: one K-tile of one row
+    of x (or one N-tile of a row of the output gradient), one k x n tile of W. The tile
+    replaces the per-tensor scale, whose amax would depend on the rows and columns a rank
+    holds (DeepSeek-V3's 1 x 128 / 128 x 128 blockwise scaling, at the tiles' sizes).
+    Without autocast every method hands back its input: the plain mode's numbers."""
+
+    def __init__(self) -> None:
+        self.autocast = core.autocast
+
+    def take(self, a, role: str, block_axes: int = 1):
+        """a as the GEMM reads it, fp32; role "x", "w" (E4M3) or "g" (E5M2 under fp8);
+        block_axes: how many trailing axes make one block (1: a row of a tile, 2: a tile)."""
+        ac = self.autocast
+        if ac is None:
+            return a
+        if ac.policy.name != "fp8":
+            return round_to(a, ac.dtype).astype(np.float32)
+        recipe = ac.recipe                       # its formats (E4M3 / E5M2 by role)
+        fmt = recipe.format({"x": "activation", "w": "weight", "g": "gradient"}[role]) \
+            if recipe is not None else fp8.E5M2 if role == "g" else fp8.E4M3
+        blocks = a.reshape(a.shape[:a.ndim - block_axes] + (-1,)).astype(np.float32)
+        amax = np.max(np.abs(blocks), axis=-1, keepdims=True) if blocks.size else blocks
+        with np.errstate(divide="ignore"):
+            exp = np.floor(np.log2(fmt.max / amax))
+        scale = np.where(np.isfinite(exp) & (amax > 0), np.exp2(exp), 1.0).astype(np.float32)
+        q = np.clip(blocks * scale, -fmt.max, fmt.max).astype(fmt.dtype)
+        return (q.astype(np.float32) / scale).reshape(a.shape)
+
+    def give(self, y):
+        """A GEMM's fp32 result as the layer hands it on: rounded to the format (autocast)."""
+        return y if self.autocast is None else round_to(y, self.autocast.dtype)
+
+    def grad(self, d):
+        """A backward GEMM's fp32 result: rounded to the format, kept as fp32 (autocast)."""
+        return d if self.autocast is None else \
+            round_to(d, self.autocast.dtype).astype(np.float32)
+
+
 class TiledMatMul(Function):
     """y = x @ W over the tiles of W (module docstring); x (..., K_r), W (K_r, N_r).
     rows (a Tokens with `per_sequence` leaves, the deterministic mode under context
@@ -130,14 +179,18 @@ class TiledMatMul(Function):
                              f"{nl} tiles of {t.k} x {t.n}.")
         xs = _leaf_rows(x, rows)                                       # (mt, m, K_r)
         mt, m = xs.shape[:2]
-        xt = xp.ascontiguousarray(xs.reshape(mt, m, kl, t.k).transpose(2, 0, 1, 3))
-        wt = xp.ascontiguousarray(w.reshape(kl, t.k, nl, t.n).transpose(0, 2, 1, 3))
+        ops = Operands()                                # mixed precision: rounded operands
+        xt = ops.take(xp.ascontiguousarray(xs.reshape(mt, m, kl, t.k).transpose(2, 0, 1, 3)),
+                      "x")
+        wt = ops.take(xp.ascontiguousarray(w.reshape(kl, t.k, nl, t.n).transpose(0, 2, 1, 3)),
+                      "w", 2)
         parts = xt[:, None] @ wt[:, :, None]                           # (kl, nl, mt, m, n)
         split = t.exchange if kl < t.nk else None
         y = tree_over_tiles(parts, t.k_index, t.nk, split)             # (nl, mt, m, n)
         ctx.save_for_backward(xt, wt)
-        ctx.tiles, ctx.rows, ctx.x_shape = t, rows, x.shape
-        return _unleaf_rows(y.transpose(1, 2, 0, 3).reshape(mt, m, nl * t.n), x.shape, rows)
+        ctx.tiles, ctx.rows, ctx.x_shape, ctx.ops = t, rows, x.shape, ops
+        return ops.give(_unleaf_rows(y.transpose(1, 2, 0, 3).reshape(mt, m, nl * t.n),
+                                     x.shape, rows))
 
     @staticmethod
     def backward(ctx: Context, g):
@@ -145,15 +198,17 @@ class TiledMatMul(Function):
         xt, wt = ctx.saved_tensors                                     # (kl, mt, m, k)
         kl, mt, m, nl = xt.shape[0], xt.shape[1], xt.shape[2], wt.shape[1]
         gs = _leaf_rows(g, rows)                                       # (mt, m, N_r)
-        gt = xp.ascontiguousarray(gs.reshape(mt, m, nl, t.n).transpose(2, 0, 1, 3))
+        ops = ctx.ops
+        gt = ops.take(xp.ascontiguousarray(gs.reshape(mt, m, nl, t.n).transpose(2, 0, 1, 3)),
+                      "g")
         dx = dw = None
         if ctx.needs_input_grad[0]:
             wT = xp.ascontiguousarray(wt.swapaxes(-1, -2))             # (kl, nl, n, k)
             parts = (gt[None] @ wT[:, :, None]).swapaxes(0, 1)         # (nl, kl, mt, m, k)
             split = t.exchange if nl < t.nn else None
             d = tree_over_tiles(parts, t.n_index, t.nn, split, t.n_valid)   # (kl, mt, m, k)
-            dx = _unleaf_rows(d.transpose(1, 2, 0, 3).reshape(mt, m, kl * t.k), ctx.x_shape,
-                              rows)
+            dx = ops.grad(_unleaf_rows(d.transpose(1, 2, 0, 3).reshape(mt, m, kl * t.k),
+                                       ctx.x_shape, rows))
         if ctx.needs_input_grad[1]:
             xT = xp.ascontiguousarray(xt.swapaxes(-1, -2))             # (kl, mt, k, m)
             d = xT[:, None] @ gt[None]                                 # (kl, nl, mt, k, n)
@@ -162,7 +217,7 @@ class TiledMatMul(Function):
             else:                                 # the sum over runs of rows: the tree
                 index, count = rows.leaves(ctx.x_shape)
                 d = tree_over_tiles(d.transpose(2, 0, 1, 3, 4), index, count, rows.exchange)
-            dw = d.transpose(0, 2, 1, 3).reshape(kl * t.k, nl * t.n)
+            dw = ops.grad(d.transpose(0, 2, 1, 3).reshape(kl * t.k, nl * t.n))
         return dx, dw
 
 

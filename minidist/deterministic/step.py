@@ -103,10 +103,13 @@ def check(plan, cfg, spike: bool = False, rebalance: bool = False, grain: int = 
     if plan.async_tp:
         raise ValueError("--deterministic with --async-tp: the mode's tiled tp layers replace "
                          "the ones async TP overlaps; drop one of the two.")
-    if plan.precision != "fp32" or plan.grad_reduce != "fp32":
-        raise ValueError("--deterministic with mixed precision: not supported; the tiled "
-                         "matmuls and tree sums run in the model's dtype. Drop --precision "
-                         "(and --grad-reduce), or --deterministic.")
+
+    if plan.precision == "fp8" and plan.fp8_recipe in ("delayed", "tensorwise"):
+        raise ValueError(f"--deterministic --precision fp8 --fp8-recipe {plan.fp8_recipe}: a "
+                         "per-tensor scale comes from the amax of the rows and columns a "
+                         "rank holds, which the layouts cut differently; use --fp8-recipe "
+                         "rowwise, blockwise or mxfp8 (the tiled layers then scale per "
+                         "tile, which no layout cuts).")
     if spike:
         raise ValueError("--deterministic with --spike: not supported together yet; the "
                          "spike guard steps the engine itself.")
@@ -215,6 +218,7 @@ def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: 
     owners = group if owners is None else owners
     params = [p for _, p in named]
     grads, losses = TreeSum(), TreeSum()
+    S = engine.loss_seed()                 # the gradients carry S under fp16 loss scaling
     if experts is not None:
         experts.begin(first)
     for j, mb in enumerate(batches):
@@ -251,11 +255,11 @@ def step(engine, named: list, batches: list, first: int, leaves: int, n_tokens: 
                         order or [n for n, _ in named],                   # process adds
                         [None if experts is None else experts.ep], tp_group)
     if clip_grad is not None:
-        clip_to(pieces, norm, clip_grad)
+        clip_to(pieces, norm, clip_grad * S)          # S: fp16's loss scale, else 1
     for v, g, own in zip(local_views(engine, params), pieces, owner):
         v[...] = g if own else 0
     engine.step(lr, None)                             # root + zeros: the root, exactly
-    return (float(total[0]) if owners.rank == 0 else 0.0), norm
+    return (float(total[0]) if owners.rank == 0 else 0.0), norm / S
 
 
 def _global_norm(named: list, order: list[str], groups: list, tp_group=None) -> float:
@@ -328,13 +332,15 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
     """step() for a pipeline stage (module docstring); returns (loss or 0.0, norm).
     experts: as step()'s, its aliases kept per micro-batch until the schedule ends."""
     owners = group if owners is None else owners
+    S = engine.loss_seed()                 # the gradients carry S under fp16 loss scaling
     if experts is not None:
         experts.begin(first)
     named = list(stage.model.named_parameters())
     params = [p for _, p in named]
     last = stage.cut.last
     per_sample, losses = {}, {}
-    stage.begin(batches, n_tokens)
+    engine.begin_step()                               # mixed precision: autocast on
+    stage.begin(batches, n_tokens, engine.loss_seed())
     with engine.no_sync():
         for a in stage.schedule.actions[stage.cut.stage]:
             if experts is not None:           # (a recomputing B makes new aliases: kept)
@@ -402,8 +408,8 @@ def pipeline_step(engine, stage, batches: list, first: int, leaves: int,
     norm = _global_norm([(name, g, p) for (name, p), g in zip(named, pieces)], order,
                         [None if experts is None else experts.ep, pp_group], tp_group)
     if clip_grad is not None:
-        clip_to(pieces, norm, clip_grad)
+        clip_to(pieces, norm, clip_grad * S)          # S: fp16's loss scale, else 1
     for v, g, own in zip(local_views(engine, params), pieces, owner):
         v[...] = g if own else 0
     engine.step(lr, None)
-    return (total if owners.rank == 0 and last else 0.0), norm
+    return (total if owners.rank == 0 and last else 0.0), norm / S

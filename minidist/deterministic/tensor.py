@@ -61,6 +61,7 @@ import numpy as np
 from minidist import backend
 from minidist import collectives as C
 from minidist.autograd import Function, Tensor
+from minidist.autograd import functional as F
 from minidist.deterministic.layers import tree_embedding, tree_layer_norm
 from minidist.deterministic.matmul import Tiles, Tokens, add_bias, tiled_matmul, \
     tree_over_tiles
@@ -255,7 +256,7 @@ class TiledTensorParallelLayout(TensorParallelLayout):
         z, t, lo = vocab_shard(logits, targets, self.tp, self.vocab_size)
         shape = tuple(backend.xp.asarray(targets).shape)
         loss = TreeVocabParallelCrossEntropy.apply(
-            z, t=t, tp=self.tp, lo=lo, vocab_size=self.vocab_size,
+            F.fp32_input(z), t=t, tp=self.tp, lo=lo, vocab_size=self.vocab_size,
             exchange=self.head_tiles.exchange, tokens=self.loss_tokens, shape=shape)
         return pl.tag(loss, "tp", pl.Replicate())
 

@@ -8,13 +8,18 @@ MASTER copy, which the optimizer updates (its m and v are fp32 too), and the mod
 low-precision copy, rounded from the master after each step, which the forward and
 backward use. Formats (ml_dtypes.finfo): bf16 has fp32's 8 exponent bits and 7 mantissa
 bits; fp16 5 and 10 (max 65504, so gradients need loss scaling: memory/loss_scale.py);
-fp8 (memory/fp8.py) is used for the GEMM inputs only, on top of bf16.
+fp8 is used for the GEMM inputs only, on top of bf16, by a recipe (Policy.fp8_recipe):
+"delayed" (memory/fp8.py's per-tensor scales from an amax history, the default) or one of
+memory/fp8_recipes.py's (tensorwise, rowwise, blockwise, mxfp8).
 
 The policy (`Policy`, one per run):
     parameters      the model's copy in the format (bf16; fp16; bf16 under fp8)
-    GEMMs           inputs rounded to the format (fp8: E4M3 forward, E5M2 gradients, each
-                    tensor with its own delayed scale), product accumulated in fp32,
-                    output rounded to the format (bf16 under fp8)
+    GEMMs           inputs rounded to the format (fp8: the recipe's formats and scales;
+                    delayed: E4M3 forward, E5M2 gradients, each tensor with its own
+                    delayed scale), product accumulated in fp32, output rounded to the
+                    format (bf16 under fp8). The functions that run their own GEMM (the
+                    sequence-parallel all-gather matmul) call autograd's gemm/gemm_grads,
+                    which round the same way (`Autocast.gemm`, `Rounded`).
     kept in fp32    FP32_OPS: softmax, log_softmax, layer_norm, cross_entropy (their inputs
                     are upcast; exp, sums and divisions overflow or lose too much in 16
                     bits; Sec. 3.3), and the loss
@@ -38,6 +43,11 @@ a small optimism). LayerNorm saves its fp32 upcast input (a fused kernel would s
 16-bit one). Nothing here is faster than fp32; it is there to show what the formats do to
 the numbers and the bytes.
 
+Every layout runs under the policy (the single process too: baseline.py's `precision`):
+the model's pieces hold the rounded copy, MixedPrecision wraps any engine, and a pipeline
+stage turns autocast on itself (engine.begin_step). The deterministic mode's tiled layers
+round as the GEMMs here do (deterministic/matmul.Operands).
+
 One rank's view of a step (MixedPrecision in mixed_precision.py drives it):
     1. Autocast on (until step()): the autograd's MatMul and FP32_OPS consult it in the
        forward and in whatever the backward recomputes
@@ -47,8 +57,9 @@ One rank's view of a step (MixedPrecision in mixed_precision.py drives it):
 
 References: Micikevicius et al. 2018, "Mixed Precision Training", arXiv:1710.03740,
     Sec. 3.1-3.3; Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning
-    Training", arXiv:1905.12322; Micikevicius et al. 2022, arXiv:2209.05433 (fp8).
-Read next: memory/loss_scale.py, memory/fp8.py, memory/master_weights.py,
+    Training", arXiv:1905.12322; Micikevicius et al. 2022, arXiv:2209.05433 (fp8);
+    memory/fp8_recipes.py for the recipes' references.
+Read next: memory/loss_scale.py, memory/fp8.py, memory/fp8_recipes.py, memory/master_weights.py,
     memory/mixed_precision.py.
 """
 
@@ -61,8 +72,9 @@ import ml_dtypes
 import numpy as np
 
 from minidist.autograd import tensor as core
-from minidist.autograd.tensor import Context, Function, Tensor, matmul_grads, mm
+from minidist.autograd.tensor import Context, Function, Tensor, matmul_grads, mm, unbroadcast
 from minidist.memory import fp8
+from minidist.memory.fp8_recipes import RECIPES, make_recipe
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 GRAD_REDUCE = ("fp32", "low")
@@ -73,19 +85,24 @@ LOW_DTYPES = tuple(np.dtype(t) for t in (ml_dtypes.bfloat16, np.float16,
 
 @dataclass(frozen=True)
 class Policy:
-    """What a run computes in: name in PRECISIONS, grad_reduce in GRAD_REDUCE; fp8's amax
-    history length and margin (memory/fp8.py)."""
+    """What a run computes in: name in PRECISIONS, grad_reduce in GRAD_REDUCE; fp8's recipe
+    (memory/fp8_recipes.RECIPES; "delayed": memory/fp8.py's per-tensor delayed scaling),
+    its amax history length and margin."""
 
     name: str = "fp32"
     grad_reduce: str = "fp32"
     fp8_history: int = 16
     fp8_margin: int = 0
+    fp8_recipe: str = "delayed"
 
     def __post_init__(self) -> None:
         if self.name not in PRECISIONS or self.grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"precision={self.name!r} must be one of {PRECISIONS} and "
                              f"grad_reduce={self.grad_reduce!r} one of {GRAD_REDUCE}.")
         fp8.DelayedScaling(fp8.E4M3, self.fp8_history, self.fp8_margin)   # validates them
+        if self.fp8_recipe not in RECIPES:
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} must be one of {RECIPES} "
+                             "(memory/fp8_recipes.py).")
 
     @property
     def low(self) -> bool:
@@ -154,13 +171,17 @@ class Autocast:
 
     MatMul calls matmul_forward / matmul_backward; FP32_OPS call upcast on
     their inputs. Under fp8 each GEMM call site (the k-th matmul since start()) keeps three
-    DelayedScaling states: its two inputs (E4M3) and its output gradient (E5M2).
+    DelayedScaling states: its two inputs (E4M3) and its output gradient (E5M2) (recipe
+    "delayed"); another recipe (memory/fp8_recipes.py) quantises each operand of each GEMM
+    along its reduction axis, with the recipe's formats, tiles and scales: `recipe`.
     """
 
     def __init__(self, policy: Policy) -> None:
         if not policy.low:
             raise ValueError("Autocast: the fp32 policy changes nothing; run without it.")
         self.policy, self.dtype = policy, policy.dtype
+        self.recipe = make_recipe(policy.fp8_recipe) \
+            if policy.name == "fp8" and policy.fp8_recipe != "delayed" else None
         self.sites: list[tuple[fp8.DelayedScaling, ...]] = []
         self._next, self._previous = 0, None
 
@@ -202,6 +223,9 @@ class Autocast:
         """round(deq(q_a) @ deq(q_b)): inputs in the format (fp8: scaled E4M3), saved as
         stored; the product in fp32; the output rounded to the 16-bit format."""
         ctx.autocast = self
+        if self.recipe is not None:                  # another fp8 recipe: fp8_recipes.py
+            ctx.save_for_backward(a, b)
+            return round_to(recipe_product(self.recipe, a, b), self.dtype)
         if self.policy.name == "fp8":
             ctx.site = self._site()
             (qa, sa), (qb, sb) = ctx.site[0].quantize(a), ctx.site[1].quantize(b)
@@ -218,6 +242,10 @@ class Autocast:
         """(da, db) of the GEMMs g @ b^T and a^T @ g on rounded inputs (g: E5M2 under fp8),
         accumulated in fp32, rounded to the format and handed back as fp32 arrays."""
         qa, qb = ctx.saved_tensors
+        if self.recipe is not None:
+            grads = recipe_grads(self.recipe, qa, qb, g, *ctx.needs_input_grad)
+            return tuple(None if d is None else round_to(d, self.dtype).astype(np.float32)
+                         for d in grads)
         if self.policy.name == "fp8":
             a, b = fp8.dequantize(qa, ctx.scales[0]), fp8.dequantize(qb, ctx.scales[1])
         else:
@@ -240,9 +268,48 @@ class Autocast:
         """(the rounded GEMM's output, a `Rounded`): matmul_forward's numbers for a Function
         that keeps its operands itself (autograd/tensor.gemm: the sequence-parallel
         all-gather matmul, which gathers x again in the backward instead of saving it)."""
-        how = Rounded(self, self._site() if self.policy.name == "fp8" else None)
+        fp8_site = self.policy.name == "fp8" and self.recipe is None
+        how = Rounded(self, self._site() if fp8_site else None)
+        if self.recipe is not None:
+            return round_to(recipe_product(self.recipe, a, b), self.dtype), how
         ra, rb = how.operands(a, b)
         return round_to(mm(ra, rb), self.dtype), how
+
+
+def recipe_product(recipe, a: Any, b: Any) -> np.ndarray:
+    """a @ b under an fp8 recipe, fp32: a linear layer's (b a weight, 2-D) through
+    recipe.gemm ("fprop"); two activations (attention's q k^T, p v: batched b) quantised
+    along their reduction axes and multiplied in fp32 (np.matmul broadcasting)."""
+    if np.ndim(b) == 2 and np.ndim(a) >= 2:
+        return recipe.gemm(a, b, "fprop")
+    qa = recipe.dequantize(recipe.quantize(a, "activation", -1))
+    qb = recipe.dequantize(recipe.quantize(b, "activation", -2))
+    return np.matmul(qa, qb)
+
+
+def recipe_grads(recipe, a: Any, b: Any, g: Any, need_a: bool, need_b: bool) -> tuple:
+    """(da, db) of recipe_product(a, b) for the output gradient g, each GEMM quantising its
+    operands along its own reduction axis: da = g b^T ("dgrad": over N), db = a^T g
+    ("wgrad": over the rows M)."""
+    da = db = None
+    if np.ndim(b) == 2 and np.ndim(a) >= 2:
+        K, N = b.shape
+        if need_a:
+            da = recipe.gemm(g, np.ascontiguousarray(b.T), "dgrad").reshape(np.shape(a))
+        if need_b:
+            db = recipe.gemm(np.ascontiguousarray(np.reshape(a, (-1, K)).T),
+                             np.reshape(g, (-1, N)), "wgrad")
+        return da, db
+    q = recipe.quantize
+    if need_a:
+        gq = recipe.dequantize(q(g, "gradient", -1))
+        bq = recipe.dequantize(q(b, "activation", -1))
+        da = unbroadcast(np.matmul(gq, bq.swapaxes(-1, -2)), np.shape(a))
+    if need_b:
+        aq = recipe.dequantize(q(a, "activation", -2))
+        gq = recipe.dequantize(q(g, "gradient", -2))
+        db = unbroadcast(np.matmul(aq.swapaxes(-1, -2), gq), np.shape(b))
+    return da, db
 
 
 class Rounded:
@@ -268,13 +335,17 @@ class Rounded:
 
     def grads(self, a: Any, b: Any, g: Any, need_a: bool, need_b: bool) -> tuple:
         """(da, db) as MatMul's backward under autocast gives them, from the same a, b."""
+        recipe, dtype = self.autocast.recipe, self.autocast.dtype
+        if recipe is not None:
+            return tuple(None if d is None else round_to(d, dtype).astype(np.float32)
+                         for d in recipe_grads(recipe, a, b, g, need_a, need_b))
         ra, rb = self.operands(a, b)
         return self.autocast._grads(ra, rb, g, self.site, need_a, need_b)
 
 
 def plan_policy(plan) -> Policy:
     """The Policy of a Plan that asks for mixed precision (parallel/compose.Plan.policy)."""
-    policy = Policy(plan.precision, plan.grad_reduce)
+    policy = Policy(plan.precision, plan.grad_reduce, fp8_recipe=plan.fp8_recipe)
     if not policy.low:
         raise ValueError("Plan: grad_reduce='low' sums gradients in the low-precision "
                          "format, and precision='fp32' has none; choose precision bf16, "

@@ -147,6 +147,7 @@ class Plan:
     schedule_costs: tuple[float, float, float] | None = None   # F, B, W for zb-1p, zb-2p, zbv
     layers_per_stage: tuple[int, ...] | None = None
     precision: str = "fp32"                  # "fp32", "bf16", "fp16", "fp8" (memory/precision.py)
+    fp8_recipe: str = "delayed"              # under fp8: memory/fp8_recipes.RECIPES
     grad_reduce: str = "fp32"                # gradients stored and summed in "fp32" or "low"
     offload: str = "none"                    # optimizer state on "none", "host", "disk"
     offload_dir: str | None = None           # disk: where the run's memmap files go
@@ -249,6 +250,10 @@ class Plan:
                              "and reduce-scatter with the matmuls; use sequence_parallel=True "
                              "(and tp > 1) with it.")
         self.policy()                            # validates precision and grad_reduce
+        if self.fp8_recipe != "delayed" and self.precision != "fp8":
+            raise ValueError(f"Plan: fp8_recipe={self.fp8_recipe!r} quantises GEMMs to fp8; "
+                             f"precision={self.precision!r} has none. Use precision='fp8', or "
+                             "drop the recipe.")
         if self.offload != "none" or self.offload_dir is not None:
             check_plan(self)                     # memory/offload.py owns its options
 
@@ -341,7 +346,8 @@ class Plan:
         ep = f" (ep={self.ep})" if self.ep > 1 else ""
         if self.expert_tp > 1:
             ep = f" (ep={self.ep}, expert-tp={self.expert_tp})"
-        low = f", {self.precision} (grads {self.grad_reduce})" \
+        recipe = f" {self.fp8_recipe}" if self.precision == "fp8" else ""
+        low = f", {self.precision}{recipe} (grads {self.grad_reduce})" \
             if self.policy() is not None else ""
         if self.hsdp:
             ep = f" (HSDP: shard {self.hsdp} x replicate {self.dp // self.hsdp})"

@@ -76,8 +76,8 @@ def test_every_dp_and_zero_layout_equals_the_single_process_bit_for_bit(dtype, d
 def test_the_layouts_it_does_not_cover_are_refused_by_name():
     from minidist.deterministic.step import check
     cfg = _cfg("float64")
-    with pytest.raises(ValueError, match="--deterministic with mixed precision: not supported"):
-        check(Plan(dp=2, precision="bf16"), cfg)
+    with pytest.raises(ValueError, match="use --fp8-recipe rowwise, blockwise or mxfp8"):
+        check(Plan(dp=2, precision="fp8"), cfg)             # per-tensor scales: cut by rows
     with pytest.raises(Exception, match="cp=2 needs --token-tiles N"):
         spawn(2, _rank, cfg, Plan(cp=2))
     with pytest.raises(Exception, match="not yet cp=2 with MoE blocks"):

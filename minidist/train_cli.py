@@ -323,6 +323,10 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--zeropp-parts", default="qwz,hpz,qgz", metavar="LIST",
                     help="which of ZeRO++'s collectives --zeropp uses: a comma list of qwz, "
                          "hpz, qgz (hpz alone changes no number)")
+    ap.add_argument("--param-gather", default="model", choices=["model", "fp8"],
+                    help="ZeRO-3's parameter all-gathers: in the model copy's dtype, or as "
+                         "fp8 E4M3 codes with a power-of-two scale per 256 numbers (1 byte "
+                         "a number; collectives/quantized.py)")
     ap.add_argument("--plain", action="store_true",
                     help="the textbook algorithms instead of the fast paths: DDP with one "
                          "all-reduce per parameter (parallel/data/ddp.py), ring reductions "
@@ -500,7 +504,9 @@ def _check(a, cfg: GPTConfig, data_cfg: DataConfig, run: RankResult, layout: str
                                         precision=getattr(a, "precision", "fp32"),
                                         grad_reduce=getattr(a, "grad_reduce", "fp32"),
                                         fp8_recipe=getattr(a, "fp8_recipe", "delayed"))
-    if plan is not None and plan.zeropp and set(parse_parts(plan.zeropp_parts)) - {"hpz"}:
+    lossy = plan is not None and (plan.param_gather == "fp8" or (
+        plan.zeropp and set(parse_parts(plan.zeropp_parts)) - {"hpz"}))
+    if lossy and plan.policy() is None:          # (under a policy: _check_rounded below)
         return _check_quantized(a, run, ref, layout)
     d_bias = _bias_gap(run.routing_biases, ref.routing_biases)
     deterministic = getattr(a, "deterministic", False)

@@ -78,7 +78,7 @@ class Job:
 FLAGS = {"global_batch": "--batch", "micro_batches": "--grad-accum", "dp": "--dp",
          "tp": "--tp", "cp": "--cp", "pp": "--pp", "ep": "--ep", "zero": "--zero",
          "expert_tp": "--expert-tp", "hsdp": "--hsdp", "zeropp": "--zeropp",
-         "zeropp_parts": "--zeropp-parts", "local_steps": "--local-steps",
+         "zeropp_parts": "--zeropp-parts", "param_gather": "--param-gather", "local_steps": "--local-steps",
          "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
          "onebit_warmup": "--onebit-adam", "powersgd_rank": "--powersgd",
          "cp_layout": "--cp-layout", "cp_algo": "--cp-algo", "n_head": "--n-head",
@@ -301,7 +301,7 @@ def _validated(a: argparse.Namespace) -> Job:
                            expert_hidden=a.expert_hidden)
     plan = Plan(dp=a.dp, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, expert_tp=a.expert_tp,
                 zero=a.zero, hsdp=a.hsdp, zeropp=a.zeropp,
-                zeropp_parts=a.zeropp_parts, local_steps=a.local_steps, outer_lr=a.outer_lr,
+                zeropp_parts=a.zeropp_parts, param_gather=a.param_gather, local_steps=a.local_steps, outer_lr=a.outer_lr,
                 outer_momentum=a.outer_momentum, onebit_warmup=a.onebit_adam,
                 powersgd_rank=a.powersgd,
                 micro_batches=a.grad_accum, sequence_parallel=a.sp, async_tp=a.async_tp,

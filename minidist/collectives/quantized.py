@@ -14,6 +14,11 @@ float32 (4 bytes a block), codes one byte (int8) or half a byte (int4, two to a 
 message of n numbers therefore travels as `packed_nbytes(n, bits, block)` bytes: for
 B = 256, 1/7.9 (int8) or 1/15.5 (int4) of float64's; int4 with B = 32, 1/12.8.
 
+fp8 codes ("e4m3": torchao's float8 all-gather for FSDP in spirit): block b is multiplied by
+the power of two m_b = 2^floor(log2(448 / amax_b)) and rounded to E4M3, one byte a number;
+its scale 1 / m_b (|x - x~| <= 2^-4 |x| for a normal x m_b). Same bytes as int8, a relative
+instead of an absolute error: small numbers in a block keep their precision.
+
 Blocks restart at `cuts`, the edges of the parameters laid end to end in the vector (and at
 the edges of the pieces a message is made of), so that a block never holds two parameters:
 under tensor parallelism a replicated parameter (a LayerNorm's gain) must come back the
@@ -54,19 +59,23 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import ml_dtypes
 import numpy as np
 
 from minidist.collectives import api
 
 BLOCK = 256                                   # numbers sharing one scale
-BITS = (8, 4)
+BITS = (8, 4, "e4m3")
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)    # 448
 
 
-def levels(bits: int) -> int:
-    """q = 2^(bits-1) - 1: the largest code of a symmetric signed `bits`-bit integer."""
+def levels(bits) -> int:
+    """q = 2^(bits-1) - 1: the largest code of a symmetric signed `bits`-bit integer (for
+    "e4m3": 448, the largest fp8 E4M3 value)."""
     if bits not in BITS:
-        raise ValueError(f"quantized: bits={bits!r}; use 8 (int8) or 4 (int4).")
-    return 2 ** (bits - 1) - 1
+        raise ValueError(f"quantized: bits={bits!r}; use 8 (int8), 4 (int4) or 'e4m3' (fp8).")
+    return int(E4M3_MAX) if bits == "e4m3" else 2 ** (bits - 1) - 1
 
 
 def block_starts(n: int, block: int = BLOCK, cuts=()) -> np.ndarray:
@@ -87,17 +96,22 @@ def packed_nbytes(n: int, bits: int, block: int = BLOCK, cuts=(),
     (one a block; scale_slots: room for that many, when messages must be the same size)."""
     levels(bits)
     slots = len(block_starts(n, block, cuts)) if scale_slots is None else scale_slots
-    return (n if bits == 8 else -(-n // 2)) + 4 * slots
+    return (-(-n // 2) if bits == 4 else n) + 4 * slots
 
 
-def quantize(x: np.ndarray, bits: int, block: int = BLOCK,
+def quantize(x: np.ndarray, bits, block: int = BLOCK,
              cuts=()) -> tuple[np.ndarray, np.ndarray]:
-    """(codes int8 (n,), scales float32 (one a block)) of x.ravel() (module docstring)."""
+    """(codes int8 (n,), scales float32 (one a block)) of x.ravel() (module docstring);
+    "e4m3": fp8 codes, each block scaled by a power of two (e4m3_codes)."""
     q, flat = levels(bits), np.asarray(x).reshape(-1)
+    if flat.dtype.kind != "f":                                # bf16 and the like
+        flat = flat.astype(np.float32)
     starts = block_starts(flat.size, block, cuts)
     if flat.size == 0:
-        return np.zeros(0, np.int8), np.zeros(0, np.float32)
+        return np.zeros(0, E4M3 if bits == "e4m3" else np.int8), np.zeros(0, np.float32)
     amax = np.maximum.reduceat(np.abs(flat), starts)          # NaN stays NaN
+    if bits == "e4m3":
+        return e4m3_codes(flat, starts, amax)
     scales = (amax / q).astype(np.float32)
     bad = ~np.isfinite(scales)                                # inf or NaN in the block
     safe = np.where((scales > 0) & ~bad, scales, 1.0)
@@ -105,6 +119,25 @@ def quantize(x: np.ndarray, bits: int, block: int = BLOCK,
     codes = np.rint(np.where(np.repeat(bad, sizes), 0.0, flat) / np.repeat(safe, sizes))
     scales[bad] = np.nan
     return np.clip(codes, -q, q).astype(np.int8), scales
+
+
+def e4m3_codes(flat: np.ndarray, starts: np.ndarray, amax: np.ndarray) -> tuple:
+    """fp8 codes: block b scaled by m_b = 2^floor(log2(448 / amax_b)) (exact: a power of
+    two) and rounded to E4M3 (nearest even; |x - x~| <= 2^-4 |x| for normal values);
+    its scale 1 / m_b, so that x~ = code * scale as for the integer codes. m_b is kept
+    within 2^-126 .. 2^126, so that its inverse is a float32 normal: in a block whose
+    amax is below about 2^-117 the error is then absolute, at most half an E4M3 subnormal
+    step (2^-10) times 2^-126. An all-zero block: scale 1, codes 0; a block with inf or
+    NaN: scale NaN."""
+    ok = np.isfinite(amax) & (amax > 0)
+    with np.errstate(divide="ignore", over="ignore"):
+        exp = np.where(ok, np.floor(np.log2(E4M3_MAX / np.where(ok, amax, 1.0))), 0.0)
+    mult = np.exp2(np.clip(exp, -126, 126))          # 1 / m stays a float32 normal
+    sizes = np.diff(np.append(starts, flat.size))
+    y = np.clip(flat.astype(np.float64) * np.repeat(mult, sizes), -E4M3_MAX, E4M3_MAX)
+    codes = np.where(np.repeat(np.isfinite(amax), sizes), y, 0.0).astype(E4M3)
+    scales = np.where(np.isfinite(amax), 1.0 / mult, np.nan).astype(np.float32)
+    return codes, scales
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray, block: int = BLOCK,
@@ -129,14 +162,14 @@ def pack(x: np.ndarray, bits: int, block: int = BLOCK, cuts=(),
             c = np.append(c, np.uint8(8))
         body = c[0::2] | (c[1::2] << 4)
     else:
-        body = codes.view(np.uint8)
+        body = codes.view(np.uint8)                           # int8 or fp8: one byte
     return np.concatenate([body, scales.view(np.uint8)])
 
 
 def unpack(msg: np.ndarray, n: int, bits: int, block: int = BLOCK,
            dtype=np.float64, cuts=()) -> np.ndarray:
     """The inverse of pack: x~ (n,) in `dtype` from one uint8 message (padding ignored)."""
-    body_n = n if bits == 8 else -(-n // 2)
+    body_n = -(-n // 2) if bits == 4 else n
     blocks = len(block_starts(n, block, cuts))
     body, scales = msg[:body_n], msg[body_n:body_n + 4 * blocks].view(np.float32)
     if bits == 4:
@@ -145,7 +178,9 @@ def unpack(msg: np.ndarray, n: int, bits: int, block: int = BLOCK,
         c[1::2] = (body >> 4).astype(np.int8) - 8
         codes = c[:n]
     else:
-        codes = body.view(np.int8)
+        codes = body.view(E4M3 if bits == "e4m3" else np.int8)
+    if np.dtype(dtype).kind != "f":                           # bf16: computed in fp32
+        return dequantize(codes, scales, block, np.float32, cuts).astype(dtype)
     return dequantize(codes, scales, block, dtype, cuts)
 
 

@@ -72,8 +72,11 @@ from minidist.parallel.pipeline.stage import PipelineCut, PipelineStage, make_li
 from minidist.parallel.sharding import ModelSharding
 from minidist.parallel.tensor.tensor_parallel import TensorParallel, apply_tensor
 from minidist.parallel.zero.engine import ZeroEngine
-from minidist.parallel.zero.zeropp import ZeroPlusPlus, parse_parts
+from minidist.parallel.zero.zeropp import WEIGHT_BITS, ZeroPlusPlus, parse_parts
 from minidist.runtime.mesh import DeviceMesh
+
+
+PARAM_GATHERS = ("model", "fp8")          # ZeRO-3's weight gathers: as stored, or E4M3
 
 
 def _positive_int(value, minimum: int) -> bool:
@@ -125,6 +128,7 @@ class Plan:
     hsdp: int = 0                             # ZeRO sharded over this many dp ranks, 0: all
     zeropp: int = 0                           # ZeRO++ with nodes of this many dp ranks, 0: off
     zeropp_parts: str = "qwz,hpz,qgz"         # which of ZeRO++'s three collectives
+    param_gather: str = "model"               # ZeRO-3's weight gathers: "model" dtype, "fp8"
     local_steps: int = 0                      # DiLoCo: sync every this many steps, 0: DDP
     outer_lr: float = 0.7                     # DiLoCo's outer Nesterov step
     outer_momentum: float = 0.9
@@ -230,7 +234,10 @@ class Plan:
                 raise ValueError(f"Plan: hsdp={self.hsdp} with {'cp' if self.cp > 1 else 'ep'}"
                                  " > 1 is not built (the shard group would have to span the "
                                  "context or expert ranks too); use hsdp=0.")
-        if self.zeropp:
+        if self.param_gather not in PARAM_GATHERS:
+            raise ValueError(f"Plan: param_gather={self.param_gather!r} must be one of "
+                             f"{PARAM_GATHERS}.")
+        if self.zeropp or self.param_gather != "model":
             self._check_zeropp()
         if self.zero and self.algo == "tree":
             raise ValueError("Plan: ZeRO needs a reduce-scatter, which the tree algorithm "
@@ -258,19 +265,19 @@ class Plan:
             check_plan(self)                     # memory/offload.py owns its options
 
     def _check_zeropp(self) -> None:
-        if not _positive_int(self.zeropp, 0) or self.dp % self.zeropp:
+        if not _positive_int(self.zeropp, 0) or (self.zeropp and self.dp % self.zeropp):
             raise ValueError(f"Plan: zeropp={self.zeropp!r} must be an int dividing dp="
                              f"{self.dp} (the dp ranks on one node; dp / zeropp nodes).")
         parse_parts(self.zeropp_parts)
         clash = [f"{name}={value}" for name, value, on in (
             ("hsdp", self.hsdp, self.hsdp), ("cp", self.cp, self.cp > 1),
             ("ep", self.ep * self.expert_tp, self.ep * self.expert_tp > 1),
-            ("precision", self.precision, self.policy() is not None),
             ("offload", self.offload, self.offload != "none")) if on]
+        what = f"zeropp={self.zeropp}" if self.zeropp else f"param_gather={self.param_gather!r}"
         if self.zero != 3 or clash:
-            raise ValueError(f"Plan: zeropp={self.zeropp} changes ZeRO-3's collectives: it "
-                             "needs zero=3" + (f" and is not built with {', '.join(clash)}"
-                                               if clash else f", not zero={self.zero}") + ".")
+            raise ValueError(f"Plan: {what} changes ZeRO-3's collectives: it needs zero=3"
+                             + (f" and is not built with {', '.join(clash)}"
+                                if clash else f", not zero={self.zero}") + ".")
 
     def policy(self):
         """memory/precision.Policy of a mixed-precision Plan; None for fp32 (nothing changes)."""
@@ -354,6 +361,8 @@ class Plan:
         if self.zeropp:
             ep = f" (ZeRO++ {self.zeropp_parts}: {self.dp // self.zeropp} nodes of " \
                 f"{self.zeropp})"
+        if self.param_gather == "fp8":
+            low += ", fp8 weight gathers"
         sp = " (SP, async)" if self.async_tp else " (SP)" if self.sequence_parallel else ""
         return f"{pp}dp={self.dp}{ep}{cp} x tp={self.tp}{sp}{low}"
 
@@ -619,10 +628,13 @@ def gradient_sync(sharding: ModelSharding, plan: Plan, groups: dict, opt: dict):
         return DiLoCo(sharding.model, grad, local_steps=plan.local_steps,
                       outer_lr=plan.outer_lr, outer_momentum=plan.outer_momentum,
                       algo=plan.algo, sharding=sharding, **opt)
-    if plan.zeropp:
-        return ZeroPlusPlus(sharding.model, grad, groups["shard"], groups["replicate"],
-                            parts=parse_parts(plan.zeropp_parts), algo=plan.algo,
-                            sharding=sharding, **opt)
+    if plan.zeropp or plan.param_gather == "fp8":     # one node of every dp rank without
+        node, rail = (groups["shard"], groups["replicate"]) if plan.zeropp else \
+            (grad, groups["alone"])                     # zeropp: fp8 weight gathers only
+        parts = parse_parts(plan.zeropp_parts) if plan.zeropp else ("qwz",)
+        bits = "e4m3" if plan.param_gather == "fp8" else WEIGHT_BITS
+        return ZeroPlusPlus(sharding.model, grad, node, rail, parts=parts, weight_bits=bits,
+                            algo=plan.algo, sharding=sharding, **opt)
     if plan.zero:
         experts = {"expert_group": edp} if edp is not None else {}
         hybrid = {"replica_group": groups["replicate"]} if plan.hsdp else {}
@@ -670,7 +682,7 @@ def _groups(ctx, plan: Plan, cfg: GPTConfig) -> dict:
     "ep" and "edp" (x cp), with pp > 1 those of _pipeline_groups."""
     if plan.world_size == 1:                      # one rank: its world is every axis
         w = ctx.world
-        return {"mesh": None, "dp": w, "cp": w, "tp": w, "grad": w}
+        return {"mesh": None, "dp": w, "cp": w, "tp": w, "grad": w, "alone": w}
     job = getattr(ctx, "job", ctx)
     axes, shape = plan.mesh_axes()
     experts = plan.ep * plan.expert_tp > 1
@@ -681,6 +693,7 @@ def _groups(ctx, plan: Plan, cfg: GPTConfig) -> dict:
     # the gradient sync gets a group of its own even when dp = 1, so that the cp
     # group's traffic (bytes_by_axis["cp"]) is attention and nothing else
     groups = {"mesh": mesh, "dp": dp, "cp": mesh.group("cp"), "tp": mesh.group("tp"),
+              "alone": getattr(job, "alone", None),
               "grad": dp if plan.cp == 1 else mesh.flatten(dp_axes + ("cp",), "dp_cp")}
     if plan.hsdp or plan.zeropp:
         groups["shard"], groups["replicate"] = mesh.group("shard"), mesh.group("replicate")

@@ -42,7 +42,7 @@ def test_the_node_group_lies_inside_a_node_and_the_rail_across():
     (dict(dp=4, zero=3, zeropp=2, hsdp=2), "not built with hsdp=2"),
     (dict(dp=4, zero=3, zeropp=2, cp=2), "not built with cp=2"),
     (dict(dp=4, zero=3, zeropp=2, ep=2), "not built with ep=2"),
-    (dict(dp=4, zero=3, zeropp=2, precision="bf16"), "not built with precision=bf16"),
+    (dict(dp=4, zero=3, zeropp=2, offload="host"), "not built with offload=host"),
     (dict(dp=4, zero=3, zeropp=2, zeropp_parts="qwz,fast"), "unknown: fast"),
 ])
 def test_layouts_zeropp_cannot_run_are_refused(fields, says):

@@ -91,6 +91,8 @@ def test_the_sequence_parallel_matmul_rounds_as_matmul_does():
     ["--precision", "bf16", "--tp", "2", "--pp", "2"],
     pytest.param(["--precision", "fp16", "--cp", "2", "--dp", "2"], marks=pytest.mark.slow),
     pytest.param(["--precision", "fp8", "--dp", "2", "--zero", "3"], marks=pytest.mark.slow),
+    pytest.param(["--precision", "fp8", "--fp8-recipe", "blockwise", "--moe-every", "1",
+                  "--ep", "2"], marks=pytest.mark.slow),
     pytest.param(["--precision", "bf16", "--tp", "2", "--sp"], marks=pytest.mark.slow),
     pytest.param(["--precision", "fp16", "--dp", "2", "--ep", "2", "--moe-every", "1"],
                  marks=pytest.mark.slow),

@@ -182,6 +182,18 @@ def configs(**kw):
     return RunConfig(**{k: v for k, v in kw.items() if k in run_fields}), OptimizerConfig(**opt)
 
 
+def value_errors(*calls) -> list[str]:
+    """The message of each call that raises ValueError, in order (one that does not raise
+    adds nothing, so a caller counting them sees it)."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
 def slow_unless_kept(cases: list, kept: list) -> list:
     """Parametrize cases with those not in `kept` marked slow: the default run keeps the
     representatives, `-m slow` runs the rest (the ids stay those of the plain tuples)."""

@@ -10,6 +10,7 @@ from minidist import collectives as C
 from minidist.runtime import RankFailure
 from minidist.runtime import call
 from minidist.runtime.launch import spawn
+from tests.helpers import value_errors
 
 
 def _pair(ctx):
@@ -90,17 +91,13 @@ def test_a_recv_nobody_answers_times_out_naming_it(monkeypatch):
 
 
 def _bad_arguments(ctx):
-    g, errors = ctx.world, []
+    g = ctx.world
     if g.rank == 1:
-        return errors
-    for fn in (lambda: C.send(np.ones(2), 0, group=g), lambda: C.send(np.ones(2), 2, group=g),
-               lambda: C.send(np.ones(2), 1, group=g, tag=-1),
-               lambda: C.recv(np.ones((2, 2)).T, 1, group=g)):
-        try:
-            fn()
-        except ValueError as e:
-            errors.append(str(e))
-    return errors
+        return []
+    return value_errors(lambda: C.send(np.ones(2), 0, group=g),
+                        lambda: C.send(np.ones(2), 2, group=g),
+                        lambda: C.send(np.ones(2), 1, group=g, tag=-1),
+                        lambda: C.recv(np.ones((2, 2)).T, 1, group=g))
 
 
 @pytest.mark.multiproc

@@ -14,7 +14,7 @@ from minidist import collectives as C
 from minidist.runtime import RankFailure
 from minidist.runtime import call
 from minidist.runtime.launch import spawn
-from tests.helpers import mpiexec_or_skip
+from tests.helpers import mpiexec_or_skip, value_errors
 
 BIG = 100_000            # float64: 800 kB, far more than a mailbox holds (runtime/p2p.py)
 
@@ -59,19 +59,15 @@ def test_a_shift_with_another_tag_is_a_mismatch_naming_both_calls():
 
 
 def _bad_arguments(ctx):
-    g, errors = ctx.world, []
+    g = ctx.world
     if g.rank == 1:
-        return errors
-    for fn in (lambda: C.sendrecv(np.ones(2), 0, 1, group=g),
-               lambda: C.sendrecv(np.ones(2), 1, 2, group=g),
-               lambda: C.sendrecv(np.ones(2), 1, 1, group=g, tag=-1),
-               lambda: C.sendrecv(np.ones(2), 1, 1, out=np.ones(3), group=g),
-               lambda: C.sendrecv(np.ones(2), 1, 1, out=np.ones(2, np.float32), group=g)):
-        try:
-            fn()
-        except ValueError as e:
-            errors.append(str(e))
-    return errors
+        return []
+    return value_errors(
+        lambda: C.sendrecv(np.ones(2), 0, 1, group=g),
+        lambda: C.sendrecv(np.ones(2), 1, 2, group=g),
+        lambda: C.sendrecv(np.ones(2), 1, 1, group=g, tag=-1),
+        lambda: C.sendrecv(np.ones(2), 1, 1, out=np.ones(3), group=g),
+        lambda: C.sendrecv(np.ones(2), 1, 1, out=np.ones(2, np.float32), group=g))
 
 
 @pytest.mark.multiproc

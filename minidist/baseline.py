@@ -87,7 +87,8 @@ def train_single_process(model_cfg: GPTConfig, data_cfg: DataConfig, *, steps: i
     (memory/master_weights.MasterWeights), and under fp16 the loss is scaled, a step with
     an inf or NaN gradient skipped and the scale halved (memory/loss_scale.py). grad_reduce
     "low": the summed gradients are rounded to the format before the update, as the
-    layouts store them; fp8_recipe: memory/fp8_recipes.RECIPES. The reference every layout is checked against under that policy.
+    layouts store them; fp8_recipe: memory/fp8_recipes.RECIPES. The reference every layout
+    is checked against under that policy.
     """
     check_compatible(model_cfg, data_cfg)
     if steps < 0 or grad_accum < 1 or global_batch % grad_accum:

@@ -253,7 +253,7 @@ def test_the_verdict_says_matches_or_differs_from(capsys):
 
     from minidist.baseline import train_single_process
     from minidist.data import DataConfig, model_config_for
-    from minidist.train_cli import _check
+    from minidist.train_check import check as _check
     data = DataConfig(task="reverse", length=3)
     cfg = model_config_for(data, n_layer=1, n_embd=8, n_head=2, dtype="float64")
     a = Namespace(steps=2, batch=4, lr=1e-2, seed=0, grad_accum=1, optimizer="sgd")

@@ -1,8 +1,9 @@
 """Mixed precision around any engine: autocast, fp32 master weights, loss scaling, one skip.
 
 `MixedPrecision(engine, policy, group, ...)` wraps any engine of parallel/engine.py (DDP,
-ZeRO 1-3, on any layout) and keeps its interface, so train.py cannot tell it is there. The engine still owns
-the gradient sync and the norm; the wrapper adds what mixed precision needs around them:
+ZeRO 1-3, on any layout) and keeps its interface, so train.py cannot tell it is there. The
+engine still owns the gradient sync and the norm; the wrapper adds what mixed precision
+needs around them:
     - precision.Autocast (the rounded GEMMs, FP32_OPS) is on from a step's first forward
       to its step(): the backward sees it too, and so does what the backward recomputes;
       under fp16 forward hands back

@@ -59,8 +59,8 @@ References: Micikevicius et al. 2018, "Mixed Precision Training", arXiv:1710.037
     Sec. 3.1-3.3; Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning
     Training", arXiv:1905.12322; Micikevicius et al. 2022, arXiv:2209.05433 (fp8);
     memory/fp8_recipes.py for the recipes' references.
-Read next: memory/loss_scale.py, memory/fp8.py, memory/fp8_recipes.py, memory/master_weights.py,
-    memory/mixed_precision.py.
+Read next: memory/loss_scale.py, memory/fp8.py, memory/fp8_recipes.py,
+    memory/master_weights.py, memory/mixed_precision.py.
 """
 
 from __future__ import annotations
@@ -243,9 +243,7 @@ class Autocast:
         accumulated in fp32, rounded to the format and handed back as fp32 arrays."""
         qa, qb = ctx.saved_tensors
         if self.recipe is not None:
-            grads = recipe_grads(self.recipe, qa, qb, g, *ctx.needs_input_grad)
-            return tuple(None if d is None else round_to(d, self.dtype).astype(np.float32)
-                         for d in grads)
+            return self.rounded(recipe_grads(self.recipe, qa, qb, g, *ctx.needs_input_grad))
         if self.policy.name == "fp8":
             a, b = fp8.dequantize(qa, ctx.scales[0]), fp8.dequantize(qb, ctx.scales[1])
         else:
@@ -260,7 +258,10 @@ class Autocast:
             g = fp8.dequantize(gq, gs)
         else:
             g = round_to(g, self.dtype).astype(np.float32)
-        grads = matmul_grads(a, b, g, need_a, need_b)
+        return self.rounded(matmul_grads(a, b, g, need_a, need_b))
+
+    def rounded(self, grads: tuple) -> tuple:
+        """Backward GEMM results rounded to the format, handed on as fp32 arrays (None kept)."""
         return tuple(None if d is None else round_to(d, self.dtype).astype(np.float32)
                      for d in grads)
 
@@ -335,12 +336,11 @@ class Rounded:
 
     def grads(self, a: Any, b: Any, g: Any, need_a: bool, need_b: bool) -> tuple:
         """(da, db) as MatMul's backward under autocast gives them, from the same a, b."""
-        recipe, dtype = self.autocast.recipe, self.autocast.dtype
-        if recipe is not None:
-            return tuple(None if d is None else round_to(d, dtype).astype(np.float32)
-                         for d in recipe_grads(recipe, a, b, g, need_a, need_b))
+        ac = self.autocast
+        if ac.recipe is not None:
+            return ac.rounded(recipe_grads(ac.recipe, a, b, g, need_a, need_b))
         ra, rb = self.operands(a, b)
-        return self.autocast._grads(ra, rb, g, self.site, need_a, need_b)
+        return ac._grads(ra, rb, g, self.site, need_a, need_b)
 
 
 def plan_policy(plan) -> Policy:

@@ -7,7 +7,7 @@ loss as forward() would (fp16); the sequence-parallel matmul rounds as MatMul do
 import numpy as np
 import pytest
 
-from minidist import train_cli
+from minidist import train_check, train_cli
 from minidist.baseline import train_single_process
 from minidist.data import DataConfig, model_config_for
 from minidist.memory import loss_scale
@@ -105,5 +105,5 @@ def test_layouts_under_reduced_precision_pass_the_check(argv, capsys):
 
 def test_the_first_step_budget_is_stated_by_format_and_layout():
     cfg = model_config_for(DATA, n_layer=2, dtype="float32")
-    assert train_cli.rounding_budget(Plan(precision="bf16"), cfg) == (12 + 1 + 4) / 256
-    assert train_cli.rounding_budget(Plan(tp=2, precision="fp16"), cfg) == (13 + 8) / 2048
+    assert train_check.rounding_budget(Plan(precision="bf16"), cfg) == (12 + 1 + 4) / 256
+    assert train_check.rounding_budget(Plan(tp=2, precision="fp16"), cfg) == (13 + 8) / 2048

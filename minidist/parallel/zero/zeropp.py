@@ -18,11 +18,13 @@ network. Wang et al. change the three collectives, each independently:
          per ring step. (With 256 numbers a scale, as for the weights, one outlier rounds
          a block's small gradients to 0: on the task, dp = 4 as 2 nodes of 2, the mean
          loss of steps 91-100 was 28% above unquantised training's; 8% with blocks of 32.)
+weight_bits "e4m3" sends the weights as fp8 codes instead (Plan.param_gather "fp8"; alone,
+over one node of every dp rank, it is ZeRO-3 with its weight gathers in one byte a number).
 The master weights, the optimizer's state and every gradient shard stay exact and sharded
 over all W ranks, as in ZeRO-3: only what travels is smaller. hpZ alone changes no number
 (its secondary copy is of the gathered weights), so ZeRO++ with hpZ only is ZeRO-3 bit for
 bit; qwZ and qgZ are lossy (the forward sees w~; the gradient sum is rounded), which is why
-`train --check` judges them by the loss curve (train_cli.py states the tolerance).
+`train --check` judges them by the loss curve (train_check.py states the tolerance).
 
 The dp group is (rail, node): dp rank r = i L + j is local rank j on node i; `node` is the
 group of my node's dp ranks, `rail` the ranks of local index j on every node (the mesh's
@@ -75,7 +77,7 @@ class ZeroPlusPlus(ZeroEngine):
     docstring); `node` and `rail` are the dp ranks of my node and of my local index."""
 
     def __init__(self, model, group, node, rail, *, parts: tuple[str, ...] = PARTS,
-                 weight_bits: int = WEIGHT_BITS, grad_bits: int = GRAD_BITS,
+                 weight_bits: int | str = WEIGHT_BITS, grad_bits: int = GRAD_BITS,
                  weight_block: int = WEIGHT_BLOCK, grad_block: int = GRAD_BLOCK,
                  **kwargs) -> None:
         if node.size * rail.size != group.size or \

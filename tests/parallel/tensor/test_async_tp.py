@@ -234,6 +234,18 @@ def test_async_tp_without_sequence_parallelism_is_refused():
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("axis", [["--pp", "2"], ["--cp", "2"], ["--dp", "2", "--zero", "3"]],
+                         ids=lambda axis: " ".join(axis))
+def test_async_tp_composes_with_the_other_axes(axis, capsys):
+    from minidist import train_cli
+    argv = ["--tp", "2", "--sp", "--async-tp", *axis, "--check", "--steps", "10",
+            "--run-dir", "none"]
+    assert train_cli.main(argv) == 0
+    assert "\nOK: " in capsys.readouterr().out
+
+
+@pytest.mark.multiproc
 def test_the_main_job_with_async_tp_ends_ok_against_the_single_process(capsys):
     from minidist import train_cli
     argv = ["--tp", "2", "--sp", "--async-tp", "--check", "--steps", "20", "--run-dir", "none"]

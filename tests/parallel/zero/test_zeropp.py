@@ -102,3 +102,15 @@ def test_zeropp_trains_as_the_single_process(argv, capsys):
     assert "ZeRO++" in out and "\nOK: " in out, out
     if "hpz" not in argv:
         assert "(quantised: not an exact method) follows the single-process loss" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, says", [
+    (["--dp", "4", "--zero", "3", "--zeropp", "2", "--ranks-per-node", "2", "--precision",
+      "bf16"], "under the same policy (bf16"),
+    (["--dp", "2", "--zero", "3", "--param-gather", "fp8"], "fp8 weight gathers"),
+], ids=["zeropp bf16", "param-gather fp8"])
+def test_zeropp_under_mixed_precision_and_fp8_gathers_pass_the_check(argv, says, capsys):
+    assert train_cli.main(argv + ["--check", "--steps", "20", "--run-dir", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "\nOK: " in out and says in out, out
